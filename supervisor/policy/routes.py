@@ -1,0 +1,52 @@
+"""Which llama-server routes generate (admission and replay apply) and which never replay."""
+
+from __future__ import annotations
+
+import enum
+
+GENERATION_ROUTES = frozenset({
+    "/completion", "/completions", "/v1/completions",
+    "/chat/completions", "/v1/chat/completions",
+    "/v1/responses", "/responses",
+    "/v1/messages",
+    "/infill",
+    "/embedding", "/embeddings", "/v1/embeddings",
+    "/rerank", "/reranking", "/v1/rerank", "/v1/reranking",
+})
+
+# Routes that answer with their own SSE dialect: `event: error` comes before the error data.
+ANTHROPIC_ROUTES = frozenset({"/v1/messages"})
+
+# Routes whose streams end with `data: [DONE]` (the OpenAI-style ones).
+DONE_SENTINEL_ROUTES = frozenset({
+    "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions",
+})
+
+# The open routes: llama-server answers them without a key, and so does Spillway.
+PUBLIC_ROUTES = frozenset({"/health", "/v1/health", "/spillway/health"})
+
+
+class RouteClass(enum.StrEnum):
+    OWN = "own"  # Spillway's own, under /spillway/
+    GENERATION = "generation"  # admission and replay apply
+    PASSTHROUGH = "passthrough"  # outside the caps, never replayed
+
+
+def classify_route(path: str) -> RouteClass:
+    if path == "/spillway" or path.startswith("/spillway/"):
+        return RouteClass.OWN
+    if path in GENERATION_ROUTES:
+        return RouteClass.GENERATION
+    return RouteClass.PASSTHROUGH
+
+
+def route_label(path: str) -> str:
+    """A bounded label for metrics and logs: known routes by name, everything else `other`."""
+    if path in GENERATION_ROUTES or path in PUBLIC_ROUTES:
+        return path
+    known = ("/props", "/slots", "/metrics", "/tokenize", "/detokenize", "/apply-template",
+             "/v1/models", "/models", "/lora-adapters", "/tools")
+    for k in known:
+        if path == k or path.startswith(k + "/"):
+            return k
+    return "other"

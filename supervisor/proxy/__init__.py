@@ -1,0 +1,1 @@
+"""llama-server front end: the aiohttp app, forwarding and error responses."""

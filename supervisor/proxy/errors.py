@@ -1,0 +1,95 @@
+"""Every error Spillway makes itself: OpenAI-shaped JSON, marked with its source.
+
+    {"error": {"message", "type", "code", "param": null, "src": "spillway", "request_id", ...}}
+
+`type` is `unavailable_error` (503, with `queue_position` and `retry_after_s`), `upstream_error`
+(502, with `kind`), `invalid_request_error` (4xx) or `authentication_error` (401).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from aiohttp import web
+
+# The OpenAI SDKs ignore a Retry-After over 60 s and fall back to their own backoff.
+MAX_RETRY_AFTER_S = 60
+JSON_TYPE = "application/json"
+
+
+def error_body(status: int, type_: str, message: str, request_id: str | None,
+               **extra: Any) -> dict[str, Any]:
+    error: dict[str, Any] = {
+        "message": message,
+        "type": type_,
+        "code": status,
+        "param": extra.pop("param", None),
+        "src": "spillway",
+        "request_id": request_id,
+    }
+    error.update(extra)
+    return {"error": error}
+
+
+def json_error(status: int, type_: str, message: str, request_id: str | None,
+               headers: dict[str, str] | None = None, **extra: Any) -> web.Response:
+    body = json.dumps(error_body(status, type_, message, request_id, **extra))
+    h = {"X-Request-Id": request_id} if request_id else {}
+    h.update(headers or {})
+    return web.Response(status=status, text=body, content_type=JSON_TYPE, headers=h)
+
+
+def retry_after_header(seconds: float) -> int:
+    """Whole seconds, at least 1, at most 60."""
+    return max(1, min(MAX_RETRY_AFTER_S, math.ceil(seconds)))
+
+
+def unavailable(message: str, request_id: str | None, retry_after_s: float,
+                queue_position: int = 0, should_retry: bool = True,
+                **extra: Any) -> web.Response:
+    """503: Spillway cannot serve this now; the client learns when to come back."""
+    retry_after = retry_after_header(retry_after_s)
+    headers = {"Retry-After": str(retry_after),
+               "x-should-retry": "true" if should_retry else "false"}
+    return json_error(503, "unavailable_error", message, request_id, headers=headers,
+                      queue_position=queue_position, retry_after_s=retry_after, **extra)
+
+
+def upstream_error(message: str, request_id: str | None, kind: str,
+                   retry_after_s: float | None = None, **extra: Any) -> web.Response:
+    """502: the child failed and the request could not be replayed."""
+    headers: dict[str, str] = {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(retry_after_header(retry_after_s))
+        headers["x-should-retry"] = "true"
+    else:
+        headers["x-should-retry"] = "false"
+    return json_error(502, "upstream_error", message, request_id, headers=headers, kind=kind,
+                      **extra)
+
+
+def invalid_request(status: int, message: str, request_id: str | None,
+                    **extra: Any) -> web.Response:
+    return json_error(status, "invalid_request_error", message, request_id, **extra)
+
+
+def authentication_error(request_id: str | None) -> web.Response:
+    """401, shaped as llama-server shapes its own refusal."""
+    body = {"error": {"code": 401, "message": "Invalid API Key",
+                      "type": "authentication_error", "src": "spillway",
+                      "request_id": request_id}}
+    headers = {"WWW-Authenticate": 'Bearer realm="spillway"'}
+    if request_id:
+        headers["X-Request-Id"] = request_id
+    return web.Response(status=401, text=json.dumps(body), content_type=JSON_TYPE,
+                        headers=headers)
+
+
+def sse_error_event(message: str, type_: str, code: int, request_id: str | None,
+                    anthropic: bool = False, **extra: Any) -> bytes:
+    """The one event that ends a stream that failed after bytes reached the client."""
+    payload = json.dumps(error_body(code, type_, message, request_id, **extra))
+    prefix = b"event: error\n" if anthropic else b""
+    return prefix + b"data: " + payload.encode() + b"\n\n"

@@ -1,0 +1,309 @@
+"""One attempt: forward a request to one child and bring its answer back.
+
+An attempt either *commits* (a response is on its way to the client, or already sent) or fails
+before any byte reached the client, returning an `AttemptFailure` with the evidence, so that the
+caller can still replay the request on the other child or answer with a controlled error.
+
+- Non-streaming generation answers are read whole before the client sees anything: llama-server
+  sends them in one piece at the end anyway, and a child that dies mid-answer is still
+  replayable.
+- Streams are held until their first SSE event, because llama-server sends its 200 and SSE
+  headers when prompt processing starts (seen on an H200: headers at 18 ms, abort at 88 ms with no
+  event). Holding has a limit; past it, headers and SSE comment lines flow and the request gives
+  up replay. After the first event, whole events flow as they come, and a child that dies then
+  ends the stream with one `data: {"error": ...}` event and no `[DONE]`.
+- Everything else (`/props`, `/slots`, ...) is piped through as it comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from ..policy import evidence as ev
+from ..policy.routes import ANTHROPIC_ROUTES, RouteClass
+from . import sse
+from .errors import sse_error_event
+from .headers import downstream_headers, upstream_headers
+
+# How long to wait, after a connection closed with no answer, for the child's exit record: the
+# exit status is the best evidence and usually arrives within milliseconds.
+EXIT_EVIDENCE_WAIT_S = 2.0
+HOLD_COMMENT_EVERY_S = 10.0
+
+
+class ExitInfo(Protocol):
+    @property
+    def kind(self) -> str: ...
+
+    @property
+    def evidence(self) -> str: ...
+
+
+class Upstream(Protocol):
+    """What the proxy needs of a child (children.Child provides it)."""
+
+    name: str
+    generation: int
+    api_key: str
+
+    @property
+    def stderr_tail(self) -> Sequence[str]: ...
+
+    @property
+    def base_url(self) -> str: ...
+
+    def acquire(self) -> None: ...
+
+    def release(self) -> None: ...
+
+    async def exit_of(self, generation: int, timeout: float) -> ExitInfo | None: ...
+
+
+@dataclass
+class RequestCtx:
+    """What Spillway knows of one client request, shared by its attempts."""
+
+    request_id: str
+    method: str
+    path: str
+    path_qs: str
+    route: RouteClass
+    body: bytes
+    payload: dict[str, object] | None
+    stream: bool
+    client_headers: CIMultiDictProxy[str]
+    received: float = field(default_factory=time.monotonic)
+    attempts: int = 0
+    children: list[str] = field(default_factory=list)
+    failover_kind: str | None = None
+    committed: bool = False  # some byte of a response reached (or is reaching) the client
+    client_gone: bool = False
+    events: int = 0  # SSE data events delivered (a token count for streams)
+    first_byte_s: float | None = None
+
+
+@dataclass(frozen=True)
+class AttemptFailure:
+    """An attempt that failed before any byte reached the client."""
+
+    child: str
+    verdict: ev.Verdict
+    status: int | None = None  # the child's HTTP status, when it answered
+    body: bytes = b""
+    timed_out: bool = False  # no byte for read_timeout_s: the child may still be working
+    stream_started: bool = False  # the child had sent its 200 before failing
+
+
+@dataclass
+class ForwardSettings:
+    read_timeout_s: float
+    connect_timeout_s: float
+    stream_hold_s: float
+
+
+def _is_sse(resp: aiohttp.ClientResponse) -> bool:
+    return resp.headers.get("Content-Type", "").startswith("text/event-stream")
+
+
+class Forwarder:
+    def __init__(self, session: aiohttp.ClientSession, settings: ForwardSettings) -> None:
+        self.session = session
+        self.settings = settings
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        # No total timeout: a long generation is not an error. Only silence is.
+        return aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s,
+                                     connect=self.settings.connect_timeout_s,
+                                     sock_read=self.settings.read_timeout_s)
+
+    async def attempt(self, request: web.Request, ctx: RequestCtx, child: Upstream,
+                      own_headers: list[tuple[str, str]]) -> web.StreamResponse | AttemptFailure:
+        generation = child.generation
+        url = f"{child.base_url}{ctx.path_qs}"
+        headers = upstream_headers(ctx.client_headers, ctx.request_id, child.api_key)
+        child.acquire()
+        try:
+            try:
+                upstream = await self.session.request(
+                    ctx.method, url, data=ctx.body or None, headers=headers,
+                    timeout=self._timeout(), allow_redirects=False, auto_decompress=False,
+                )
+            except aiohttp.ClientConnectorError:
+                return await self._failure(child, generation, connect_failed=True)
+            except TimeoutError:
+                return AttemptFailure(child.name, ev.Verdict(
+                    ev.FailureKind.CRASH, f"no answer in {self.settings.read_timeout_s:.0f} s "
+                                          "(server.read_timeout_s)"), timed_out=True)
+            except (aiohttp.ClientError, OSError):
+                return await self._failure(child, generation, closed=True)
+            try:
+                if ctx.route is not RouteClass.GENERATION:
+                    return await self._pipe(request, ctx, upstream, own_headers)
+                if upstream.status == 200 and _is_sse(upstream):
+                    return await self._stream(request, ctx, child, generation, upstream,
+                                              own_headers)
+                return await self._whole(ctx, child, generation, upstream, own_headers)
+            finally:
+                upstream.close()  # frees the child's slot if the client went away
+        finally:
+            child.release()
+
+    async def _failure(self, child: Upstream, generation: int, *, connect_failed: bool = False,
+                       closed: bool = False, stream_started: bool = False) -> AttemptFailure:
+        record = await child.exit_of(generation, EXIT_EVIDENCE_WAIT_S)
+        if record is not None:
+            verdict = ev.Verdict(ev.FailureKind(record.kind), record.evidence)
+        else:
+            verdict = ev.classify(ev.Evidence(
+                stderr_tail=list(child.stderr_tail)[-50:], connect_failed=connect_failed,
+                closed_before_response=closed))
+        return AttemptFailure(child.name, verdict, stream_started=stream_started)
+
+    async def _whole(self, ctx: RequestCtx, child: Upstream, generation: int,
+                     upstream: aiohttp.ClientResponse,
+                     own_headers: list[tuple[str, str]]) -> web.StreamResponse | AttemptFailure:
+        try:
+            body = await upstream.read()
+        except TimeoutError:
+            return AttemptFailure(child.name, ev.Verdict(
+                ev.FailureKind.CRASH, f"no byte in {self.settings.read_timeout_s:.0f} s "
+                                      "(server.read_timeout_s)"), timed_out=True)
+        except (aiohttp.ClientError, OSError):
+            return await self._failure(child, generation, closed=True)
+        if upstream.status >= 400:
+            verdict = ev.classify_response(upstream.status, body.decode("utf-8", "replace"))
+            if verdict.child_failed:
+                return AttemptFailure(child.name, verdict, status=upstream.status, body=body)
+        ctx.committed = True
+        ctx.first_byte_s = time.monotonic() - ctx.received
+        return web.Response(status=upstream.status, body=body,
+                            headers=downstream_headers(upstream.headers, own_headers))
+
+    async def _pipe(self, request: web.Request, ctx: RequestCtx,
+                    upstream: aiohttp.ClientResponse,
+                    own_headers: list[tuple[str, str]]) -> web.StreamResponse:
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                  headers=downstream_headers(upstream.headers, own_headers))
+        length = upstream.headers.get("Content-Length")
+        if length is not None and length.isdigit():
+            resp.content_length = int(length)
+        ctx.committed = True
+        await resp.prepare(request)
+        ctx.first_byte_s = time.monotonic() - ctx.received
+        try:
+            async for chunk in upstream.content.iter_any():
+                await resp.write(chunk)
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            # The child went away mid-answer: end the connection uncleanly so that the client
+            # cannot take a truncated body for a whole one.
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+        await resp.write_eof()
+        return resp
+
+    async def _stream(self, request: web.Request, ctx: RequestCtx, child: Upstream,
+                      generation: int, upstream: aiohttp.ClientResponse,
+                      own_headers: list[tuple[str, str]]) -> web.StreamResponse | AttemptFailure:
+        headers = downstream_headers(upstream.headers, own_headers)
+        anthropic = ctx.path in ANTHROPIC_ROUTES
+        buffer = b""
+        deadline = time.monotonic() + self.settings.stream_hold_s
+        resp: web.StreamResponse | None = None
+        # 1. Hold the client's status and headers until the first event arrives.
+        while (found := sse.first_data_event(buffer)) is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                # Past the hold limit: let the headers and a comment out so the client's
+                # first-byte timer is satisfied; this request gives up its replay.
+                if resp is None:
+                    resp = await self._commit(request, ctx, headers)
+                await resp.write(b": spillway: waiting for the first token\n\n")
+                deadline = time.monotonic() + HOLD_COMMENT_EVERY_S
+                continue
+            try:
+                async with asyncio.timeout(left):
+                    chunk = await upstream.content.readany()
+            except TimeoutError:
+                if time.monotonic() < deadline:  # sock_read fired first: the child is silent
+                    return await self._stream_broke(ctx, child, generation, resp, anthropic,
+                                                    timed_out=True)
+                continue  # the hold limit: handled at the top of the loop
+            except (aiohttp.ClientError, OSError):
+                chunk = b""
+            if not chunk:
+                return await self._stream_broke(ctx, child, generation, resp, anthropic)
+            buffer += chunk
+        block, _ = found
+        error = sse.error_of(block)
+        if error is not None and resp is None:
+            code = error.get("code")
+            verdict = ev.classify_response(code if isinstance(code, int) else 500,
+                                           json.dumps(error))
+            if verdict.child_failed:
+                return AttemptFailure(child.name, verdict, status=200, body=block,
+                                      stream_started=True)
+        if resp is None:
+            resp = await self._commit(request, ctx, headers)
+        # 2. Whole events flow as they come. Reads and writes fail apart: a read error is the
+        # child's failure, a write error is the client leaving (it propagates).
+        whole, pending = sse.split_complete(buffer)
+        while True:
+            if whole:
+                await resp.write(whole)
+                ctx.events += sse.count_data_events(whole)
+            try:
+                chunk = await upstream.content.readany()
+            except TimeoutError:
+                return await self._stream_broke(ctx, child, generation, resp, anthropic,
+                                                timed_out=True)
+            except (aiohttp.ClientError, OSError):
+                return await self._stream_broke(ctx, child, generation, resp, anthropic)
+            if not chunk:
+                break
+            whole, pending = sse.split_complete(pending + chunk)
+        if pending:
+            await resp.write(pending)
+        await resp.write_eof()
+        return resp
+
+    async def _commit(self, request: web.Request, ctx: RequestCtx,
+                      headers: CIMultiDict[str]) -> web.StreamResponse:
+        resp = web.StreamResponse(status=200, headers=headers)
+        ctx.committed = True
+        await resp.prepare(request)
+        ctx.first_byte_s = time.monotonic() - ctx.received
+        return resp
+
+    async def _stream_broke(self, ctx: RequestCtx, child: Upstream, generation: int,
+                            resp: web.StreamResponse | None, anthropic: bool,
+                            timed_out: bool = False) -> web.StreamResponse | AttemptFailure:
+        """The child failed after the client got bytes: one error event, no [DONE]."""
+        if timed_out:
+            failure = AttemptFailure(child.name, ev.Verdict(
+                ev.FailureKind.CRASH, f"no byte in {self.settings.read_timeout_s:.0f} s "
+                                      "(server.read_timeout_s)"), timed_out=True)
+        else:
+            failure = await self._failure(child, generation, closed=True, stream_started=True)
+        if resp is None:
+            return failure
+        ctx.failover_kind = str(failure.verdict.kind)
+        message = (f"the {child.name} child failed during the stream "
+                   f"({failure.verdict.kind}: {failure.verdict.evidence}); the answer is "
+                   "incomplete")
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+            await resp.write(sse_error_event(message, "upstream_error", 502, ctx.request_id,
+                                             anthropic=anthropic,
+                                             kind=str(failure.verdict.kind)))
+            await resp.write_eof()
+        return resp

@@ -1,0 +1,65 @@
+"""Just enough of Server-Sent Events to find whole events and spot an error event.
+
+llama-server separates events with a blank line (`\\n\\n`). A stream's first event is its first
+block with a `data:` line (`event:` may come first, as on `/v1/messages`).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+SEPARATOR = b"\n\n"
+
+
+def split_complete(buffer: bytes) -> tuple[bytes, bytes]:
+    """(whole events, the unfinished rest)."""
+    cut = buffer.rfind(SEPARATOR)
+    if cut < 0:
+        return b"", buffer
+    return buffer[: cut + 2], buffer[cut + 2:]
+
+
+def first_data_event(buffer: bytes) -> tuple[bytes, int] | None:
+    """The first complete block that carries data, and the offset just past it; None if the
+    buffer does not hold one yet (comment-only blocks are skipped)."""
+    start = 0
+    while True:
+        end = buffer.find(SEPARATOR, start)
+        if end < 0:
+            return None
+        block = buffer[start:end]
+        if any(line.startswith(b"data:") for line in block.split(b"\n")):
+            return block, end + 2
+        start = end + 2
+
+
+def event_data(block: bytes) -> bytes:
+    """The data of one event: its `data:` lines joined by newlines."""
+    parts = []
+    for line in block.split(b"\n"):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            parts.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(parts)
+
+
+def error_of(block: bytes) -> dict[str, Any] | None:
+    """The `error` object when the event is an error event, else None."""
+    data = event_data(block)
+    if b'"error"' not in data:
+        return None
+    try:
+        parsed = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict):
+            return error
+    return None
+
+
+def count_data_events(chunk: bytes) -> int:
+    """How many events a run of whole events holds (a token count for streams)."""
+    return chunk.count(b"\ndata:") + (1 if chunk.startswith(b"data:") else 0)

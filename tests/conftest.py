@@ -1,0 +1,56 @@
+"""Shared fixtures: a real llama-server binary, a tiny real model, the fake child, daemons."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from harness import Spillway, fake_server_script  # noqa: E402
+from tinymodel import write_tiny_model  # noqa: E402
+
+from supervisor import bootstrap  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def llama_server() -> Path:
+    """A real llama-server: $LLAMA_SERVER, or the cached build (built now if missing: about
+    five minutes on two cores, once per machine)."""
+    return bootstrap.ensure_llama_server()
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf")
+
+
+@pytest.fixture(scope="session")
+def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return fake_server_script(tmp_path_factory.mktemp("fake"))
+
+
+SpillwayFactory = Callable[..., Spillway]
+
+
+@pytest.fixture
+def spillway(tmp_path: Path) -> Iterator[SpillwayFactory]:
+    """Make daemons; every one is stopped (and its children reaped) at teardown."""
+    made: list[Spillway] = []
+
+    def make(config: Mapping[str, Any], env: Mapping[str, str] | None = None,
+             fake_nvml: Path | None = None, start: bool = True,
+             wait_ready: bool = True) -> Spillway:
+        s = Spillway(tmp_path / f"spillway{len(made)}", config, env=env, fake_nvml=fake_nvml)
+        made.append(s)
+        if start:
+            s.start(wait_ready=wait_ready)
+        return s
+
+    yield make
+    for s in made:
+        s.stop()

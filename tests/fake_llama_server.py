@@ -1,0 +1,219 @@
+#!/usr/bin/env python3
+"""A fake llama-server for functional tests: a test double with fault switches.
+
+It speaks enough of llama-server's HTTP API (health, chat completions streamed or not,
+completion, props, slots, tokenize) with its shapes and status codes, and misbehaves on demand.
+Switches come from environment variables (a child's `env` table in the Spillway config):
+
+  FAKE_SLOW_START_S=N      answer 503 "Loading model" for N seconds before ready
+  FAKE_HANG_START=1        never become ready (the start timeout must fire)
+  FAKE_EXIT_AT_START=CODE  print the captured load-OOM lines and exit with CODE at start
+  FAKE_CRASH_AFTER=N       abort (SIGABRT) during the Nth generation request, before answering
+  FAKE_CRASH_LINES=terse|full|none  what to print before that abort (default: full CUDA lines)
+  FAKE_HANG_AFTER=N        generation requests after the Nth never answer
+  FAKE_IGNORE_SIGTERM=1    ignore SIGTERM (only SIGKILL stops it)
+  FAKE_TOKEN_DELAY_S=S     delay between streamed tokens (default 0.01)
+  FAKE_PROMPT_DELAY_S=S    delay before the first token, after the 200 is sent (default 0)
+  FAKE_TOKENS=N            tokens per answer unless the request asks for fewer (default 8)
+  FAKE_N_CTX=N             per-slot context reported by /props (default 4096)
+  FAKE_SLOTS=N             number of slots (default 2)
+  FAKE_STATE_FILE=PATH     append one JSON line per request seen (method, path, headers)
+
+Every request needs `Authorization: Bearer $LLAMA_API_KEY` (or X-Api-Key), like the real
+server started with --api-key; /health is open. One `launch_slot_` line goes to stderr per
+generation task, like the real server's log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any
+
+from aiohttp import web
+
+ENV = os.environ
+API_KEY = ENV.get("LLAMA_API_KEY", "")
+START = time.monotonic()
+CUDA_FULL = [
+    "CUDA error: out of memory",
+    "  current device: 0, in function ggml_backend_cuda_buffer_type_alloc_buffer at "
+    "llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:1032",
+    "  cudaMalloc(&ptr, size)",
+    "llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:109: CUDA error",
+]
+CUDA_TERSE = ["llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:109: CUDA error"]
+LOAD_OOM = [
+    "E ggml_backend_cuda_buffer_type_alloc_buffer: allocating 4096.00 MiB on device 0: "
+    "cudaMalloc failed: out of memory",
+    "E ggml_backend_buft_alloc_buffer_n_default: failed to allocate CUDA0 buffer of size "
+    "4294967296",
+    "E llama_init_from_model: failed to initialize the context: failed to allocate buffer for "
+    "kv cache",
+    "E srv  llama_server: exiting due to model loading error",
+]
+
+state = {"generation_requests": 0, "task": 0}
+
+
+def log(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def record(request: web.Request) -> None:
+    path = ENV.get("FAKE_STATE_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "method": request.method,
+                                "path": request.path, "headers": dict(request.headers),
+                                "time": time.time()}) + "\n")
+
+
+def error(status: int, message: str, type_: str) -> web.Response:
+    return web.json_response({"error": {"code": status, "message": message, "type": type_}},
+                             status=status)
+
+
+@web.middleware
+async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
+    record(request)
+    if request.path == "/health" and ENV.get("FAKE_HANG_START") == "1":
+        return error(503, "Loading model", "unavailable_error")
+    if time.monotonic() - START < float(ENV.get("FAKE_SLOW_START_S", "0")):
+        return error(503, "Loading model", "unavailable_error")
+    if request.path not in ("/health", "/v1/health") and API_KEY:
+        given = request.headers.get("Authorization", "") or request.headers.get("X-Api-Key", "")
+        if given.removeprefix("Bearer ") != API_KEY:
+            return error(401, "Invalid API Key", "authentication_error")
+    return await handler(request)
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+def n_tokens(body: dict[str, Any]) -> int:
+    default = int(ENV.get("FAKE_TOKENS", "8"))
+    asked = body.get("max_tokens", body.get("n_predict", default))
+    return max(0, min(default, int(asked))) if isinstance(asked, int) and asked >= 0 else default
+
+
+async def generation_faults() -> None:
+    state["generation_requests"] += 1
+    n = state["generation_requests"]
+    task = state["task"]
+    state["task"] += 1
+    log(f"0.00.000.000 I slot launch_slot_: id  0 | task {task} | processing task, is_child = 0")
+    crash_after = int(ENV.get("FAKE_CRASH_AFTER", "0"))
+    if crash_after and n >= crash_after:
+        kind = ENV.get("FAKE_CRASH_LINES", "full")
+        for line in {"full": CUDA_FULL, "terse": CUDA_TERSE}.get(kind, []):
+            log(line)
+        os.abort()
+    hang_after = int(ENV.get("FAKE_HANG_AFTER", "0"))
+    if hang_after and n > hang_after:
+        await asyncio.sleep(3600)
+
+
+async def chat(request: web.Request) -> web.StreamResponse:
+    try:
+        body = await request.json()
+    except ValueError:
+        return error(400, "invalid JSON", "invalid_request_error")
+    if not isinstance(body.get("messages"), list):
+        return error(400, "Expected 'messages' to be an array", "invalid_request_error")
+    stream = bool(body.get("stream"))
+    count = n_tokens(body)
+    rid = request.headers.get("X-Request-Id", "")
+    if not stream:
+        await generation_faults()
+        await asyncio.sleep(float(ENV.get("FAKE_PROMPT_DELAY_S", "0")))
+        await asyncio.sleep(float(ENV.get("FAKE_TOKEN_DELAY_S", "0.01")) * count)
+        text = " ".join(f"tok{i}" for i in range(count))
+        return web.json_response({
+            "choices": [{"finish_reason": "length", "index": 0,
+                         "message": {"role": "assistant", "content": text}}],
+            "object": "chat.completion", "model": "fake", "id": f"chatcmpl-{os.getpid()}",
+            "usage": {"completion_tokens": count, "prompt_tokens": 10,
+                      "total_tokens": count + 10},
+            "fake": {"pid": os.getpid(), "request_id": rid},
+        })
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)  # like llama-server: the 200 goes out before any token
+    await generation_faults()
+    await asyncio.sleep(float(ENV.get("FAKE_PROMPT_DELAY_S", "0")))
+    delay = float(ENV.get("FAKE_TOKEN_DELAY_S", "0.01"))
+    for i in range(count):
+        chunk = {"choices": [{"finish_reason": None, "index": 0,
+                              "delta": {"content": f"tok{i} "}}],
+                 "object": "chat.completion.chunk", "model": "fake",
+                 "fake": {"pid": os.getpid(), "t": time.time(), "i": i}}
+        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await asyncio.sleep(delay)
+    final = {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}],
+             "object": "chat.completion.chunk", "model": "fake"}
+    await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+    await resp.write_eof()
+    return resp
+
+
+async def props(request: web.Request) -> web.Response:
+    return web.json_response({
+        "default_generation_settings": {"n_ctx": int(ENV.get("FAKE_N_CTX", "4096"))},
+        "total_slots": int(ENV.get("FAKE_SLOTS", "2")),
+        "model_path": "fake.gguf",
+    })
+
+
+async def slots(request: web.Request) -> web.Response:
+    return web.json_response([{"id": i, "is_processing": False}
+                              for i in range(int(ENV.get("FAKE_SLOTS", "2")))])
+
+
+async def echo(request: web.Request) -> web.Response:
+    """Anything else: echo what arrived, so tests can see what the proxy forwarded."""
+    body = await request.read()
+    return web.json_response({"method": request.method, "path": request.path,
+                              "query": request.query_string, "body": body.decode(errors="replace"),
+                              "headers": dict(request.headers)})
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if "--list-devices" in args:  # as a CPU-only build answers
+        print("Available devices:\n  (none)")
+        return
+    host, port = "127.0.0.1", 8080
+    for i, a in enumerate(args):
+        if a == "--host":
+            host = args[i + 1]
+        elif a == "--port":
+            port = int(args[i + 1])
+    if ENV.get("FAKE_IGNORE_SIGTERM") == "1":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    code = ENV.get("FAKE_EXIT_AT_START")
+    if code:
+        for line in LOAD_OOM:
+            log(line)
+        sys.exit(int(code))
+    log(f"fake llama-server {os.getpid()} listening on http://{host}:{port} args={args}")
+    app = web.Application(middlewares=[gate])
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/health", health)
+    app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/chat/completions", chat)
+    app.router.add_get("/props", props)
+    app.router.add_get("/slots", slots)
+    app.router.add_route("*", "/{tail:.*}", echo)
+    web.run_app(app, host=host, port=port, print=None, access_log=None,
+                handle_signals=ENV.get("FAKE_IGNORE_SIGTERM") != "1")
+
+
+if __name__ == "__main__":
+    main()

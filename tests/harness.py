@@ -1,0 +1,246 @@
+"""Running a real Spillway daemon (a subprocess, as systemd would run it) for tests."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return json.dumps(v)
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{json.dumps(k)} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(type(v))
+
+
+def toml_dumps(doc: Mapping[str, Mapping[str, Any]]) -> str:
+    """Enough TOML for Spillway configs: tables of scalars, lists and inline tables."""
+    out = []
+    for section, values in doc.items():
+        out.append(f"[{section}]")
+        for k, v in values.items():
+            out.append(f"{k} = {_toml_value(v)}")
+        out.append("")
+    return "\n".join(out)
+
+
+def deep_merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for k, v in extra.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), dict):
+            out[k] = deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def fake_server_script(folder: Path) -> Path:
+    """An executable that runs tests/fake_llama_server.py with this interpreter."""
+    path = folder / "fake-llama-server"
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{TESTS / "fake_llama_server.py"}" "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
+class Spillway:
+    """One daemon: `spillway run --config FILE` in a subprocess, its log in a file."""
+
+    def __init__(self, folder: Path, config: Mapping[str, Any],
+                 env: Mapping[str, str] | None = None, fake_nvml: Path | None = None) -> None:
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        cfg = deep_merge({"server": {"listen": f"127.0.0.1:{self.port}"}}, config)
+        self.config = cfg
+        self.config_path = folder / "spillway.toml"
+        self.config_path.write_text(toml_dumps(cfg))
+        self.log_path = folder / "spillway.log"
+        self.env = dict(os.environ)
+        self.env.pop("NOTIFY_SOCKET", None)
+        self.env.pop("JOURNAL_STREAM", None)
+        self.env.update(env or {})
+        paths = [str(REPO)]
+        if fake_nvml is not None:
+            self.env["FAKE_NVML_FILE"] = str(fake_nvml)
+            paths.insert(0, str(TESTS / "fake_nvml"))
+        self.env["PYTHONPATH"] = os.pathsep.join(paths)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.known_child_pids: set[int] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait_ready: bool = True, timeout: float = 90.0) -> Spillway:
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "supervisor", "run", "--config", str(self.config_path)],
+            cwd=self.folder, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
+        if wait_ready:
+            self.wait_ready(timeout)
+        else:
+            self.wait_listening(timeout)
+        return self
+
+    def get(self, path: str, headers: Mapping[str, str] | None = None,
+            timeout: float = 10.0) -> tuple[int, Any]:
+        req = urllib.request.Request(self.url + path, headers=dict(headers or {}))
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                body = r.read()
+                status = r.status
+        except urllib.error.HTTPError as e:
+            body = e.read()
+            status = e.code
+        try:
+            return status, json.loads(body)
+        except ValueError:
+            return status, body.decode(errors="replace")
+
+    def status(self, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        code, body = self.get("/spillway/status", headers)
+        assert code == 200, (code, body)
+        for child in body["children"].values():
+            if child.get("pid"):
+                self.known_child_pids.add(child["pid"])
+        return dict(body)
+
+    def child(self, name: str, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+        return dict(self.status(headers)["children"][name])
+
+    def wait_listening(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self._check_alive()
+            with contextlib.suppress(OSError):
+                code, _ = self.get("/spillway/health", timeout=2)
+                if code == 200:
+                    return
+            time.sleep(0.05)
+        raise TimeoutError(f"spillway not listening after {timeout} s\n{self.log_tail()}")
+
+    def wait_ready(self, timeout: float = 90.0, children: tuple[str, ...] = ("gpu", "cpu"),
+                   headers: Mapping[str, str] | None = None) -> None:
+        self.wait_listening(timeout)
+        self.wait_state(children, ("READY",), timeout, headers)
+
+    def wait_state(self, children: tuple[str, ...], states: tuple[str, ...],
+                   timeout: float = 60.0, headers: Mapping[str, str] | None = None
+                   ) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        status: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            self._check_alive()
+            status = self.status(headers)
+            if all(status["children"][c]["state"] in states for c in children):
+                return status
+            time.sleep(0.05)
+        raise TimeoutError(f"{children} not in {states} after {timeout} s: "
+                           f"{ {c: status['children'][c]['state'] for c in children} }\n"
+                           f"{self.log_tail()}")
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"spillway exited with {self.proc.returncode}\n{self.log_tail()}")
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 60) -> str:
+        return "\n".join(self.log_text().splitlines()[-lines:])
+
+    def signal(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, wait; SIGKILL if needed; then make sure no child is left behind."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            with contextlib.suppress(Exception):
+                self.status()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        for pid in self.known_child_pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        self._log.close()
+        return self.proc.returncode
+
+
+def pid_alive(pid: int) -> bool:
+    """True if the process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
+    """The pids still alive after `timeout`."""
+    deadline = time.monotonic() + timeout
+    alive = set(pids)
+    while alive and time.monotonic() < deadline:
+        alive = {p for p in alive if pid_alive(p)}
+        time.sleep(0.05)
+    return alive
+
+
+def real_config(llama_server: Path, model: Path, **sections: Mapping[str, Any]) -> dict[str, Any]:
+    """Both children on the real llama-server with the tiny model, one thread each (two cores
+    shared by two children and the tests)."""
+    base: dict[str, Any] = {
+        "model": {"llama_server": str(llama_server), "path": str(model),
+                  "args": ["-c", "2048", "-np", "2", "-t", "1", "-tb", "1"]},
+        "gpu": {"args": ["-ngl", "99"]},
+        "cpu": {"args": ["--device", "none", "-ngl", "0"]},
+        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 2.0},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return base
+
+
+def fake_config(fake_server: Path, model: Path, **sections: Mapping[str, Any]) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "model": {"llama_server": str(fake_server), "path": str(model), "args": []},
+        "gpu": {"args": []},
+        "cpu": {"args": []},
+        "restart": {"backoff_initial_s": 0.1, "backoff_max_s": 1.0},
+    }
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values}
+    return base

@@ -1,0 +1,211 @@
+"""Configuration: every problem reported with its key path; defaults; flag merging."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor import config
+from supervisor.config import ConfigError, build
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "spillway.toml"
+
+
+def minimal(**extra: Any) -> dict[str, Any]:
+    doc: dict[str, Any] = {"model": {"path": "/m.gguf"}}
+    for k, v in extra.items():
+        doc[k] = {**doc.get(k, {}), **v}
+    return doc
+
+
+def problems(doc: dict[str, Any], **kw: Any) -> dict[str, str]:
+    with pytest.raises(ConfigError) as e:
+        build(doc, check_paths=kw.pop("check_paths", False), **kw)
+    return {p.path: p.message for p in e.value.problems}
+
+
+def test_minimal_config_gets_the_documented_defaults() -> None:
+    cfg = build(minimal(), check_paths=False)
+    assert [str(a) for a in cfg.server.listen] == ["127.0.0.1:8080"]
+    assert cfg.server.api_key is None
+    assert cfg.server.max_body_bytes == 64 * 1024 * 1024
+    assert cfg.gpu.args == ("-ngl", "99", "-fit", "off")
+    assert cfg.cpu.args == ("--device", "none", "-ngl", "0")
+    assert cfg.cpu.mode == "hot"
+    assert cfg.gpu.stop_grace_s == 10.0
+    assert cfg.gpu.max_concurrency is None
+
+
+def test_unknown_key_is_an_error_that_suggests_the_nearest_key() -> None:
+    found = problems(minimal(gpu={"arg": ["-ngl", "1"]}))
+    assert "did you mean 'args'" in found["gpu.arg"]
+
+
+def test_unknown_section_suggests_the_nearest_section() -> None:
+    found = problems({**minimal(), "sever": {"listen": "127.0.0.1:1"}})
+    assert "did you mean 'server'" in found["sever"]
+
+
+def test_every_problem_is_listed_at_once_with_its_key_path() -> None:
+    doc = minimal(
+        server={"max_body_mib": "big", "listen": "127.0.0.1:99999"},
+        gpu={"args": ["-ngl", "99", "--port", "9000"], "start_timeout_s": -1},
+        cpu={"mode": "lukewarm"},
+    )
+    found = problems(doc)
+    assert "expected a number" in found["server.max_body_mib"]
+    assert "port must be 1-65535" in found["server.listen"]
+    assert "chosen by Spillway" in found["gpu.args[2]"]
+    assert "greater than 0" in found["gpu.start_timeout_s"]
+    assert "'hot', 'on-demand'" in found["cpu.mode"]
+
+
+def test_host_and_api_key_in_child_args_are_errors_pointing_at_the_right_key() -> None:
+    found = problems(minimal(model={"path": "/m.gguf", "args": ["--host", "0.0.0.0"]},
+                             cpu={"args": ["-c", "4096", "--api-key", "x"]}))
+    assert "model.args[0]" in found
+    assert "server.api_key" in found["cpu.args[2]"]
+
+
+def test_model_flag_in_args_points_at_model_path() -> None:
+    found = problems(minimal(gpu={"args": ["--model", "/other.gguf"]}))
+    assert "model.path" in found["gpu.args[0]"]
+
+
+def test_non_string_list_items_are_reported_by_index() -> None:
+    found = problems(minimal(gpu={"args": ["-ngl", 99]}))
+    assert "expected a string" in found["gpu.args[1]"]
+
+
+def test_a_public_address_needs_a_key() -> None:
+    found = problems(minimal(server={"listen": ["127.0.0.1:8080", "0.0.0.0:8080"]}))
+    assert "not a loopback address" in found["server.listen"]
+    cfg = build(minimal(server={"listen": "0.0.0.0:8080", "api_key": "k"}), check_paths=False)
+    assert cfg.server.api_key == "k"
+
+
+def test_ipv6_and_several_listen_addresses() -> None:
+    cfg = build(minimal(server={"listen": ["127.0.0.1:8080", "[::1]:8081"]}), check_paths=False)
+    assert [str(a) for a in cfg.server.listen] == ["127.0.0.1:8080", "[::1]:8081"]
+    assert all(a.is_loopback for a in cfg.server.listen)
+
+
+def test_api_key_env_reads_the_variable_and_fails_when_it_is_unset() -> None:
+    doc = minimal(server={"api_key_env": "SPILLWAY_TEST_KEY"})
+    assert build(doc, check_paths=False, environ={"SPILLWAY_TEST_KEY": "s3"}).server.api_key == "s3"
+    assert "is not set" in problems(doc, environ={})["server.api_key_env"]
+    both = minimal(server={"api_key_env": "X", "api_key": "y"})
+    assert "not both" in problems(both, environ={"X": "1"})["server.api_key_env"]
+
+
+def test_a_child_flag_replaces_the_shared_flag_under_any_alias() -> None:
+    cfg = build(minimal(model={"path": "/m.gguf", "args": ["-c", "8192", "-np", "2", "-t", "4"]},
+                        gpu={"args": ["--ctx-size", "4096", "-ngl", "99"]},
+                        cpu={"args": ["--parallel", "1"]}), check_paths=False)
+    assert cfg.gpu.args == ("-np", "2", "-t", "4", "--ctx-size", "4096", "-ngl", "99",
+                            "-fit", "off")
+    assert cfg.cpu.args == ("-c", "8192", "-t", "4", "--parallel", "1")
+
+
+def test_fit_off_is_added_to_the_gpu_child_only_when_the_user_did_not_set_fit() -> None:
+    cfg = build(minimal(gpu={"args": ["-ngl", "99", "--fit", "on"]}), check_paths=False)
+    assert cfg.gpu.args == ("-ngl", "99", "--fit", "on")
+    assert "-fit" not in build(minimal(), check_paths=False).cpu.args
+
+
+def test_command_line_owns_model_host_and_port() -> None:
+    cfg = build(minimal(), check_paths=False)
+    argv = cfg.gpu.command(41234, "k")
+    assert argv[:3] == ["llama-server", "-m", "/m.gguf"]
+    assert argv[-6:] == ["--host", "127.0.0.1", "--port", "41234", "--api-key", "k"]
+
+
+def test_missing_files_are_problems_of_their_keys(tmp_path: Path) -> None:
+    doc = minimal(model={"path": str(tmp_path / "nope.gguf"),
+                         "llama_server": str(tmp_path / "no-binary")})
+    found = problems(doc, check_paths=True)
+    assert "no such file" in found["model.path"]
+    assert "not an executable" in found["model.llama_server"]
+
+
+def test_relative_paths_are_relative_to_the_config_file(tmp_path: Path) -> None:
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    (tmp_path / "spillway.toml").write_text(
+        '[model]\npath = "m.gguf"\nllama_server = "/bin/true"\n')
+    cfg = config.load(tmp_path / "spillway.toml")
+    assert cfg.model.path == str(tmp_path / "m.gguf")
+    assert cfg.path == str(tmp_path / "spillway.toml")
+
+
+def test_toml_syntax_error_is_one_clear_problem(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server\nlisten = 1\n")
+    with pytest.raises(ConfigError) as e:
+        config.load(bad)
+    assert "not valid TOML" in str(e.value)
+
+
+def test_the_example_documents_every_key() -> None:
+    text = EXAMPLE.read_text()
+    sections = re.findall(r"^\[(\w+)\]", text, re.M)
+    for key in config.known_keys():
+        section, name = key.split(".")
+        assert section in sections, f"[{section}] missing from the example"
+        assert re.search(rf"^#?\s*{name}\s*=", text, re.M), f"{key} is not documented"
+
+
+def _check_config(path: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor", "check-config", str(path)],
+                          capture_output=True, text=True, cwd=REPO)
+
+
+def test_check_config_accepts_the_example_once_its_paths_exist(tmp_path: Path) -> None:
+    # As shipped, the example names a model and binary this machine does not have: exactly those
+    # two problems, nothing else.
+    shipped = _check_config(EXAMPLE)
+    assert shipped.returncode == 2
+    lines = [line.strip() for line in shipped.stderr.splitlines()[1:]]
+    assert len(lines) == 2 and lines[0].startswith("model.path:"), shipped.stderr
+    assert lines[1].startswith("model.llama_server:"), shipped.stderr
+    # With real paths, it is valid.
+    model = tmp_path / "model.gguf"
+    model.write_bytes(b"GGUF")
+    text = EXAMPLE.read_text().replace('"/srv/models/model.gguf"', f'"{model}"')
+    text = text.replace('llama_server = "llama-server"', f'llama_server = "{sys.executable}"')
+    local = tmp_path / "spillway.toml"
+    local.write_text(text)
+    result = _check_config(local)
+    assert result.returncode == 0, result.stderr
+    assert "valid" in result.stdout
+
+
+def test_check_config_exits_2_naming_the_key(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\npath = "/m.gguf"\n[gpu]\nargs = ["-ngl", "99", "-c", "1", "--port", '
+                   '"1"]\n')
+    result = _check_config(bad)
+    assert result.returncode == 2
+    assert "gpu.args[4]" in result.stderr
+
+
+def test_run_with_a_bad_config_exits_2_before_starting_anything(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[server]\nlisten = "0.0.0.0:8080"\n[model]\npath = "/m.gguf"\n')
+    result = subprocess.run([sys.executable, "-m", "supervisor", "run", "--config", str(bad)],
+                            capture_output=True, text=True, cwd=REPO, timeout=60)
+    assert result.returncode == 2
+    assert "server.listen" in result.stderr
+
+
+def test_version_command() -> None:
+    from supervisor import __version__
+    result = subprocess.run([sys.executable, "-m", "supervisor", "version"],
+                            capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"spillway {__version__}"
