@@ -257,7 +257,7 @@ DEFAULT_CONFIG = """\
 # examples/spillway.toml of the Spillway sources.
 
 [server]
-listen = "127.0.0.1:8080"
+listen = "{listen}"
 
 [model]
 llama_server = "{llama_server}"
@@ -273,9 +273,11 @@ mode = "hot"
 """
 
 
-def write_default_config(path: Path, llama_server: Path, model: Path, devices: list[str]) -> None:
+def write_default_config(path: Path, llama_server: Path, model: Path, devices: list[str],
+                         listen: str = "127.0.0.1:8080") -> None:
     gpu_note = (f"layers on {devices[0].split(':')[0]}" if devices else
                 "this llama-server lists no GPU device: the GPU child runs CPU-only")
-    text = DEFAULT_CONFIG.format(llama_server=llama_server, model=model, gpu_note=gpu_note)
+    text = DEFAULT_CONFIG.format(llama_server=llama_server, model=model, gpu_note=gpu_note,
+                                 listen=listen)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

@@ -510,7 +510,8 @@ class Child:
             woke = await self._sleep_or_exit(waiter, LIVENESS_POLL_S)
             if woke or waiter.done():
                 continue
-            if await self._health_ok(timeout=LIVENESS_TIMEOUT_S):
+            limit = min(LIVENESS_TIMEOUT_S, self.hang_timeout_s or LIVENESS_TIMEOUT_S)
+            if await self._health_ok(timeout=limit):
                 last_ok = time.monotonic()
             elif self.hang_timeout_s > 0 and time.monotonic() - last_ok > self.hang_timeout_s:
                 return "hung"

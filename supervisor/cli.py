@@ -75,7 +75,7 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     devices = bootstrap.list_devices(str(binary))
     path = Path(args.config).expanduser()
     if not path.exists() or args.rewrite_config:
-        bootstrap.write_default_config(path, binary, model, devices)
+        bootstrap.write_default_config(path, binary, model, devices, listen=args.listen)
         print(f"spillway: wrote {path}", file=sys.stderr)
     else:
         print(f"spillway: using the existing {path} (--rewrite-config replaces it)",
@@ -119,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $LLAMA_SERVER)")
     p.add_argument("--config", default=str(default_config),
                    help=f"where the default config is written (default: {default_config})")
+    p.add_argument("--listen", default="127.0.0.1:8080",
+                   help="the address written into a new config (default: 127.0.0.1:8080)")
     p.add_argument("--rewrite-config", action="store_true",
                    help="write the default config even if the file exists")
     p.set_defaults(func=cmd_quickstart)

@@ -157,7 +157,8 @@ Check = Callable[[Any], str | None]
 
 @dataclass(frozen=True)
 class Key:
-    kind: str  # "str", "int", "number", "bool", "str_list", "str_table", "str_or_list", "int_or_str"
+    # "str", "int", "number", "bool", "str_list", "str_table", "str_or_list", "int_or_str"
+    kind: str
     default: Any = None
     required: bool = False
     check: Check | None = None
@@ -253,7 +254,7 @@ def _check_type(kind: str, value: Any) -> str | None:
         ok = isinstance(value, (int, str)) and not isinstance(value, bool)
         return None if ok else "expected a device index or a PCI bus id / UUID string"
     if kind == "str_or_list":
-        ok = isinstance(value, str) or isinstance(value, list)
+        ok = isinstance(value, (str, list))
         return None if ok else "expected an address string or a list of them"
     if kind == "str_list":
         return None if isinstance(value, list) else "expected a list of strings"
@@ -437,8 +438,9 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
     elif s["api_key_env"]:
         api_key = environ.get(s["api_key_env"]) or None
         if api_key is None:
-            problems.append(Problem("server.api_key_env", f"environment variable "
-                                                          f"{s['api_key_env']!r} is not set or empty"))
+            problems.append(Problem("server.api_key_env",
+                                    f"environment variable {s['api_key_env']!r} is not set or "
+                                    "empty"))
     elif s["api_key"] is not None and not s["api_key"]:
         problems.append(Problem("server.api_key", "is empty; remove it to run without a key"))
     if api_key is None:
@@ -545,6 +547,6 @@ def known_keys() -> list[str]:
 
 __all__ = [
     "Config", "ConfigError", "Problem", "ChildConfig", "ServerConfig", "ModelConfig",
-    "RestartConfig", "GpuMonitorConfig", "FailoverConfig", "ListenAddress", "load", "build", "known_keys",
-    "parse_listen", "SCHEMA", "CHILD_NAMES",
+    "RestartConfig", "GpuMonitorConfig", "FailoverConfig", "ListenAddress", "load", "build",
+    "known_keys", "parse_listen", "SCHEMA", "CHILD_NAMES",
 ]

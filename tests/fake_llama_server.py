@@ -12,6 +12,7 @@ Switches come from environment variables (a child's `env` table in the Spillway 
   FAKE_CRASH_LINES=terse|full|none  what to print before that abort (default: full CUDA lines)
   FAKE_HANG_AFTER=N        generation requests after the Nth never answer
   FAKE_IGNORE_SIGTERM=1    ignore SIGTERM (only SIGKILL stops it)
+  FAKE_FREEZE_AFTER_S=S    after S seconds, stop answering anything (/health included)
   FAKE_TOKEN_DELAY_S=S     delay between streamed tokens (default 0.01)
   FAKE_PROMPT_DELAY_S=S    delay before the first token, after the 200 is sent (default 0)
   FAKE_TOKENS=N            tokens per answer unless the request asks for fewer (default 8)
@@ -82,6 +83,9 @@ def error(status: int, message: str, type_: str) -> web.Response:
 @web.middleware
 async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
     record(request)
+    freeze = float(ENV.get("FAKE_FREEZE_AFTER_S", "0"))
+    if freeze and time.monotonic() - START > freeze:
+        await asyncio.sleep(3600)
     if request.path == "/health" and ENV.get("FAKE_HANG_START") == "1":
         return error(503, "Loading model", "unavailable_error")
     if time.monotonic() - START < float(ENV.get("FAKE_SLOW_START_S", "0")):
@@ -168,6 +172,8 @@ async def props(request: web.Request) -> web.Response:
         "default_generation_settings": {"n_ctx": int(ENV.get("FAKE_N_CTX", "4096"))},
         "total_slots": int(ENV.get("FAKE_SLOTS", "2")),
         "model_path": "fake.gguf",
+        "env": {k: ENV[k] for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
+                                    "GGML_NO_BACKTRACE", "LLAMA_ARG_HOST") if k in ENV},
     })
 
 

@@ -1,0 +1,65 @@
+"""End to end: `spillway quickstart` with the real Gemma 3 270M model, through the OpenAI
+Python client, as a new user would run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from harness import REPO, free_port
+
+from supervisor import bootstrap
+
+pytestmark = [pytest.mark.integration]
+
+
+def test_quickstart_serves_gemma_through_the_openai_client(tmp_path: Path,
+                                                           llama_server: Path) -> None:
+    port = free_port()
+    config_path = tmp_path / "quickstart.toml"
+    log = open(tmp_path / "quickstart.log", "wb")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("LLAMA_SERVER", None)  # the embedded default: the cached build
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "quickstart", "--config", str(config_path),
+         "--listen", f"127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                           max_retries=0, timeout=120)
+        deadline = time.monotonic() + 600  # a first run fetches the model
+        while True:
+            assert proc.poll() is None, (tmp_path / "quickstart.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/spillway/status",
+                                            timeout=5) as r:
+                    status = json.loads(r.read())
+                if all(c["state"] == "READY" for c in status["children"].values()):
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "quickstart never became ready"
+            time.sleep(0.5)
+        text = config_path.read_text()
+        assert str(bootstrap.model_path()) in text
+        assert f'listen = "127.0.0.1:{port}"' in text
+        assert status["gpu_child_on_cpu"] in (True, False)
+        if status["gpu_child_on_cpu"]:
+            assert "runs CPU-only" in status["children"]["gpu"]["runs_on"]
+        raw = oa.chat.completions.with_raw_response.create(
+            model="gemma", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)
+        answer = raw.parse()
+        assert raw.headers["X-Spillway-Child"] == "gpu"
+        assert answer.choices[0].message.content
+        assert "gemma-3-270m" in answer.model
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        log.close()

@@ -1,0 +1,81 @@
+"""GPU figures: the real NVML library's no-driver path, and chosen figures from a fake pynvml."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+from harness import fake_config
+
+from conftest import SpillwayFactory
+from supervisor.gpu import GpuMonitor
+
+
+def test_the_real_library_without_a_driver_says_so_and_samples_nothing() -> None:
+    async def run() -> GpuMonitor:
+        monitor = GpuMonitor("0", 0.1)
+        await monitor.start()
+        await asyncio.sleep(0.3)
+        await monitor.close()
+        return monitor
+
+    monitor = asyncio.run(run())
+    if monitor.available:  # a machine with a driver: the figures must make sense
+        assert monitor.latest is not None
+        assert 0 < monitor.latest.free_bytes <= monitor.latest.total_bytes
+    else:
+        assert monitor.note is not None and "NVML" in monitor.note
+        assert monitor.latest is None
+        assert monitor.to_json({}) is None
+        assert monitor.vram_before(time.monotonic()) is None
+
+
+def write_figures(path: Path, **figures: object) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(figures))
+    tmp.replace(path)
+
+
+def test_status_shows_the_gpu_figures_and_the_childs_own_use(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    figures = tmp_path / "nvml.json"
+    write_figures(figures, total_mib=24576, free_mib=20000, name="Fake RTX",
+                  uuid="GPU-1234", pci_bus_id="00000000:2B:00.0")
+    cfg = fake_config(fake_server, tiny_model, monitor={"sample_interval_s": 0.1})
+    s = spillway(cfg, fake_nvml=figures)
+    gpu_pid = s.child("gpu")["pid"]
+    write_figures(figures, total_mib=24576, free_mib=18000, name="Fake RTX", uuid="GPU-1234",
+                  pci_bus_id="00000000:2B:00.0", processes={str(gpu_pid): 3858})
+    deadline = time.monotonic() + 10
+    while (gpu := s.status()["gpu"])["free_mib"] != 18000:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert gpu["name"] == "Fake RTX"
+    assert gpu["pci_bus_id"] == "00000000:2B:00.0"
+    assert gpu["total_mib"] == 24576 and gpu["used_mib"] == 24576 - 18000
+    assert gpu["children_used_bytes"]["gpu"] == 3858 * 1024 * 1024
+    assert gpu["children_used_bytes"]["cpu"] == 0
+    assert s.status()["gpu_note"] is None
+    # The GPU child sees only the watched card; the CPU child sees none.
+    _, gpu_props = s.get("/props", {"X-Spillway-Child": "gpu"})
+    _, cpu_props = s.get("/props", {"X-Spillway-Child": "cpu"})
+    assert gpu_props["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-1234"
+    assert gpu_props["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    assert cpu_props["env"]["CUDA_VISIBLE_DEVICES"] == ""
+
+
+@pytest.mark.parametrize("error,words", [("LibraryNotFound", "Library Not Found"),
+                                         ("DriverNotLoaded", "Driver Not Loaded")])
+def test_no_driver_means_no_gpu_in_status_and_nothing_else_changes(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path,
+        error: str, words: str) -> None:
+    figures = tmp_path / "nvml.json"
+    write_figures(figures, init_error=error)
+    s = spillway(fake_config(fake_server, tiny_model), fake_nvml=figures)
+    status = s.status()
+    assert status["gpu"] is None
+    assert words in status["gpu_note"]
+    assert status["children"]["gpu"]["state"] == "READY"
