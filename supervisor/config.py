@@ -131,8 +131,24 @@ class GpuMonitorConfig:
 
 @dataclass(frozen=True)
 class FailoverConfig:
+    replay: bool
+    max_replay_body_bytes: int
     stream_hold_s: float
     drain_timeout_s: float
+
+
+@dataclass(frozen=True)
+class IncidentsConfig:
+    path: str  # empty: $STATE_DIRECTORY or ~/.local/state/spillway
+    max_bytes: int
+    backups: int
+
+
+@dataclass(frozen=True)
+class IdempotencyConfig:
+    ttl_s: float
+    max_keys: int
+    max_response_bytes: int
 
 
 @dataclass(frozen=True)
@@ -145,6 +161,8 @@ class Config:
     restart: RestartConfig
     monitor: GpuMonitorConfig
     failover: FailoverConfig
+    incidents: IncidentsConfig
+    idempotency: IdempotencyConfig
 
     def child(self, name: str) -> ChildConfig:
         return self.gpu if name == "gpu" else self.cpu
@@ -224,8 +242,20 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "hang_timeout_s": Key("number", 120.0, check=_non_negative),
     },
     "failover": {
+        "replay": Key("bool", True),
+        "max_replay_body_mib": Key("number", 16, check=_non_negative),
         "stream_hold_s": Key("number", 30.0, check=_non_negative),
         "drain_timeout_s": Key("number", 60.0, check=_non_negative),
+    },
+    "incidents": {
+        "path": Key("str", ""),
+        "max_mib": Key("number", 16, check=_positive),
+        "backups": Key("int", 3, check=_non_negative),
+    },
+    "idempotency": {
+        "ttl_s": Key("number", 86400.0, check=_positive),
+        "max_keys": Key("int", 10000, check=_positive),
+        "max_response_mib": Key("number", 8, check=_non_negative),
     },
     "monitor": {
         "sample_interval_s": Key("number", 1.0, check=_positive),
@@ -484,12 +514,13 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
 
     if problems:
         raise ConfigError(source, problems)
+    f = values["failover"]
     return Config(
         path=None,
         server=ServerConfig(
             listen=tuple(listen),
             api_key=api_key,
-            max_body_bytes=int(float(s["max_body_mib"]) * 1024 * 1024),
+            max_body_bytes=_mib(s["max_body_mib"]),
             read_timeout_s=float(s["read_timeout_s"]),
             connect_timeout_s=float(s["connect_timeout_s"]),
             drain_timeout_s=float(s["drain_timeout_s"]),
@@ -507,10 +538,27 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
         ),
         monitor=GpuMonitorConfig(sample_interval_s=float(values["monitor"]["sample_interval_s"])),
         failover=FailoverConfig(
-            stream_hold_s=float(values["failover"]["stream_hold_s"]),
-            drain_timeout_s=float(values["failover"]["drain_timeout_s"]),
+            replay=bool(f["replay"]),
+            max_replay_body_bytes=_mib(f["max_replay_body_mib"]),
+            stream_hold_s=float(f["stream_hold_s"]),
+            drain_timeout_s=float(f["drain_timeout_s"]),
+        ),
+        incidents=IncidentsConfig(
+            path=_expand(values["incidents"]["path"], base_dir) if values["incidents"]["path"]
+            else "",
+            max_bytes=_mib(values["incidents"]["max_mib"]),
+            backups=int(values["incidents"]["backups"]),
+        ),
+        idempotency=IdempotencyConfig(
+            ttl_s=float(values["idempotency"]["ttl_s"]),
+            max_keys=int(values["idempotency"]["max_keys"]),
+            max_response_bytes=_mib(values["idempotency"]["max_response_mib"]),
         ),
     )
+
+
+def _mib(value: float) -> int:
+    return int(float(value) * 1024 * 1024)
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:
@@ -547,6 +595,7 @@ def known_keys() -> list[str]:
 
 __all__ = [
     "Config", "ConfigError", "Problem", "ChildConfig", "ServerConfig", "ModelConfig",
-    "RestartConfig", "GpuMonitorConfig", "FailoverConfig", "ListenAddress", "load", "build",
+    "RestartConfig", "GpuMonitorConfig", "FailoverConfig", "IncidentsConfig",
+    "IdempotencyConfig", "ListenAddress", "load", "build",
     "known_keys", "parse_listen", "SCHEMA", "CHILD_NAMES",
 ]

@@ -1,6 +1,8 @@
-"""Builds and wires everything: config, GPU monitor, children, proxy, signals.
+"""Builds and wires everything: config, GPU monitor, children, proxy, records, signals.
 
-Nothing imports this module but the CLI.
+Nothing imports this module but the CLI. The daemon is also the proxy's `Backend`: the one place
+where a request's outcome turns into effects on the children (drain after an OOM the child
+survived, a cold start for a replay) and into estimates.
 """
 
 from __future__ import annotations
@@ -8,8 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,10 +23,15 @@ from aiohttp import web
 from . import __version__, bootstrap
 from .children import Child
 from .config import CHILD_NAMES, Config
-from .gpu import GpuMonitor
+from .gpu import MIB, GpuMonitor
+from .idempotency import IdempotencyStore
+from .incidents import IncidentLog, default_path
+from .policy import estimate
+from .policy.evidence import FailureKind
 from .policy.lifecycle import ChildState
-from .proxy.app import AuthSettings, build_app, json_response
-from .proxy.forward import Forwarder, ForwardSettings
+from .proxy.app import build_app, json_response
+from .proxy.auth import AuthSettings
+from .proxy.forward import AttemptFailure, Forwarder, ForwardSettings, RequestCtx, Upstream
 from .proxy.handler import ProxyHandler, ProxySettings
 
 log = logging.getLogger("spillway")
@@ -35,20 +45,34 @@ class Daemon:
     def __init__(self, config: Config) -> None:
         self.config = config
         self.started = time.monotonic()
+        self.boot = f"{int(time.time()):x}"
         self.monitor = GpuMonitor(config.gpu.device, config.monitor.sample_interval_s)
         self.children: dict[str, Child] = {}
         self.gpu_devices: list[str] = []
         self.config_error: str | None = None
+        self.gpu_paused = False
+        self.gpu_peak_bytes = 0  # the most VRAM the GPU child was seen to use while ready
+        self.throughput = {name: estimate.Throughput() for name in CHILD_NAMES}
         self.auth = AuthSettings(api_key=config.server.api_key)
         self.forward_settings = ForwardSettings(
             read_timeout_s=config.server.read_timeout_s,
             connect_timeout_s=config.server.connect_timeout_s,
             stream_hold_s=config.failover.stream_hold_s,
         )
-        self.proxy_settings = ProxySettings(max_body_bytes=config.server.max_body_bytes)
+        self.proxy_settings = ProxySettings(
+            max_body_bytes=config.server.max_body_bytes,
+            max_replay_body_bytes=config.failover.max_replay_body_bytes,
+            replay=config.failover.replay,
+        )
+        path = Path(config.incidents.path) if config.incidents.path else default_path()
+        self.incidents = IncidentLog(path, config.incidents.max_bytes, config.incidents.backups)
+        self.idempotency = IdempotencyStore(
+            max_entries=config.idempotency.max_keys, ttl_s=config.idempotency.ttl_s,
+            max_response_bytes=config.idempotency.max_response_bytes)
         self._stop = asyncio.Event()
         self._stop_signals = 0
-        self._devices_task: asyncio.Task[None] | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._devices_listed = False
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self.listening: list[str] = []
@@ -68,18 +92,106 @@ class Daemon:
         cfg = self.config.child(name)
         # The CPU child must not touch the GPU at all: even a CUDA context costs VRAM.
         extra = self._gpu_env() if name == "gpu" else {"CUDA_VISIBLE_DEVICES": ""}
-        headroom = self.config.gpu.vram_headroom_mib
         return Child(
             cfg, self.config.restart,
             drain_timeout_s=self.config.failover.drain_timeout_s,
             hang_timeout_s=self.config.restart.hang_timeout_s,
             vram_probe=self.monitor.vram_before if name == "gpu" else None,
-            vram_short_mib=max(256.0, float(headroom)),
+            vram_short_mib=max(256.0, float(self.config.gpu.vram_headroom_mib)),
             extra_env=extra,
         )
 
+    # --- the proxy's Backend ----------------------------------------------------------------------
+
+    def upstreams(self) -> Mapping[str, Upstream]:
+        return self.children
+
     def states(self) -> dict[str, str]:
         return {name: str(child.state) for name, child in self.children.items()}
+
+    def expected_seconds(self, child: str, ctx: RequestCtx) -> float | None:
+        return estimate.expected_seconds(
+            self.throughput[child], estimate.prompt_tokens_bound(len(ctx.body)),
+            estimate.requested_tokens(ctx.payload))
+
+    def observe(self, child: str, ctx: RequestCtx) -> None:
+        if ctx.timings:
+            self.throughput[child] = estimate.observe(self.throughput[child], ctx.timings)
+
+    def can_take_replay(self, child: str) -> bool:
+        c = self.children[child]
+        if c.state in (ChildState.READY, ChildState.STARTING):
+            return True
+        return child == "cpu" and self.config.cpu.mode == "on-demand" and c.state in (
+            ChildState.STOPPED, ChildState.STOPPING)
+
+    async def ready_for_replay(self, child: str, within_s: float | None) -> float | None:
+        """Seconds spent waiting for the child to be ready (0 when it was); None if it was not
+        ready in time."""
+        c = self.children[child]
+        if c.state is ChildState.READY:
+            return 0.0
+        began = time.monotonic()
+        if c.state in (ChildState.STOPPED, ChildState.STOPPING):
+            c.start()
+        limit = c.cfg.start_timeout_s if within_s is None else min(within_s,
+                                                                   c.cfg.start_timeout_s)
+        if not await c.wait_state(ChildState.READY, timeout=max(0.0, limit)):
+            return None
+        return time.monotonic() - began
+
+    def attempt_failed(self, failure: AttemptFailure) -> None:
+        if failure.verdict.kind is FailureKind.OOM_SURVIVED:
+            # The child lives but its memory state is unknown: no new work, let its other
+            # requests finish, then restart it.
+            self.children[failure.child].drain(f"OOM survived: {failure.verdict.evidence}")
+
+    def back_in_s(self, child: str) -> float:
+        """A Retry-After for a failed child: its backoff left plus its last start time."""
+        c = self.children[child]
+        start = c.last_start_s if c.last_start_s is not None else 5.0
+        if c.state is ChildState.READY:
+            return 1.0
+        if c.state is ChildState.FATAL or (child == "gpu" and self.gpu_paused):
+            return 60.0
+        return 1.0 + start
+
+    def episode_id(self, child: str, generation: int) -> str:
+        return f"{child}-{self.boot}-{generation}"
+
+    def finished(self, ctx: RequestCtx, status: int, child: str | None) -> None:
+        pass  # metrics come here
+
+    # --- GPU recovery -----------------------------------------------------------------------------
+
+    def gpu_need_bytes(self) -> int:
+        """What the GPU child needs to load: the most it was seen using, else a guess from the
+        model file, plus the headroom."""
+        try:
+            model = os.path.getsize(self.config.model.path)
+        except OSError:
+            model = 0
+        need = max(self.gpu_peak_bytes, int(model * 1.2))
+        return need + self.config.gpu.vram_headroom_mib * MIB
+
+    async def _watch_gpu(self) -> None:
+        """Track the GPU child's own use; after load-time OOMs left it FATAL, try again when
+        the card has room."""
+        while True:
+            await asyncio.sleep(self.config.monitor.sample_interval_s)
+            sample = self.monitor.latest
+            gpu = self.children["gpu"]
+            if sample is None:
+                continue
+            if gpu.state is ChildState.READY and gpu.pid is not None:
+                self.gpu_peak_bytes = max(self.gpu_peak_bytes,
+                                          sample.process_bytes.get(gpu.pid, 0))
+            last = gpu.last_exit
+            if (gpu.state is ChildState.FATAL and not self.gpu_paused and last is not None
+                    and last.kind == str(FailureKind.LOAD_OOM)
+                    and sample.free_bytes >= self.gpu_need_bytes()):
+                gpu.restart(f"the GPU has {sample.free_bytes // MIB} MiB free again (needs "
+                            f"about {self.gpu_need_bytes() // MIB} MiB)")
 
     # --- Spillway's own routes --------------------------------------------------------------------
 
@@ -93,8 +205,19 @@ class Daemon:
                 info["runs_on"] = (self.gpu_devices[0] if self.gpu_devices else
                                    "CPU: this llama-server lists no GPU device "
                                    "(--list-devices), so the GPU child runs CPU-only")
+                info["paused"] = self.gpu_paused
+                if child.state is ChildState.FATAL and child.last_exit is not None and \
+                        child.last_exit.kind == str(FailureKind.LOAD_OOM):
+                    info["why"] = ("the GPU child cannot load (out of memory); serving from the "
+                                   "CPU child. It is tried again when the GPU has about "
+                                   f"{self.gpu_need_bytes() // MIB} MiB free, or at once on "
+                                   "`spillway gpu restart`")
             else:
                 info["runs_on"] = "CPU"
+                info["mode"] = self.config.cpu.mode
+            t = self.throughput[name]
+            info["tokens_per_s"] = {"prompt": t.prompt_tps and round(t.prompt_tps, 1),
+                                    "generation": t.gen_tps and round(t.gen_tps, 1)}
             children[name] = info
         ready = [n for n, c in self.children.items() if c.state is ChildState.READY]
         return {
@@ -108,9 +231,11 @@ class Daemon:
             "children": children,
             "gpu": self.monitor.to_json(pids),
             "gpu_note": self.monitor.note,
-            "gpu_child_on_cpu": (not self.gpu_devices if self._devices_task is not None
-                                 and self._devices_task.done() else None),
+            "gpu_child_on_cpu": (not self.gpu_devices) if self._devices_listed else None,
             "waiting": 0,
+            "incidents": {"path": str(self.incidents.path), "written": self.incidents.written,
+                          "error": self.incidents.error,
+                          "last": list(self.incidents.recent)[-5:]},
             "config": {"path": self.config.path, "error": self.config_error},
         }
 
@@ -127,11 +252,51 @@ class Daemon:
         async def status_route(request: web.Request) -> web.StreamResponse:
             return json_response(self.status())
 
-        return {
+        async def incidents(request: web.Request) -> web.StreamResponse:
+            try:
+                limit = max(0, min(10_000, int(request.query.get("limit", "50"))))
+            except ValueError:
+                limit = 50
+            records = await asyncio.to_thread(self.incidents.read, limit)
+            return json_response({"incidents": records, "path": str(self.incidents.path),
+                                  "error": self.incidents.error})
+
+        def gpu_action(action: str) -> Any:
+            async def act(request: web.Request) -> web.StreamResponse:
+                message = await self.gpu_control(action)
+                return json_response({"action": action, "message": message,
+                                      "gpu": self.children["gpu"].to_json()})
+            return act
+
+        routes: dict[tuple[str, str], Any] = {
             ("GET", "/spillway/health"): health,
             ("GET", "/spillway/ready"): ready,
             ("GET", "/spillway/status"): status_route,
+            ("GET", "/spillway/incidents"): incidents,
         }
+        for action in ("restart", "drain", "pause", "resume"):
+            routes[("POST", f"/spillway/gpu/{action}")] = gpu_action(action)
+        return routes
+
+    async def gpu_control(self, action: str) -> str:
+        """Operator control of the GPU child (key-guarded routes)."""
+        gpu = self.children["gpu"]
+        if action == "restart":
+            self.gpu_paused = False
+            gpu.restart("operator: spillway gpu restart")
+            return "restarting the GPU child"
+        if action == "drain":
+            if gpu.state is not ChildState.READY:
+                return f"the GPU child is {gpu.state}; nothing to drain"
+            gpu.drain("operator: spillway gpu drain")
+            return "draining the GPU child; it restarts when its requests are done"
+        if action == "pause":
+            self.gpu_paused = True
+            await gpu.stop("operator: spillway gpu pause (VRAM freed)")
+            return "the GPU child is stopped and its VRAM free; the CPU child serves"
+        self.gpu_paused = False
+        gpu.start()
+        return "starting the GPU child"
 
     # --- running ----------------------------------------------------------------------------------
 
@@ -149,16 +314,14 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
         await self.monitor.start()
-        # Listing devices takes a moment (a CUDA build initialises the driver): do it while the
-        # children start; it only informs the status.
-        self._devices_task = asyncio.create_task(self._list_gpu_devices())
         self.children = {name: self._make_child(name) for name in CHILD_NAMES}
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             auto_decompress=False, skip_auto_headers=("User-Agent",),
         )
         forwarder = Forwarder(self._session, self.forward_settings)
-        proxy = ProxyHandler(lambda: self.children, self.states, forwarder, self.proxy_settings)
+        proxy = ProxyHandler(self, forwarder, self.proxy_settings,
+                             self.incidents, self.idempotency)
         app = build_app(proxy, self.auth, self.own_routes())
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self.config.server.drain_timeout_s)
@@ -173,6 +336,11 @@ class Daemon:
             await self._shutdown()
             return 1
         log.info("spillway %s listening on %s", __version__, ", ".join(self.listening))
+        log.info("incidents go to %s", self.incidents.path)
+        # Listing devices takes a moment (a CUDA build initialises the driver): do it while the
+        # children start; it only informs the status.
+        self._tasks.append(asyncio.create_task(self._list_gpu_devices()))
+        self._tasks.append(asyncio.create_task(self._watch_gpu()))
         for name in CHILD_NAMES:
             if name == "cpu" and self.config.cpu.mode == "on-demand":
                 continue
@@ -182,9 +350,9 @@ class Daemon:
         return 0
 
     async def _list_gpu_devices(self) -> None:
-        env = self._gpu_env()
         self.gpu_devices = await asyncio.to_thread(
-            bootstrap.list_devices, self.config.gpu.llama_server, 10.0, env)
+            bootstrap.list_devices, self.config.gpu.llama_server, 10.0, self._gpu_env())
+        self._devices_listed = True
         if not self.gpu_devices:
             log.warning("the GPU child's llama-server (%s) lists no GPU device: it runs "
                         "CPU-only", self.config.gpu.llama_server)
@@ -203,6 +371,8 @@ class Daemon:
                 drain.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await drain
+        for task in self._tasks:
+            task.cancel()
         await asyncio.gather(*(c.close() for c in self.children.values()),
                              return_exceptions=True)
         if self._session is not None:

@@ -11,7 +11,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Spillway, fake_server_script  # noqa: E402
+from harness import Spillway, fake_server_script, injector_script  # noqa: E402
 from tinymodel import write_tiny_model  # noqa: E402
 
 from supervisor import bootstrap  # noqa: E402
@@ -32,6 +32,11 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fake_server_script(tmp_path_factory.mktemp("fake"))
+
+
+@pytest.fixture(scope="session")
+def injector(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return injector_script(tmp_path_factory.mktemp("injector"))
 
 
 SpillwayFactory = Callable[..., Spillway]

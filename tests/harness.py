@@ -69,6 +69,15 @@ def fake_server_script(folder: Path) -> Path:
     return path
 
 
+def injector_script(folder: Path) -> Path:
+    """An executable that runs tests/gpu_fault_injector.py with this interpreter."""
+    path = folder / "gpu-fault-injector"
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{TESTS / "gpu_fault_injector.py"}" '
+                    '"$@"\n')
+    path.chmod(0o755)
+    return path
+
+
 class Spillway:
     """One daemon: `spillway run --config FILE` in a subprocess, its log in a file."""
 
@@ -77,7 +86,8 @@ class Spillway:
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        cfg = deep_merge({"server": {"listen": f"127.0.0.1:{self.port}"}}, config)
+        cfg = deep_merge({"server": {"listen": f"127.0.0.1:{self.port}"},
+                          "incidents": {"path": str(folder / "incidents.jsonl")}}, config)
         self.config = cfg
         self.config_path = folder / "spillway.toml"
         self.config_path.write_text(toml_dumps(cfg))
@@ -170,6 +180,23 @@ class Spillway:
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"spillway exited with {self.proc.returncode}\n{self.log_tail()}")
 
+    def incidents(self) -> list[dict[str, Any]]:
+        path = Path(self.config["incidents"]["path"])
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def wait_incidents(self, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """The incident records once there are `count` (records are written when a request's
+        answer is complete, a moment after the client has it)."""
+        deadline = time.monotonic() + timeout
+        while len(records := self.incidents()) < count and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.1)  # and no more than that
+        records = self.incidents()
+        assert len(records) == count, records
+        return records
+
     def log_text(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
 
@@ -200,6 +227,29 @@ class Spillway:
         return self.proc.returncode
 
 
+def eventually(check: Any, timeout: float = 10.0) -> Any:
+    """Poll `check()` until it returns something truthy."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
+
+
+def settled(read: Any, quiet_s: float = 0.3, timeout: float = 10.0) -> Any:
+    """`read()` once two reads `quiet_s` apart agree."""
+    deadline = time.monotonic() + timeout
+    value = read()
+    while time.monotonic() < deadline:
+        time.sleep(quiet_s)
+        again = read()
+        if again == value:
+            return value
+        value = again
+    return value
+
+
 def pid_alive(pid: int) -> bool:
     """True if the process exists and is not a zombie."""
     try:
@@ -219,11 +269,12 @@ def wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
     return alive
 
 
-def real_config(llama_server: Path, model: Path, **sections: Mapping[str, Any]) -> dict[str, Any]:
+def real_config(llama_server: Path, model_path: Path,
+                **sections: Mapping[str, Any]) -> dict[str, Any]:
     """Both children on the real llama-server with the tiny model, one thread each (two cores
     shared by two children and the tests)."""
     base: dict[str, Any] = {
-        "model": {"llama_server": str(llama_server), "path": str(model),
+        "model": {"llama_server": str(llama_server), "path": str(model_path),
                   "args": ["-c", "2048", "-np", "2", "-t", "1", "-tb", "1"]},
         "gpu": {"args": ["-ngl", "99"]},
         "cpu": {"args": ["--device", "none", "-ngl", "0"]},
@@ -234,9 +285,10 @@ def real_config(llama_server: Path, model: Path, **sections: Mapping[str, Any]) 
     return base
 
 
-def fake_config(fake_server: Path, model: Path, **sections: Mapping[str, Any]) -> dict[str, Any]:
+def fake_config(fake_server: Path, model_path: Path,
+                **sections: Mapping[str, Any]) -> dict[str, Any]:
     base: dict[str, Any] = {
-        "model": {"llama_server": str(fake_server), "path": str(model), "args": []},
+        "model": {"llama_server": str(fake_server), "path": str(model_path), "args": []},
         "gpu": {"args": []},
         "cpu": {"args": []},
         "restart": {"backoff_initial_s": 0.1, "backoff_max_s": 1.0},

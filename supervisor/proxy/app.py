@@ -2,68 +2,16 @@
 
 from __future__ import annotations
 
-import hmac
 import json
-import re
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
-from ..policy.routes import PUBLIC_ROUTES
 from . import errors
-from .handler import ProxyHandler, request_id_of
-
-# The web UI's assets are public in llama-server (they carry no data); so they are here.
-_UI_ASSET = re.compile(r"^/([\w.\-]+/)*[\w.\-]+\.(js|mjs|css|html|ico|svg|png|jpg|woff2?|map|"
-                       r"webmanifest|txt)$")
-
-
-@dataclass
-class AuthSettings:
-    api_key: str | None
-
-
-def _is_public(request: web.Request) -> bool:
-    if request.method == "OPTIONS":  # CORS preflight: browsers send no credentials
-        return True
-    if request.path in PUBLIC_ROUTES:
-        return True
-    if request.method in ("GET", "HEAD") and not request.path.startswith("/spillway"):
-        return request.path == "/" or bool(_UI_ASSET.match(request.path))
-    return False
-
-
-def presented_key(request: web.Request) -> str | None:
-    """The key the client presented, as llama-server reads it: `Authorization: Bearer K` or
-    `X-Api-Key: K`. Two Authorization (or X-Api-Key) headers are ambiguous: no key."""
-    auths = request.headers.getall("Authorization", [])
-    api_keys = request.headers.getall("X-Api-Key", [])
-    if len(auths) > 1 or len(api_keys) > 1:
-        return None
-    if auths:
-        value = auths[0]
-        return value[7:] if value.startswith("Bearer ") else value
-    if api_keys:
-        return api_keys[0]
-    return None
-
-
-def auth_middleware(settings: AuthSettings) -> Any:
-    @web.middleware
-    async def check_key(request: web.Request,
-                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                        ) -> web.StreamResponse:
-        key = settings.api_key
-        if key is None or _is_public(request):
-            return await handler(request)
-        given = presented_key(request)
-        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
-            return errors.authentication_error(request_id_of(request))
-        return await handler(request)
-
-    return check_key
+from .auth import AuthSettings, auth_middleware
+from .handler import ProxyHandler
+from .identity import request_id_of
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:

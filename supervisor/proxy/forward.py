@@ -23,7 +23,7 @@ import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
 from aiohttp import web
@@ -69,6 +69,20 @@ class Upstream(Protocol):
     async def exit_of(self, generation: int, timeout: float) -> ExitInfo | None: ...
 
 
+@dataclass(frozen=True)
+class AttemptFailure:
+    """An attempt that failed: before any byte reached the client, unless `after_bytes`."""
+
+    child: str
+    generation: int
+    verdict: ev.Verdict
+    status: int | None = None  # the child's HTTP status, when it answered
+    body: bytes = b""
+    timed_out: bool = False  # no byte for read_timeout_s: the child may still be working
+    stream_started: bool = False  # the child had sent its 200 before failing
+    after_bytes: bool = False  # the client already had part of the answer
+
+
 @dataclass
 class RequestCtx:
     """What Spillway knows of one client request, shared by its attempts."""
@@ -79,7 +93,7 @@ class RequestCtx:
     path_qs: str
     route: RouteClass
     body: bytes
-    payload: dict[str, object] | None
+    payload: dict[str, Any] | None
     stream: bool
     client_headers: CIMultiDictProxy[str]
     received: float = field(default_factory=time.monotonic)
@@ -87,21 +101,21 @@ class RequestCtx:
     children: list[str] = field(default_factory=list)
     failover_kind: str | None = None
     committed: bool = False  # some byte of a response reached (or is reaching) the client
-    client_gone: bool = False
     events: int = 0  # SSE data events delivered (a token count for streams)
     first_byte_s: float | None = None
+    status: int | None = None  # the status the client got
+    timings: dict[str, Any] | None = None  # llama-server's own timings of the answer
+    tokens: int | None = None  # completion tokens, when the answer said
+    broken: AttemptFailure | None = None  # a stream that failed after bytes reached the client
+    capture: bytearray | None = None  # the bytes sent, when an Idempotency-Key wants them
+    capture_limit: int = 0
 
-
-@dataclass(frozen=True)
-class AttemptFailure:
-    """An attempt that failed before any byte reached the client."""
-
-    child: str
-    verdict: ev.Verdict
-    status: int | None = None  # the child's HTTP status, when it answered
-    body: bytes = b""
-    timed_out: bool = False  # no byte for read_timeout_s: the child may still be working
-    stream_started: bool = False  # the child had sent its 200 before failing
+    def captured(self, data: bytes) -> None:
+        if self.capture is not None:
+            if len(self.capture) + len(data) > self.capture_limit:
+                self.capture = None  # too large to store: the key will be released
+            else:
+                self.capture += data
 
 
 @dataclass
@@ -115,6 +129,22 @@ def _is_sse(resp: aiohttp.ClientResponse) -> bool:
     return resp.headers.get("Content-Type", "").startswith("text/event-stream")
 
 
+def _answer_figures(payload: Any) -> tuple[dict[str, Any] | None, int | None]:
+    """llama-server's `timings` and the completion token count of one answer (or event)."""
+    if not isinstance(payload, dict):
+        return None, None
+    timings = payload.get("timings")
+    usage = payload.get("usage")
+    tokens = None
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        tokens = usage["completion_tokens"]
+    elif isinstance(payload.get("tokens_predicted"), int):
+        tokens = payload["tokens_predicted"]
+    elif isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
+        tokens = timings["predicted_n"]
+    return (timings if isinstance(timings, dict) else None), tokens
+
+
 class Forwarder:
     def __init__(self, session: aiohttp.ClientSession, settings: ForwardSettings) -> None:
         self.session = session
@@ -125,6 +155,11 @@ class Forwarder:
         return aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s,
                                      connect=self.settings.connect_timeout_s,
                                      sock_read=self.settings.read_timeout_s)
+
+    def _silent(self, child: Upstream, generation: int, **kw: Any) -> AttemptFailure:
+        return AttemptFailure(child.name, generation, ev.Verdict(
+            ev.FailureKind.CRASH, f"no byte in {self.settings.read_timeout_s:.0f} s "
+                                  "(server.read_timeout_s)"), timed_out=True, **kw)
 
     async def attempt(self, request: web.Request, ctx: RequestCtx, child: Upstream,
                       own_headers: list[tuple[str, str]]) -> web.StreamResponse | AttemptFailure:
@@ -141,9 +176,7 @@ class Forwarder:
             except aiohttp.ClientConnectorError:
                 return await self._failure(child, generation, connect_failed=True)
             except TimeoutError:
-                return AttemptFailure(child.name, ev.Verdict(
-                    ev.FailureKind.CRASH, f"no answer in {self.settings.read_timeout_s:.0f} s "
-                                          "(server.read_timeout_s)"), timed_out=True)
+                return self._silent(child, generation)
             except (aiohttp.ClientError, OSError):
                 return await self._failure(child, generation, closed=True)
             try:
@@ -159,7 +192,8 @@ class Forwarder:
             child.release()
 
     async def _failure(self, child: Upstream, generation: int, *, connect_failed: bool = False,
-                       closed: bool = False, stream_started: bool = False) -> AttemptFailure:
+                       closed: bool = False, stream_started: bool = False,
+                       after_bytes: bool = False) -> AttemptFailure:
         record = await child.exit_of(generation, EXIT_EVIDENCE_WAIT_S)
         if record is not None:
             verdict = ev.Verdict(ev.FailureKind(record.kind), record.evidence)
@@ -167,7 +201,8 @@ class Forwarder:
             verdict = ev.classify(ev.Evidence(
                 stderr_tail=list(child.stderr_tail)[-50:], connect_failed=connect_failed,
                 closed_before_response=closed))
-        return AttemptFailure(child.name, verdict, stream_started=stream_started)
+        return AttemptFailure(child.name, generation, verdict, stream_started=stream_started,
+                              after_bytes=after_bytes)
 
     async def _whole(self, ctx: RequestCtx, child: Upstream, generation: int,
                      upstream: aiohttp.ClientResponse,
@@ -175,17 +210,20 @@ class Forwarder:
         try:
             body = await upstream.read()
         except TimeoutError:
-            return AttemptFailure(child.name, ev.Verdict(
-                ev.FailureKind.CRASH, f"no byte in {self.settings.read_timeout_s:.0f} s "
-                                      "(server.read_timeout_s)"), timed_out=True)
+            return self._silent(child, generation)
         except (aiohttp.ClientError, OSError):
             return await self._failure(child, generation, closed=True)
         if upstream.status >= 400:
             verdict = ev.classify_response(upstream.status, body.decode("utf-8", "replace"))
             if verdict.child_failed:
-                return AttemptFailure(child.name, verdict, status=upstream.status, body=body)
+                return AttemptFailure(child.name, generation, verdict, status=upstream.status,
+                                      body=body)
+        elif upstream.status == 200 and body[:1] == b"{":
+            with contextlib.suppress(ValueError):
+                ctx.timings, ctx.tokens = _answer_figures(json.loads(body))
         ctx.committed = True
         ctx.first_byte_s = time.monotonic() - ctx.received
+        ctx.captured(body)
         return web.Response(status=upstream.status, body=body,
                             headers=downstream_headers(upstream.headers, own_headers))
 
@@ -200,15 +238,20 @@ class Forwarder:
         ctx.committed = True
         await resp.prepare(request)
         ctx.first_byte_s = time.monotonic() - ctx.received
-        try:
-            async for chunk in upstream.content.iter_any():
-                await resp.write(chunk)
-        except (aiohttp.ClientError, TimeoutError, OSError):
-            # The child went away mid-answer: end the connection uncleanly so that the client
-            # cannot take a truncated body for a whole one.
-            if request.transport is not None:
-                request.transport.close()
-            return resp
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                # The child went away mid-answer: end the connection uncleanly so that the
+                # client cannot take a truncated body for a whole one.
+                ctx.capture = None
+                if request.transport is not None:
+                    request.transport.close()
+                return resp
+            if not chunk:
+                break
+            ctx.captured(chunk)
+            await resp.write(chunk)
         await resp.write_eof()
         return resp
 
@@ -251,17 +294,20 @@ class Forwarder:
             verdict = ev.classify_response(code if isinstance(code, int) else 500,
                                            json.dumps(error))
             if verdict.child_failed:
-                return AttemptFailure(child.name, verdict, status=200, body=block,
+                return AttemptFailure(child.name, generation, verdict, status=200, body=block,
                                       stream_started=True)
         if resp is None:
             resp = await self._commit(request, ctx, headers)
         # 2. Whole events flow as they come. Reads and writes fail apart: a read error is the
         # child's failure, a write error is the client leaving (it propagates).
         whole, pending = sse.split_complete(buffer)
+        last = b""
         while True:
             if whole:
                 await resp.write(whole)
+                ctx.captured(whole)
                 ctx.events += sse.count_data_events(whole)
+                last = whole
             try:
                 chunk = await upstream.content.readany()
             except TimeoutError:
@@ -274,8 +320,24 @@ class Forwarder:
             whole, pending = sse.split_complete(pending + chunk)
         if pending:
             await resp.write(pending)
+            ctx.captured(pending)
+        self._final_figures(ctx, last + pending)
         await resp.write_eof()
         return resp
+
+    @staticmethod
+    def _final_figures(ctx: RequestCtx, tail: bytes) -> None:
+        """The last events carry llama-server's timings (and usage, when asked for)."""
+        if b'"timings"' not in tail and b'"usage"' not in tail:
+            return
+        for block in reversed(tail.split(sse.SEPARATOR)):
+            data = sse.event_data(block)
+            if data.startswith(b"{"):
+                with contextlib.suppress(ValueError):
+                    timings, tokens = _answer_figures(json.loads(data))
+                    if timings is not None or tokens is not None:
+                        ctx.timings, ctx.tokens = timings, tokens
+                        return
 
     async def _commit(self, request: web.Request, ctx: RequestCtx,
                       headers: CIMultiDict[str]) -> web.StreamResponse:
@@ -288,16 +350,18 @@ class Forwarder:
     async def _stream_broke(self, ctx: RequestCtx, child: Upstream, generation: int,
                             resp: web.StreamResponse | None, anthropic: bool,
                             timed_out: bool = False) -> web.StreamResponse | AttemptFailure:
-        """The child failed after the client got bytes: one error event, no [DONE]."""
+        """The child failed mid-stream. Before any byte reached the client this is an ordinary
+        failure (replayable); after, the stream ends with one error event and no [DONE]."""
+        after = resp is not None
         if timed_out:
-            failure = AttemptFailure(child.name, ev.Verdict(
-                ev.FailureKind.CRASH, f"no byte in {self.settings.read_timeout_s:.0f} s "
-                                      "(server.read_timeout_s)"), timed_out=True)
+            failure = self._silent(child, generation, stream_started=True, after_bytes=after)
         else:
-            failure = await self._failure(child, generation, closed=True, stream_started=True)
+            failure = await self._failure(child, generation, closed=True, stream_started=True,
+                                          after_bytes=after)
         if resp is None:
             return failure
-        ctx.failover_kind = str(failure.verdict.kind)
+        ctx.broken = failure
+        ctx.capture = None  # not a final answer: never stored for a retry
         message = (f"the {child.name} child failed during the stream "
                    f"({failure.verdict.kind}: {failure.verdict.evidence}); the answer is "
                    "incomplete")

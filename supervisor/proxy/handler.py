@@ -1,40 +1,44 @@
-"""The request pipeline: read and check the request, pick a child, attempt, answer.
+"""The request pipeline: read and check the request, pick a child, attempt, replay, answer.
 
-Branch numbers follow the admission order of the design (policy/admission.py decides).
+Branch numbers follow the admission order of the design (policy/admission.py decides); the
+replay rule is policy/replay.py. Everything a request does to the rest of the daemon goes through
+the `Backend` interface, which the daemon implements.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
-import re
+import math
 import time
-import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from aiohttp import web
 
-from ..policy import admission
+from ..idempotency import IdempotencyStore, Outcome, StoredResponse, fingerprint, scope_of
+from ..incidents import Incident, IncidentLog, new_incident_id, rfc3339
+from ..policy import admission, replay
 from ..policy.routes import RouteClass, classify_route
 from . import errors
+from .auth import presented_key
 from .forward import AttemptFailure, Forwarder, RequestCtx, Upstream
+from .identity import request_id_of
 
 log = logging.getLogger("spillway.proxy")
 
-_SAFE_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
+# Headers of a stored answer that a replay from the store repeats.
+_STORED_HEADERS = ("Content-Type", "X-Spillway-Child", "X-Spillway-Attempts",
+                   "X-Spillway-Failover")
 
 
 class BodyTooLarge(Exception):
     def __init__(self, size: int | None, limit: int) -> None:
         self.size = size
         self.limit = limit
-
-
-def request_id_of(request: web.Request) -> str:
-    """The client's X-Request-Id when it is a sane token, else a new one."""
-    given = request.headers.get("X-Request-Id", "")
-    return given if _SAFE_REQUEST_ID.match(given) else uuid.uuid4().hex
 
 
 async def read_body(request: web.Request, limit: int) -> bytes:
@@ -55,26 +59,75 @@ async def read_body(request: web.Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+def client_deadline(headers: Mapping[str, str]) -> float | None:
+    """Seconds the client will wait: X-Spillway-Deadline, or the OpenAI SDKs' own
+    X-Stainless-Timeout; the smaller when both are given."""
+    found = []
+    for name in ("X-Spillway-Deadline", "X-Stainless-Timeout"):
+        value = headers.get(name)
+        if value is None:
+            continue
+        try:
+            seconds = float(value)
+        except ValueError:
+            continue
+        if math.isfinite(seconds) and seconds > 0:
+            found.append(seconds)
+    return min(found) if found else None
+
+
 @dataclass
 class ProxySettings:
     max_body_bytes: int
+    max_replay_body_bytes: int
+    replay: bool = True
 
 
-ChildView = Callable[[], Mapping[str, Upstream]]
-Finished = Callable[[RequestCtx, int, str | None], None]
+class Backend(Protocol):
+    """What the proxy asks of the rest of the daemon."""
+
+    def upstreams(self) -> Mapping[str, Upstream]: ...
+
+    def states(self) -> Mapping[str, str]: ...
+
+    def expected_seconds(self, child: str, ctx: RequestCtx) -> float | None: ...
+
+    def observe(self, child: str, ctx: RequestCtx) -> None: ...
+
+    def can_take_replay(self, child: str) -> bool: ...
+
+    async def ready_for_replay(self, child: str, within_s: float | None) -> float | None: ...
+
+    def attempt_failed(self, failure: AttemptFailure) -> None: ...
+
+    def back_in_s(self, child: str) -> float: ...
+
+    def episode_id(self, child: str, generation: int) -> str: ...
+
+    def finished(self, ctx: RequestCtx, status: int, child: str | None) -> None: ...
+
+
+@dataclass
+class _Episode:
+    """What the handler learned about a failure, for the incident record."""
+
+    failure: AttemptFailure
+    decision: str  # replayed | rejected | passed_on
+    reason: str
+    cpu_start_s: float = 0.0
+    replay_child: str | None = None
 
 
 class ProxyHandler:
     """Handles every request outside /spillway/."""
 
-    def __init__(self, children: ChildView, states: Callable[[], Mapping[str, str]],
-                 forwarder: Forwarder, settings: ProxySettings,
-                 on_finished: Finished | None = None) -> None:
-        self.children = children
-        self.states = states
+    def __init__(self, backend: Backend, forwarder: Forwarder, settings: ProxySettings,
+                 incidents: IncidentLog, idempotency: IdempotencyStore) -> None:
+        self.backend = backend
         self.forwarder = forwarder
         self.settings = settings
-        self.on_finished = on_finished
+        self.incidents = incidents
+        self.idempotency = idempotency
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
         rid = request_id_of(request)
@@ -85,33 +138,114 @@ class ProxyHandler:
             body = await read_body(request, self.settings.max_body_bytes)
         except BodyTooLarge as e:
             size = f"{e.size} bytes" if e.size is not None else "more than that"
-            return self._done(None, errors.invalid_request(
+            return self._early(None, request, rid, errors.invalid_request(
                 413, f"request body is {size}; the limit is {e.limit} bytes "
-                     "(server.max_body_mib)", rid, param="body"), request, rid, started)
-        payload: dict[str, object] | None = None
+                     "(server.max_body_mib)", rid, param="body"))
+        payload: dict[str, Any] | None = None
         if route is RouteClass.GENERATION and request.method == "POST":
             problem, payload = _parse_json_object(body)
             if problem is not None:
-                return self._done(None, errors.invalid_request(400, problem, rid),
-                                  request, rid, started)
+                return self._early(None, request, rid, errors.invalid_request(400, problem, rid))
         ctx = RequestCtx(
             request_id=rid, method=request.method, path=request.path,
             path_qs=request.raw_path, route=route, body=body, payload=payload,
             stream=bool(payload.get("stream")) if payload else False,
             client_headers=request.headers, received=started,
         )
+        idem_key = request.headers.get("Idempotency-Key")
+        if idem_key is not None and request.method == "POST":
+            return await self._with_idempotency(request, ctx, idem_key)
+        return await self._serve_and_record(request, ctx)
+
+    # --- Idempotency-Key ----------------------------------------------------------------------
+
+    async def _with_idempotency(self, request: web.Request, ctx: RequestCtx,
+                                key: str) -> web.StreamResponse:
+        rid = ctx.request_id
+        if not key or len(key) > 255:
+            return self._early(ctx, request, rid, errors.invalid_request(
+                400, "Idempotency-Key must be 1 to 255 characters", rid,
+                param="Idempotency-Key"))
+        scope = scope_of(presented_key(request), ctx.path)
+        fp = fingerprint(ctx.method, ctx.path_qs, ctx.body)
+        found = self.idempotency.begin(scope, key, fp, time.monotonic())
+        if found.outcome is Outcome.IN_PROGRESS:
+            return self._early(ctx, request, rid, errors.json_error(
+                409, "invalid_request_error", "a request with this Idempotency-Key is still "
+                "running; retry when it is done", rid, param="Idempotency-Key",
+                headers={"Retry-After": "1"}))
+        if found.outcome is Outcome.MISMATCH:
+            return self._early(ctx, request, rid, errors.json_error(
+                422, "invalid_request_error", "this Idempotency-Key was used with a different "
+                "request body", rid, param="Idempotency-Key"))
+        if found.outcome is Outcome.DONE:
+            assert found.response is not None
+            stored = found.response
+            replayed = dict(stored.headers)
+            replayed.update({"X-Request-Id": rid, "Idempotent-Replayed": "true"})
+            return self._early(ctx, request, rid, web.Response(
+                status=stored.status, body=stored.body, headers=replayed))
+        ctx.capture = bytearray()
+        ctx.capture_limit = self.idempotency.max_response_bytes
+        stored_ok = False
+        try:
+            response = await self._serve_and_record(request, ctx)
+            final = (ctx.capture is not None and ctx.broken is None and ctx.attempts > 0
+                     and (200 <= response.status < 300 or
+                          (400 <= response.status < 500 and response.status not in
+                           (408, 409, 429))))
+            if final and ctx.capture is not None:
+                kept = tuple((h, response.headers[h]) for h in _STORED_HEADERS
+                             if h in response.headers)
+                stored_ok = self.idempotency.complete(
+                    scope, key, StoredResponse(response.status, kept, bytes(ctx.capture)))
+            return response
+        finally:
+            if not stored_ok:
+                self.idempotency.release(scope, key)
+
+    # --- serving ------------------------------------------------------------------------------
+
+    async def _serve_and_record(self, request: web.Request,
+                                ctx: RequestCtx) -> web.StreamResponse:
+        episodes: list[_Episode] = []
+        connected = True
+        response: web.StreamResponse | None = None
+        try:
+            response = await self._serve(request, ctx, episodes)
+            if episodes and not response.prepared:
+                # Send it here, so the incident knows whether the client was still there.
+                try:
+                    await response.prepare(request)
+                    await response.write_eof()
+                except (ConnectionError, RuntimeError):
+                    connected = False
+            return response
+        except (asyncio.CancelledError, ConnectionError):
+            connected = False  # the client went away
+            raise
+        finally:
+            status = response.status if response is not None and connected else CLIENT_CLOSED
+            if ctx.broken is not None and not any(e.failure is ctx.broken for e in episodes):
+                episodes.append(_Episode(ctx.broken, "passed_on",
+                                         "the stream had started: bytes already reached the "
+                                         "client; it ended with an SSE error event"))
+            for episode in episodes:
+                self._record(ctx, episode, status, connected)
+            self._finish(ctx, request, ctx.request_id, status)
+
+    async def _serve(self, request: web.Request, ctx: RequestCtx,
+                     episodes: list[_Episode]) -> web.StreamResponse:
         pin = request.headers.get("X-Spillway-Child", "").strip().lower() or None
-        decision = admission.route_simple(self.states(), route, pin)
+        decision = admission.route_simple(self.backend.states(), ctx.route, pin)
         if decision.child is None:
-            return self._done(ctx, errors.unavailable(
-                decision.reason, rid, retry_after_s=decision.retry_after_s,
-                queue_position=0), request, rid, started)
-        child = self.children()[decision.child]
+            return errors.unavailable(decision.reason, ctx.request_id,
+                                      retry_after_s=decision.retry_after_s, queue_position=0)
+        child = self.backend.upstreams()[decision.child]
         result = await self._attempt(request, ctx, child)
-        if isinstance(result, AttemptFailure):
-            response = self._failure_response(ctx, result)
-            return self._done(ctx, response, request, rid, started)
-        return self._done(ctx, result, request, rid, started)
+        if not isinstance(result, AttemptFailure):
+            return result
+        return await self._after_failure(request, ctx, result, episodes)
 
     async def _attempt(self, request: web.Request, ctx: RequestCtx,
                        child: Upstream) -> web.StreamResponse | AttemptFailure:
@@ -121,38 +255,122 @@ class ProxyHandler:
                ("X-Spillway-Attempts", str(ctx.attempts))]
         if ctx.failover_kind:
             own.append(("X-Spillway-Failover", ctx.failover_kind))
-        return await self.forwarder.attempt(request, ctx, child, own)
+        result = await self.forwarder.attempt(request, ctx, child, own)
+        if isinstance(result, AttemptFailure):
+            self.backend.attempt_failed(result)
+        else:
+            if ctx.broken is not None:
+                self.backend.attempt_failed(ctx.broken)
+            self.backend.observe(child.name, ctx)
+        return result
 
-    def _failure_response(self, ctx: RequestCtx, failure: AttemptFailure) -> web.Response:
+    async def _after_failure(self, request: web.Request, ctx: RequestCtx,
+                             failure: AttemptFailure,
+                             episodes: list[_Episode]) -> web.StreamResponse:
+        other = "cpu" if failure.child == "gpu" else "gpu"
+        deadline = client_deadline(ctx.client_headers)
+        left = None if deadline is None else deadline - (time.monotonic() - ctx.received)
+        opted_out = ctx.client_headers.get("X-Spillway-Replay", "").strip().lower() == "never"
+        decision = replay.decide(replay.ReplayCase(
+            verdict=failure.verdict,
+            route=ctx.route,
+            body_replayable=(self.settings.replay and ctx.payload is not None
+                             and len(ctx.body) <= self.settings.max_replay_body_bytes),
+            bytes_sent=ctx.committed,
+            timed_out=failure.timed_out,
+            opted_out=opted_out,
+            attempts=ctx.attempts,
+            deadline_left_s=left,
+            target_expected_s=self.backend.expected_seconds(other, ctx),
+            target_available=self.backend.can_take_replay(other),
+        ))
+        cpu_start_s: float | None = 0.0
+        if decision.replay:
+            cpu_start_s = await self.backend.ready_for_replay(other, left)
+            if cpu_start_s is None:
+                decision = replay.ReplayDecision(False, f"{replay.Refusal.NO_TARGET}: the {other}"
+                                                        " child did not become ready in time",
+                                                 replay.Refusal.NO_TARGET)
+        if not decision.replay:
+            episodes.append(_Episode(failure, "rejected", decision.reason))
+            return self._controlled_error(ctx, failure, decision)
+        episode = _Episode(failure, "replayed", decision.reason, cpu_start_s or 0.0, other)
+        episodes.append(episode)
+        ctx.failover_kind = str(failure.verdict.kind)
+        log.warning("rid=%s %s child failed (%s: %s); replaying on the %s child",
+                    ctx.request_id, failure.child, failure.verdict.kind,
+                    failure.verdict.evidence, other)
+        second = await self._attempt(request, ctx, self.backend.upstreams()[other])
+        if isinstance(second, AttemptFailure):
+            # No third attempt: the client gets a controlled error naming both failures.
+            episodes.append(_Episode(second, "rejected", str(replay.Refusal.ALREADY_REPLAYED)))
+            return self._controlled_error(ctx, second, replay.ReplayDecision(
+                False, str(replay.Refusal.ALREADY_REPLAYED), replay.Refusal.ALREADY_REPLAYED))
+        return second
+
+    def _controlled_error(self, ctx: RequestCtx, failure: AttemptFailure,
+                          decision: replay.ReplayDecision) -> web.Response:
         v = failure.verdict
+        back = self.backend.back_in_s(failure.child)
+        what = f"the {failure.child} child failed ({v.kind}: {v.evidence})"
         if failure.timed_out:
             return errors.json_error(
-                504, "upstream_error", f"the {failure.child} child sent nothing for "
-                f"{self.forwarder.settings.read_timeout_s:.0f} s", ctx.request_id,
-                kind=str(v.kind))
-        if failure.status is not None and not failure.stream_started:
-            # The child answered with an error of its own (e.g. an OOM it survived): say what
-            # it was, in Spillway's shape, since the request could not be replayed.
-            return errors.upstream_error(
-                f"the {failure.child} child failed: {v.kind}: {v.evidence}", ctx.request_id,
-                kind=str(v.kind), retry_after_s=2.0)
-        return errors.upstream_error(
-            f"the {failure.child} child failed before answering: {v.kind}: {v.evidence}",
-            ctx.request_id, kind=str(v.kind), retry_after_s=2.0)
+                504, "upstream_error", f"{what}; not replayed: {decision.reason}",
+                ctx.request_id, kind=str(v.kind), headers={"x-should-retry": "false"})
+        if decision.refusal is replay.Refusal.NO_TARGET:
+            # Capacity is the cause: a 503 that says when to come back.
+            return errors.unavailable(f"{what}, and no other child can take the request now; "
+                                      "retry later", ctx.request_id, retry_after_s=back,
+                                      queue_position=0, kind=str(v.kind))
+        return errors.upstream_error(f"{what}; not replayed: {decision.reason}",
+                                     ctx.request_id, kind=str(v.kind), retry_after_s=back)
 
-    def _done(self, ctx: RequestCtx | None, response: web.StreamResponse,
-              request: web.Request, rid: str, started: float) -> web.StreamResponse:
-        elapsed = time.monotonic() - started
+    # --- records ------------------------------------------------------------------------------
+
+    def _record(self, ctx: RequestCtx, episode: _Episode, status: int,
+                connected: bool) -> None:
+        f = episode.failure
+        self.incidents.write(Incident(
+            id=new_incident_id(),
+            episode=self.backend.episode_id(f.child, f.generation),
+            time=rfc3339(time.time()),
+            request_id=ctx.request_id,
+            child=f.child,
+            kind=str(f.verdict.kind),
+            evidence=f.verdict.evidence,
+            decision=episode.decision,
+            reason=episode.reason,
+            cpu_start_s=round(episode.cpu_start_s, 3),
+            status=status,
+            tokens=ctx.tokens if ctx.tokens is not None else ctx.events,
+            latency_s=round(time.monotonic() - ctx.received, 3),
+            client_connected=connected,
+            route=ctx.path,
+            replay_child=episode.replay_child,
+            attempts=ctx.attempts,
+            stream=ctx.stream,
+        ))
+
+    def _early(self, ctx: RequestCtx | None, request: web.Request, rid: str,
+               response: web.StreamResponse) -> web.StreamResponse:
+        """An answer Spillway gives itself, before or instead of any attempt."""
+        self._finish(ctx, request, rid, response.status)
+        return response
+
+    def _finish(self, ctx: RequestCtx | None, request: web.Request, rid: str,
+                status: int) -> None:
+        """One log line per request, with its id; and the backend's accounting."""
+        elapsed = time.monotonic() - ctx.received if ctx else 0.0
         child = ctx.children[-1] if ctx and ctx.children else "-"
         attempts = ctx.attempts if ctx else 0
         log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method,
-                 request.path, child, response.status, elapsed, attempts)
-        if self.on_finished is not None and ctx is not None:
-            self.on_finished(ctx, response.status, ctx.children[-1] if ctx.children else None)
-        return response
+                 request.path, child, status, elapsed, attempts)
+        if ctx is not None:
+            ctx.status = status
+            self.backend.finished(ctx, status, ctx.children[-1] if ctx.children else None)
 
 
-def _parse_json_object(body: bytes) -> tuple[str | None, dict[str, object] | None]:
+def _parse_json_object(body: bytes) -> tuple[str | None, dict[str, Any] | None]:
     if not body:
         return "the request body is empty; expected a JSON object", None
     try:

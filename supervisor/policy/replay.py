@@ -1,0 +1,90 @@
+"""The replay rule: may a failed request get a second attempt on the other child?
+
+A request may be replayed only when all six hold:
+1. its body was read whole (under the replay size limit) and parsed;
+2. no byte of the response has reached the client;
+3. the evidence says the child did not complete it (a 4xx or a complete answer never replays;
+   nor does a read timeout, after which the child may still be working on it);
+4. the route only generates (never /tools, slot save/restore/erase, LoRA, /cors-proxy);
+5. the client did not opt out (`X-Spillway-Replay: never`), and its deadline leaves room for
+   the other child's expected time;
+6. it has not been replayed before.
+
+When one fails, the reason says which, and the client gets a controlled error instead.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from .evidence import Verdict
+from .routes import RouteClass
+
+
+class Refusal(enum.StrEnum):
+    BODY = "body not replayable"
+    BYTES_SENT = "bytes already reached the client"
+    CHILD_COMPLETED = "the child answered"
+    TIMED_OUT = "the child may still be working on it"
+    ROUTE = "route never replays"
+    OPTED_OUT = "client opted out (X-Spillway-Replay: never)"
+    DEADLINE = "the client's deadline leaves no room for the other child"
+    ALREADY_REPLAYED = "already replayed once"
+    NO_TARGET = "no other child can take it"
+
+
+@dataclass(frozen=True)
+class ReplayCase:
+    verdict: Verdict
+    route: RouteClass
+    body_replayable: bool  # read whole, under the limit, parsed
+    bytes_sent: bool
+    timed_out: bool
+    opted_out: bool
+    attempts: int  # attempts made so far
+    deadline_left_s: float | None  # None: the client gave no deadline
+    target_expected_s: float | None  # None: no estimate yet
+    target_available: bool  # the other child is ready or can be started in time
+
+
+@dataclass(frozen=True)
+class ReplayDecision:
+    replay: bool
+    reason: str
+    refusal: Refusal | None = None
+
+
+def decide(case: ReplayCase) -> ReplayDecision:
+    def no(refusal: Refusal, detail: str = "") -> ReplayDecision:
+        return ReplayDecision(False, f"{refusal}{': ' + detail if detail else ''}", refusal)
+
+    # 4. a generation route (asked first: for any other route it is the whole answer)
+    if case.route is not RouteClass.GENERATION:
+        return no(Refusal.ROUTE)
+    # 1. the body
+    if not case.body_replayable:
+        return no(Refusal.BODY)
+    # 2. nothing sent yet
+    if case.bytes_sent:
+        return no(Refusal.BYTES_SENT)
+    # 3. the child did not complete it
+    if case.timed_out:
+        return no(Refusal.TIMED_OUT)
+    if not case.verdict.child_failed:
+        return no(Refusal.CHILD_COMPLETED, str(case.verdict.kind))
+    # 5. the client's wishes
+    if case.opted_out:
+        return no(Refusal.OPTED_OUT)
+    if (case.deadline_left_s is not None and case.target_expected_s is not None
+            and case.target_expected_s > case.deadline_left_s):
+        return no(Refusal.DEADLINE, f"{case.deadline_left_s:.1f} s left, about "
+                                    f"{case.target_expected_s:.1f} s needed")
+    if case.deadline_left_s is not None and case.deadline_left_s <= 0:
+        return no(Refusal.DEADLINE, "already past")
+    # 6. once only
+    if case.attempts >= 2:
+        return no(Refusal.ALREADY_REPLAYED)
+    if not case.target_available:
+        return no(Refusal.NO_TARGET)
+    return ReplayDecision(True, f"replay-safe after {case.verdict.kind}")

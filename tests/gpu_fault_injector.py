@@ -1,0 +1,230 @@
+#!/usr/bin/env python3
+"""A fault injector around a real llama-server, standing in for a GPU that runs out of memory.
+
+Named for what it is: a test double of the *GPU*, not of llama-server. Spillway starts it as the
+GPU child's `llama_server`; it starts the real llama-server (REAL_LLAMA_SERVER) with the same
+arguments on a private port and relays HTTP between the two, byte for byte, streams included.
+Every line the real server writes passes through to stderr, so Spillway sees its real
+`launch_slot_` lines (one per task: the execution count) and its real exit.
+
+On a trigger it does what a CUDA build does when its memory pool cannot grow: the request has
+reached the real server and its slot has launched (prompt processing), then the captured CUDA
+lines are written and the process dies with SIGABRT, taking the real server with it.
+
+  FAULT_MARKER=TEXT     trigger on a generation request whose body contains TEXT
+  FAULT_NTH=N           trigger on the Nth generation request
+  FAULT_PATHS=*         any route may trigger, not only the generation routes
+  FAULT_ONCE_FILE=PATH  fire at most once across restarts (the file records that it fired)
+  FAULT_WHEN=launch     abort once the real server launched the task (default)
+  FAULT_WHEN=events:K   abort after K SSE events of the stream reached Spillway
+  FAULT_MODE=abort      CUDA lines, then SIGABRT (default)
+  FAULT_MODE=survive    answer HTTP 500 "Compute error." and log a Vulkan OOM line; stay alive
+  FAULT_LINES=full      the whole CUDA out-of-memory message before the abort (default)
+  FAULT_LINES=terse     only `ggml-cuda.cu:109: CUDA error`, as seen on a real H200
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+ENV = os.environ
+CUDA_FULL = [
+    "CUDA error: out of memory",
+    "  current device: 0, in function ggml_cuda_pool_vmm::alloc at "
+    "llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:445",
+    "  cuMemCreate(&handle, reserve_size, &prop, 0)",
+    "llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:109: CUDA error",
+]
+CUDA_TERSE = ["llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:109: CUDA error"]
+VULKAN_OOM = "ggml_vulkan: vk::Device::allocateMemory: ErrorOutOfDeviceMemory"
+GENERATION = ("/completion", "/completions", "/v1/completions", "/chat/completions",
+              "/v1/chat/completions", "/v1/responses", "/responses", "/v1/messages", "/infill",
+              "/embedding", "/embeddings", "/v1/embeddings")
+HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade",
+       "te", "trailer", "proxy-connection"}
+
+
+class State:
+    def __init__(self) -> None:
+        self.requests = 0
+        self.launches = 0
+        self.launched = asyncio.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.real: subprocess.Popen[bytes] | None = None
+        self.real_port = 0
+        self.output_done = threading.Event()
+
+
+state = State()
+
+
+def write(line: str) -> None:
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def relay_output(real: subprocess.Popen[bytes]) -> None:
+    """The real server's lines, passed through; `launch_slot_` lines counted."""
+    assert real.stdout is not None
+    for raw in real.stdout:
+        line = raw.decode(errors="replace").rstrip("\n")
+        write(line)
+        if "launch_slot_" in line and state.loop is not None:
+            state.loop.call_soon_threadsafe(_launched)
+    state.output_done.set()
+
+
+def _launched() -> None:
+    state.launches += 1
+    state.launched.set()
+    state.launched = asyncio.Event()
+
+
+def should_fire(path: str, body: bytes) -> bool:
+    if path not in GENERATION and ENV.get("FAULT_PATHS") != "*":
+        return False
+    state.requests += 1
+    marker = ENV.get("FAULT_MARKER")
+    nth = int(ENV.get("FAULT_NTH", "0"))
+    hit = (marker is not None and marker.encode() in body) or (nth and state.requests == nth)
+    if not hit:
+        return False
+    once = ENV.get("FAULT_ONCE_FILE")
+    if once:
+        if Path(once).exists():
+            return False
+        Path(once).write_text(str(os.getpid()))
+    return True
+
+
+def die() -> None:
+    """As a CUDA build dies: the real server aborts, the CUDA lines are the last ones out."""
+    real = state.real
+    if real is not None and real.poll() is None:
+        real.send_signal(signal.SIGABRT)
+        real.wait(10)
+        state.output_done.wait(5)
+    lines = CUDA_TERSE if ENV.get("FAULT_LINES") == "terse" else CUDA_FULL
+    for line in lines:
+        write(line)
+    signal.signal(signal.SIGABRT, signal.SIG_DFL)
+    os.kill(os.getpid(), signal.SIGABRT)
+
+
+async def proxy(request: web.Request) -> web.StreamResponse:
+    body = await request.read()
+    fire = should_fire(request.path, body)
+    mode = ENV.get("FAULT_MODE", "abort")
+    when = ENV.get("FAULT_WHEN", "launch")
+    if fire and mode == "survive":
+        write(VULKAN_OOM)
+        return web.json_response({"error": {"code": 500, "message": "Compute error.",
+                                             "type": "server_error"}}, status=500)
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}
+    url = f"http://127.0.0.1:{state.real_port}{request.raw_path}"
+    launched = state.launched
+    session = request.app["session"]
+    try:
+        upstream_cm = session.request(request.method, url, data=body or None, headers=headers,
+                                      auto_decompress=False)
+        if fire and when == "launch":
+            task = asyncio.ensure_future(upstream_cm.__aenter__())
+            if request.path in GENERATION:
+                await asyncio.wait_for(launched.wait(), 30)
+            else:  # no task to launch: the request has reached the real server
+                await asyncio.sleep(0.05)
+            die()
+        async with upstream_cm as upstream:
+            resp = web.StreamResponse(status=upstream.status, headers={
+                k: v for k, v in upstream.headers.items() if k.lower() not in HOP})
+            await resp.prepare(request)
+            events = 0
+            limit = int(when.split(":")[1]) if fire and when.startswith("events:") else None
+            async for chunk in upstream.content.iter_any():
+                if limit is not None:
+                    # Relay whole events one by one, to die right after the Kth.
+                    for part in chunk.split(b"\n\n"):
+                        if not part:
+                            continue
+                        await resp.write(part + b"\n\n")
+                        events += 1
+                        if events >= limit:
+                            await asyncio.sleep(0.05)  # let it reach Spillway
+                            die()
+                else:
+                    await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+    except aiohttp.ClientConnectorError:
+        return web.json_response({"error": {"code": 503, "message": "Loading model",
+                                            "type": "unavailable_error"}}, status=503)
+    finally:
+        if fire and when == "launch":
+            task.cancel()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    if "--list-devices" in args:
+        os.execv(ENV["REAL_LLAMA_SERVER"], [ENV["REAL_LLAMA_SERVER"], *args])
+    port = int(args[args.index("--port") + 1])
+    state.real_port = free_port()
+    real_args = list(args)
+    real_args[real_args.index("--port") + 1] = str(state.real_port)
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    state.real = subprocess.Popen(
+        [ENV["REAL_LLAMA_SERVER"], *real_args], stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, preexec_fn=lambda: libc.prctl(1, signal.SIGKILL))
+    threading.Thread(target=relay_output, args=(state.real,), daemon=True).start()
+
+    def on_term(signum: int, frame: object) -> None:
+        if state.real is not None and state.real.poll() is None:
+            state.real.send_signal(signal.SIGTERM)
+            code = state.real.wait()
+            state.output_done.wait(5)
+            os._exit(max(code, 0))
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+
+    async def serve() -> None:
+        state.loop = asyncio.get_running_loop()
+        app = web.Application(client_max_size=1 << 30)
+        app["session"] = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True))
+        app.router.add_route("*", "/{tail:.*}", proxy)
+        runner = web.AppRunner(app, access_log=None, handle_signals=False)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        while state.real is not None and state.real.poll() is None:
+            await asyncio.sleep(0.1)
+        state.output_done.wait(5)
+        code = state.real.returncode if state.real is not None else 1
+        if code < 0:  # the real server died by a signal: so does its GPU
+            signal.signal(-code, signal.SIG_DFL)
+            os.kill(os.getpid(), -code)
+        os._exit(code)
+
+    asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    main()
