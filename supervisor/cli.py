@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from . import __version__, bootstrap, config, logs
+from . import __version__, bootstrap, client, config, logs, tables
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -94,6 +96,119 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     return _run_daemon(cfg)
 
 
+def _target(args: argparse.Namespace) -> client.Target:
+    return client.target_from(args.url, args.config, args.api_key)
+
+
+def _remote(args: argparse.Namespace, method: str, path: str) -> tuple[int, object]:
+    """(exit code, answer); prints the reason when the daemon did not answer."""
+    try:
+        return EXIT_OK, client.call(_target(args), method, path)
+    except config.ConfigError as e:
+        _print_problems(e)
+        return EXIT_CONFIG, None
+    except client.Unreachable as e:
+        print(f"spillway: {e} (is the daemon running? `systemctl status spillway`)",
+              file=sys.stderr)
+        return EXIT_UNREACHABLE, None
+    except client.RequestFailed as e:
+        print(f"spillway: {e}", file=sys.stderr)
+        return EXIT_FAIL, None
+
+
+def _mib(value: object) -> str:
+    return f"{value} MiB" if value is not None else "-"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    rows = []
+    for name, c in status["children"].items():
+        last = c.get("last_exit")
+        rows.append([name, c["state"], c.get("pid") or "-", c.get("port") or "-",
+                     c.get("restarts"), c.get("in_flight"),
+                     f"{last['kind']}: {last['evidence']}"[:60] if last else "-"])
+    out = [f"spillway {status.get('version')}  up {status.get('uptime_s', 0):.0f} s  "
+           f"listening on {', '.join(status.get('listen', []))}",
+           "", tables.render(["child", "state", "pid", "port", "restarts", "in flight",
+                              "last exit"], rows), ""]
+    for name, c in status["children"].items():
+        out.append(f"{name}: {c.get('reason', '')}")
+        if c.get("why"):
+            out.append(f"  {c['why']}")
+        if c.get("runs_on"):
+            out.append(f"  runs on: {c['runs_on']}")
+    gpu = status.get("gpu")
+    if gpu:
+        used = gpu.get("children_used_bytes", {}).get("gpu")
+        out.append(f"GPU {gpu['index']} {gpu['name']} ({gpu['pci_bus_id']}): "
+                   f"{_mib(gpu['free_mib'])} free of {_mib(gpu['total_mib'])}; GPU child uses "
+                   f"{_mib(used // 1048576 if used else None)}")
+    else:
+        out.append(f"GPU: none ({status.get('gpu_note')})")
+    out.append(f"waiting: {status.get('waiting', 0)}")
+    if not status.get("serving"):
+        out.append(f"NOT SERVING: {status.get('why_not_serving')}")
+    cfg = status.get("config", {})
+    if cfg.get("error"):
+        out.append(f"config: {cfg.get('path')}: the last reload was refused: {cfg['error']}")
+    last = (status.get("incidents") or {}).get("last") or []
+    if last:
+        out += ["", "last incidents:", format_incidents(last)]
+    return "\n".join(out)
+
+
+def format_incidents(records: list[dict[str, Any]]) -> str:
+    rows = [[r.get("time", "")[:19], r.get("request_id", "")[:18], r.get("child"),
+             r.get("kind"), r.get("decision"), r.get("status"),
+             f"{r.get('latency_s', 0):.2f}", "yes" if r.get("client_connected") else "no",
+             (r.get("evidence") or "")[:50]] for r in records]
+    return tables.render(["time", "request", "child", "kind", "decision", "status",
+                          "latency s", "client", "evidence"], rows)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    code, answer = _remote(args, "GET", "/spillway/status")
+    if code != EXIT_OK:
+        return code
+    assert isinstance(answer, dict)
+    print(json.dumps(answer, indent=1) if args.json else format_status(answer))
+    return EXIT_OK
+
+
+def cmd_incidents(args: argparse.Namespace) -> int:
+    code, answer = _remote(args, "GET", f"/spillway/incidents?limit={args.limit}")
+    if code != EXIT_OK:
+        return code
+    assert isinstance(answer, dict)
+    records = answer["incidents"]
+    if args.json:
+        print(json.dumps(records, indent=1))
+    elif not records:
+        print(f"no incidents recorded ({answer.get('path')})")
+    else:
+        print(format_incidents(records))
+    return EXIT_OK
+
+
+def cmd_gpu(args: argparse.Namespace) -> int:
+    code, answer = _remote(args, "POST", f"/spillway/gpu/{args.action}")
+    if code != EXIT_OK:
+        return code
+    assert isinstance(answer, dict)
+    print(answer["message"])
+    return EXIT_OK
+
+
+def _add_target(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", default=None,
+                   help=f"the daemon's config, for its address and key (default: "
+                        f"$SPILLWAY_CONFIG or {client.DEFAULT_CONFIG})")
+    p.add_argument("--url", default=None, help="the daemon's address, e.g. "
+                                               "http://127.0.0.1:8080 (instead of --config)")
+    p.add_argument("--api-key", default=None, help="the key (default: $SPILLWAY_API_KEY or "
+                                                   "the config's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="spillway",
@@ -110,6 +225,25 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("version", help="print the version")
     p.set_defaults(func=cmd_version)
+
+    p = sub.add_parser("status", help="children, states, GPU memory, waiting line, incidents "
+                                      "(exit 3 when the daemon does not answer)")
+    _add_target(p)
+    p.add_argument("--json", action="store_true", help="the raw JSON, for scripts")
+    p.set_defaults(func=cmd_status)
+
+    p = sub.add_parser("incidents", help="the recorded incidents, newest last")
+    _add_target(p)
+    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_incidents)
+
+    p = sub.add_parser("gpu", help="operator control of the GPU child")
+    p.add_argument("action", choices=("restart", "drain", "pause", "resume"),
+                   help="restart: now; drain: finish its requests, then restart; pause: stop "
+                        "it and free the VRAM (the CPU child serves); resume: start it again")
+    _add_target(p)
+    p.set_defaults(func=cmd_gpu)
 
     default_config = bootstrap.cache_dir() / "quickstart.toml"
     p = sub.add_parser("quickstart", help="build/fetch llama-server and a small model, write "

@@ -8,6 +8,7 @@ Switches come from environment variables (a child's `env` table in the Spillway 
   FAKE_SLOW_START_S=N      answer 503 "Loading model" for N seconds before ready
   FAKE_HANG_START=1        never become ready (the start timeout must fire)
   FAKE_EXIT_AT_START=CODE  print the captured load-OOM lines and exit with CODE at start
+  FAKE_EXIT_AT_START_FILE=PATH  the same, only while PATH exists
   FAKE_CRASH_AFTER=N       abort (SIGABRT) during the Nth generation request, before answering
   FAKE_CRASH_LINES=terse|full|none  what to print before that abort (default: full CUDA lines)
   FAKE_HANG_AFTER=N        generation requests after the Nth never answer
@@ -150,8 +151,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)  # like llama-server: the 200 goes out before any token
+    await asyncio.sleep(float(ENV.get("FAKE_PROMPT_DELAY_S", "0")))  # prompt processing
     await generation_faults()
-    await asyncio.sleep(float(ENV.get("FAKE_PROMPT_DELAY_S", "0")))
     delay = float(ENV.get("FAKE_TOKEN_DELAY_S", "0.01"))
     for i in range(count):
         chunk = {"choices": [{"finish_reason": None, "index": 0,
@@ -204,6 +205,8 @@ def main() -> None:
     if ENV.get("FAKE_IGNORE_SIGTERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     code = ENV.get("FAKE_EXIT_AT_START")
+    if ENV.get("FAKE_EXIT_AT_START_FILE") and os.path.exists(ENV["FAKE_EXIT_AT_START_FILE"]):
+        code = "1"
     if code:
         for line in LOAD_OOM:
             log(line)

@@ -237,6 +237,17 @@ def eventually(check: Any, timeout: float = 10.0) -> Any:
         time.sleep(0.05)
 
 
+async def eventually_async(check: Any, timeout: float = 10.0) -> Any:
+    """`eventually` for async tests: the check runs in a thread, the loop keeps running."""
+    import asyncio
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await asyncio.to_thread(check)
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.05)
+
+
 def settled(read: Any, quiet_s: float = 0.3, timeout: float = 10.0) -> Any:
     """`read()` once two reads `quiet_s` apart agree."""
     deadline = time.monotonic() + timeout

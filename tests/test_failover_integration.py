@@ -12,8 +12,9 @@ from typing import Any
 import aiohttp
 import openai
 import pytest
-from harness import Spillway, eventually, real_config, settled
+from harness import Spillway, eventually, eventually_async, real_config, settled
 from test_children_functional import transitions
+from test_integration_llama import cancelled_tasks
 
 from conftest import SpillwayFactory
 from supervisor.incidents import FIELDS
@@ -329,3 +330,25 @@ async def test_an_oom_the_child_survived_drains_it_while_its_other_request_compl
                        "STOPPED -> STARTING", "STARTING -> READY"]
     [record] = s.wait_incidents(1)
     assert record["kind"] == "oom_survived" and "Compute error" in record["evidence"]
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_leaves_during_a_replay_cancels_it(
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path) -> None:
+    cfg = failover_config(llama_server, tiny_model, injector, {"FAULT_MARKER": MARKER},
+                          model={"args": ["-c", "16384", "-np", "2", "-t", "1", "-tb", "1"]})
+    s = spillway(cfg)
+    before = tasks(s)
+    async with aiohttp.ClientSession() as http:
+        request = asyncio.create_task(post(http, s, chat(MARKER, max_tokens=8000)))
+        # The replay is running on the CPU child...
+        assert await eventually_async(lambda: tasks(s)["cpu"] == before["cpu"] + 1, 20)
+        await asyncio.sleep(0.5)
+        request.cancel()  # ...when the client goes away.
+        with pytest.raises(asyncio.CancelledError):
+            await request
+    released = eventually(lambda: cancelled_tasks(s.log_text(), "cpu"), 10)
+    assert released and released[0] < 8000
+    [record] = s.wait_incidents(1)
+    assert record["decision"] == "replayed"
+    assert record["client_connected"] is False and record["status"] == 499

@@ -1,0 +1,73 @@
+"""Talking to a running daemon from the command line (`spillway status`, `incidents`, `gpu`).
+
+The address and key come from the daemon's own config file (so `spillway status` on the server
+needs no flags), or from --url and --api-key / $SPILLWAY_API_KEY.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Any
+
+from . import config
+
+DEFAULT_CONFIG = "/etc/spillway/spillway.toml"
+
+
+class Unreachable(Exception):
+    """The daemon did not answer."""
+
+
+class RequestFailed(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Target:
+    url: str
+    api_key: str | None
+
+
+def target_from(url: str | None, config_path: str | None, api_key: str | None) -> Target:
+    """--url wins; else the first listen address of the config (--config, $SPILLWAY_CONFIG,
+    or /etc/spillway/spillway.toml)."""
+    key = api_key or os.environ.get("SPILLWAY_API_KEY") or None
+    if url:
+        return Target(url.rstrip("/"), key)
+    path = config_path or os.environ.get("SPILLWAY_CONFIG") or DEFAULT_CONFIG
+    cfg = config.load(path, check_paths=False)
+    addr = cfg.server.listen[0]
+    host = addr.host
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1" if host != "::" else "::1"
+    host = f"[{host}]" if ":" in host else host
+    return Target(f"http://{host}:{addr.port}", key or cfg.server.api_key)
+
+
+def call(target: Target, method: str, path: str, timeout: float = 10.0,
+         body: bytes | None = None) -> Any:
+    headers = {"Accept": "application/json"}
+    if target.api_key:
+        headers["Authorization"] = f"Bearer {target.api_key}"
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+    req = urllib.request.Request(target.url + path, method=method, headers=headers, data=body)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        text = e.read().decode(errors="replace")
+        try:
+            message = json.loads(text)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = text[:200]
+        raise RequestFailed(e.code, message) from e
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        reason = getattr(e, "reason", e)
+        raise Unreachable(f"no answer from Spillway at {target.url}: {reason}") from e

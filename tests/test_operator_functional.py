@@ -1,0 +1,132 @@
+"""What an operator does: `spillway status`, `incidents`, `gpu restart|drain|pause|resume`; and
+the GPU child's return after load-time OOMs once the card has room."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from harness import REPO, Spillway, eventually, fake_config, free_port
+
+from conftest import SpillwayFactory
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}]}
+
+
+def spillway_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=60, env=env)
+
+
+def chat_child(s: Spillway) -> str:
+    import urllib.request
+    req = urllib.request.Request(f"{s.url}/v1/chat/completions", data=json.dumps(CHAT).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return str(r.headers["X-Spillway-Child"])
+
+
+def test_status_command_reads_the_config_and_prints_a_table(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
+    s = spillway(fake_config(fake_server, tiny_model))
+    table = spillway_cli("status", "--config", str(s.config_path))
+    assert table.returncode == 0, table.stderr
+    lines = table.stdout.splitlines()
+    assert any(line.split()[:2] == ["gpu", "READY"] for line in lines)
+    assert any(line.split()[:2] == ["cpu", "READY"] for line in lines)
+    assert "GPU: none" in table.stdout
+    as_json = spillway_cli("status", "--url", s.url, "--json")
+    assert json.loads(as_json.stdout)["children"]["cpu"]["state"] == "READY"
+
+
+def test_status_command_exits_3_when_the_daemon_does_not_answer() -> None:
+    result = spillway_cli("status", "--url", f"http://127.0.0.1:{free_port()}")
+    assert result.returncode == 3
+    assert "no answer from Spillway" in result.stderr
+
+
+def test_incidents_command_lists_the_records(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
+    s = spillway(fake_config(fake_server, tiny_model, gpu={"env": {"FAKE_CRASH_AFTER": "1"}}))
+    assert chat_child(s) == "cpu"  # the GPU child died on it; the CPU child answered
+    s.wait_incidents(1)
+    table = spillway_cli("incidents", "--url", s.url)
+    assert table.returncode == 0
+    assert "runtime_oom" in table.stdout and "replayed" in table.stdout
+    records = json.loads(spillway_cli("incidents", "--url", s.url, "--json").stdout)
+    assert records[0]["decision"] == "replayed"
+    code, body = s.get("/spillway/incidents?limit=1")
+    assert code == 200 and len(body["incidents"]) == 1
+
+
+def test_gpu_pause_frees_it_and_resume_brings_it_back(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
+    s = spillway(fake_config(fake_server, tiny_model))
+    gpu_pid = s.child("gpu")["pid"]
+    paused = spillway_cli("gpu", "pause", "--url", s.url)
+    assert paused.returncode == 0, paused.stderr
+    gpu = s.child("gpu")
+    assert gpu["state"] == "STOPPED" and gpu["paused"] is True and gpu["pid"] is None
+    assert chat_child(s) == "cpu"
+    assert spillway_cli("gpu", "resume", "--url", s.url).returncode == 0
+    s.wait_state(("gpu",), ("READY",))
+    assert s.child("gpu")["pid"] != gpu_pid
+    assert chat_child(s) == "gpu"
+
+
+def test_gpu_drain_and_restart(spillway: SpillwayFactory, fake_server: Path,
+                               tiny_model: Path) -> None:
+    s = spillway(fake_config(fake_server, tiny_model))
+    assert spillway_cli("gpu", "drain", "--url", s.url).returncode == 0
+    eventually(lambda: s.child("gpu")["restarts"] == 1)
+    s.wait_state(("gpu",), ("READY",))
+    assert spillway_cli("gpu", "restart", "--url", s.url).returncode == 0
+    eventually(lambda: s.child("gpu")["restarts"] == 2)
+    s.wait_state(("gpu",), ("READY",))
+
+
+def test_gpu_commands_need_the_key(spillway: SpillwayFactory, fake_server: Path,
+                                   tiny_model: Path) -> None:
+    s = spillway(fake_config(fake_server, tiny_model, server={"api_key": "sekret"}), start=False)
+    s.start(wait_ready=False)
+    s.wait_ready(headers={"Authorization": "Bearer sekret"})
+    refused = spillway_cli("gpu", "restart", "--url", s.url, "--api-key", "wrong")
+    assert refused.returncode == 1 and "401" in refused.stderr
+    # With the config, the key comes along.
+    assert spillway_cli("gpu", "restart", "--config", str(s.config_path)).returncode == 0
+
+
+def write(path: Path, **figures: Any) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(figures))
+    tmp.replace(path)
+
+
+def test_after_load_ooms_the_gpu_child_returns_when_the_card_has_room(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    nvml = tmp_path / "nvml.json"
+    write(nvml, total_mib=24576, free_mib=100)
+    no_room = tmp_path / "no-room"
+    no_room.write_text("the card is full")
+    cfg = fake_config(fake_server, tiny_model,
+                      gpu={"env": {"FAKE_EXIT_AT_START_FILE": str(no_room)},
+                           "vram_headroom_mib": 512},
+                      restart={"max_quick_failures": 2}, monitor={"sample_interval_s": 0.1})
+    s = spillway(cfg, fake_nvml=nvml, wait_ready=False)
+    gpu = s.wait_state(("gpu",), ("FATAL",), timeout=20)["children"]["gpu"]
+    assert gpu["last_exit"]["kind"] == "load_oom"
+    assert "serving from the CPU child" in gpu["why"]
+    s.wait_state(("cpu",), ("READY",))
+    assert chat_child(s) == "cpu"
+    # The game that held the VRAM quits: the card has room, and the GPU child comes back.
+    no_room.unlink()
+    time.sleep(0.5)
+    assert s.child("gpu")["state"] == "FATAL"  # not yet: the card is still full
+    write(nvml, total_mib=24576, free_mib=20000)
+    s.wait_state(("gpu",), ("READY",), timeout=20)
+    assert "free again" in s.log_text()
+    assert chat_child(s) == "gpu"
