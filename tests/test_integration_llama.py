@@ -82,16 +82,22 @@ def cancelled_tasks(log: str, child: str) -> list[int]:
     return out
 
 
+async def _read_all(http: aiohttp.ClientSession, url: str, body: dict[str, object]) -> bytes:
+    async with http.post(url, json=body) as r:
+        return await r.read()
+
+
 @pytest.mark.asyncio
+@pytest.mark.parametrize("stream", [False, True])
 async def test_a_client_that_leaves_frees_the_childs_slot(
-        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path) -> None:
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, stream: bool) -> None:
     # A context large enough that the generation would run for many seconds.
     s = spillway(real_config(llama_server, tiny_model,
                              model={"args": ["-c", "16384", "-np", "2", "-t", "1", "-tb", "1"]}))
     body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8000,
-            "ignore_eos": True}
+            "ignore_eos": True, "stream": stream}
     async with aiohttp.ClientSession() as http:
-        request = asyncio.create_task(http.post(f"{s.url}/v1/chat/completions", json=body))
+        request = asyncio.create_task(_read_all(http, f"{s.url}/v1/chat/completions", body))
         assert await eventually_async(lambda: s.child("gpu")["tasks_started"] == 1, 20)
         await asyncio.sleep(0.5)
         request.cancel()  # the client goes away mid-generation
