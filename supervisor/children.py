@@ -38,6 +38,7 @@ import aiohttp
 
 from .config import ChildConfig, RestartConfig
 from .policy import lifecycle
+from .timefmt import rfc3339
 from .policy.evidence import VramSample, classify_exit, describe_exit, exit_signal
 from .policy.lifecycle import ChildState
 
@@ -74,10 +75,6 @@ def pick_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def rfc3339(wall: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall)) + f".{int(wall % 1 * 1000):03d}Z"
 
 
 @dataclass(frozen=True)

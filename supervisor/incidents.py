@@ -16,21 +16,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+
 log = logging.getLogger("spillway.incidents")
 
 FIELDS = ("id", "episode", "time", "request_id", "child", "kind", "evidence", "decision",
           "reason", "cpu_start_s", "status", "tokens", "latency_s", "client_connected")
-
-
-def rfc3339(wall: float) -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall)) + f".{int(wall % 1 * 1000):03d}Z"
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,13 @@ REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
 
+def write_json(path: Path, **values: Any) -> None:
+    """Replace a JSON file in one step (a reader never sees half of it)."""
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(values))
+    tmp.replace(path)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from pathlib import Path
 
 import pytest
-from harness import fake_config
+from harness import fake_config, write_json
 
 from conftest import SpillwayFactory
 from supervisor.gpu import GpuMonitor
@@ -33,21 +32,16 @@ def test_the_real_library_without_a_driver_says_so_and_samples_nothing() -> None
         assert monitor.vram_before(time.monotonic()) is None
 
 
-def write_figures(path: Path, **figures: object) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(figures))
-    tmp.replace(path)
-
 
 def test_status_shows_the_gpu_figures_and_the_childs_own_use(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
     figures = tmp_path / "nvml.json"
-    write_figures(figures, total_mib=24576, free_mib=20000, name="Fake RTX",
+    write_json(figures, total_mib=24576, free_mib=20000, name="Fake RTX",
                   uuid="GPU-1234", pci_bus_id="00000000:2B:00.0")
     cfg = fake_config(fake_server, tiny_model, monitor={"sample_interval_s": 0.1})
     s = spillway(cfg, fake_nvml=figures)
     gpu_pid = s.child("gpu")["pid"]
-    write_figures(figures, total_mib=24576, free_mib=18000, name="Fake RTX", uuid="GPU-1234",
+    write_json(figures, total_mib=24576, free_mib=18000, name="Fake RTX", uuid="GPU-1234",
                   pci_bus_id="00000000:2B:00.0", processes={str(gpu_pid): 3858})
     deadline = time.monotonic() + 10
     while (gpu := s.status()["gpu"])["free_mib"] != 18000:
@@ -73,7 +67,7 @@ def test_no_driver_means_no_gpu_in_status_and_nothing_else_changes(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path,
         error: str, words: str) -> None:
     figures = tmp_path / "nvml.json"
-    write_figures(figures, init_error=error)
+    write_json(figures, init_error=error)
     s = spillway(fake_config(fake_server, tiny_model), fake_nvml=figures)
     status = s.status()
     assert status["gpu"] is None

@@ -8,9 +8,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
-from harness import REPO, Spillway, eventually, fake_config, free_port
+from harness import REPO, Spillway, eventually, fake_config, free_port, write_json
 
 from conftest import SpillwayFactory
 
@@ -100,16 +99,11 @@ def test_gpu_commands_need_the_key(spillway: SpillwayFactory, fake_server: Path,
     assert spillway_cli("gpu", "restart", "--config", str(s.config_path)).returncode == 0
 
 
-def write(path: Path, **figures: Any) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(figures))
-    tmp.replace(path)
-
 
 def test_after_load_ooms_the_gpu_child_returns_when_the_card_has_room(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
     nvml = tmp_path / "nvml.json"
-    write(nvml, total_mib=24576, free_mib=100)
+    write_json(nvml, total_mib=24576, free_mib=100)
     no_room = tmp_path / "no-room"
     no_room.write_text("the card is full")
     cfg = fake_config(fake_server, tiny_model,
@@ -126,7 +120,7 @@ def test_after_load_ooms_the_gpu_child_returns_when_the_card_has_room(
     no_room.unlink()
     time.sleep(0.5)
     assert s.child("gpu")["state"] == "FATAL"  # not yet: the card is still full
-    write(nvml, total_mib=24576, free_mib=20000)
+    write_json(nvml, total_mib=24576, free_mib=20000)
     s.wait_state(("gpu",), ("READY",), timeout=20)
     assert "free again" in s.log_text()
     assert chat_child(s) == "gpu"

@@ -19,7 +19,8 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from ..idempotency import IdempotencyStore, Outcome, StoredResponse, fingerprint, scope_of
-from ..incidents import Incident, IncidentLog, new_incident_id, rfc3339
+from ..incidents import Incident, IncidentLog, new_incident_id
+from ..timefmt import rfc3339
 from ..policy import admission, replay
 from ..policy.routes import RouteClass, classify_route
 from . import errors
