@@ -138,6 +138,12 @@ class FailoverConfig:
 
 
 @dataclass(frozen=True)
+class QueueConfig:
+    max_waiting: int
+    max_wait_s: float
+
+
+@dataclass(frozen=True)
 class IncidentsConfig:
     path: str  # empty: $STATE_DIRECTORY or ~/.local/state/spillway
     max_bytes: int
@@ -161,6 +167,7 @@ class Config:
     restart: RestartConfig
     monitor: GpuMonitorConfig
     failover: FailoverConfig
+    queue: QueueConfig
     incidents: IncidentsConfig
     idempotency: IdempotencyConfig
 
@@ -246,6 +253,10 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "max_replay_body_mib": Key("number", 16, check=_non_negative),
         "stream_hold_s": Key("number", 30.0, check=_non_negative),
         "drain_timeout_s": Key("number", 60.0, check=_non_negative),
+    },
+    "queue": {
+        "max_waiting": Key("int", 32, check=_non_negative),
+        "max_wait_s": Key("number", 60.0, check=_non_negative),
     },
     "incidents": {
         "path": Key("str", ""),
@@ -543,6 +554,10 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
             stream_hold_s=float(f["stream_hold_s"]),
             drain_timeout_s=float(f["drain_timeout_s"]),
         ),
+        queue=QueueConfig(
+            max_waiting=int(values["queue"]["max_waiting"]),
+            max_wait_s=float(values["queue"]["max_wait_s"]),
+        ),
         incidents=IncidentsConfig(
             path=_expand(values["incidents"]["path"], base_dir) if values["incidents"]["path"]
             else "",
@@ -595,7 +610,7 @@ def known_keys() -> list[str]:
 
 __all__ = [
     "Config", "ConfigError", "Problem", "ChildConfig", "ServerConfig", "ModelConfig",
-    "RestartConfig", "GpuMonitorConfig", "FailoverConfig", "IncidentsConfig",
+    "RestartConfig", "GpuMonitorConfig", "FailoverConfig", "IncidentsConfig", "QueueConfig",
     "IdempotencyConfig", "ListenAddress", "load", "build",
     "known_keys", "parse_listen", "SCHEMA", "CHILD_NAMES",
 ]

@@ -1,8 +1,8 @@
-"""Builds and wires everything: config, GPU monitor, children, proxy, records, signals.
+"""Builds and wires everything: config, GPU monitor, children, admission gate, proxy, records.
 
 Nothing imports this module but the CLI. The daemon is also the proxy's `Backend`: the one place
-where a request's outcome turns into effects on the children (drain after an OOM the child
-survived, a cold start for a replay) and into estimates.
+where a request's outcome turns into effects on the children (a drain after an OOM the child
+survived) and into estimates.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import signal
 import time
 from collections.abc import Mapping
@@ -23,16 +22,19 @@ from aiohttp import web
 from . import __version__, bootstrap
 from .children import Child
 from .config import CHILD_NAMES, Config
+from .gate import Gate
 from .gpu import MIB, GpuMonitor
 from .idempotency import IdempotencyStore
 from .incidents import IncidentLog, default_path
 from .policy import estimate
 from .policy.evidence import FailureKind
 from .policy.lifecycle import ChildState
+from .policy.routes import RouteClass
 from .proxy.app import build_app, json_response
 from .proxy.auth import AuthSettings
 from .proxy.forward import AttemptFailure, Forwarder, ForwardSettings, RequestCtx, Upstream
 from .proxy.handler import ProxyHandler, ProxySettings
+from .resources import Resources
 
 log = logging.getLogger("spillway")
 
@@ -50,9 +52,7 @@ class Daemon:
         self.children: dict[str, Child] = {}
         self.gpu_devices: list[str] = []
         self.config_error: str | None = None
-        self.gpu_paused = False
-        self.gpu_peak_bytes = 0  # the most VRAM the GPU child was seen to use while ready
-        self.throughput = {name: estimate.Throughput() for name in CHILD_NAMES}
+        self.cpu_last_used = time.monotonic()
         self.auth = AuthSettings(api_key=config.server.api_key)
         self.forward_settings = ForwardSettings(
             read_timeout_s=config.server.read_timeout_s,
@@ -69,6 +69,8 @@ class Daemon:
         self.idempotency = IdempotencyStore(
             max_entries=config.idempotency.max_keys, ttl_s=config.idempotency.ttl_s,
             max_response_bytes=config.idempotency.max_response_bytes)
+        self.resources: Resources | None = None
+        self.gate: Gate | None = None
         self._stop = asyncio.Event()
         self._stop_signals = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -76,6 +78,15 @@ class Daemon:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self.listening: list[str] = []
+
+    @property
+    def res(self) -> Resources:
+        assert self.resources is not None
+        return self.resources
+
+    @property
+    def gpu_paused(self) -> bool:
+        return "gpu" in self.res.paused
 
     # --- wiring -----------------------------------------------------------------------------------
 
@@ -92,7 +103,7 @@ class Daemon:
         cfg = self.config.child(name)
         # The CPU child must not touch the GPU at all: even a CUDA context costs VRAM.
         extra = self._gpu_env() if name == "gpu" else {"CUDA_VISIBLE_DEVICES": ""}
-        return Child(
+        child = Child(
             cfg, self.config.restart,
             drain_timeout_s=self.config.failover.drain_timeout_s,
             hang_timeout_s=self.config.restart.hang_timeout_s,
@@ -100,6 +111,23 @@ class Daemon:
             vram_short_mib=max(256.0, float(self.config.gpu.vram_headroom_mib)),
             extra_env=extra,
         )
+        child.listeners.append(self._child_changed)
+        return child
+
+    def _child_changed(self, child: Child, old: ChildState, new: ChildState,
+                       reason: str) -> None:
+        if new is ChildState.READY and self._session is not None:
+            self._spawn(self.res.fetch_profile(self._session, child.name), then_dispatch=True)
+        if self.gate is not None:
+            self.gate.dispatch()
+
+    def _spawn(self, coro: Any, then_dispatch: bool = False) -> None:
+        """A background task of the daemon's, cancelled at shutdown."""
+        task: asyncio.Task[None] = asyncio.create_task(coro)
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(task)
+        if then_dispatch:
+            task.add_done_callback(lambda _t: self.gate.dispatch() if self.gate else None)
 
     # --- the proxy's Backend ----------------------------------------------------------------------
 
@@ -111,34 +139,19 @@ class Daemon:
 
     def expected_seconds(self, child: str, ctx: RequestCtx) -> float | None:
         return estimate.expected_seconds(
-            self.throughput[child], estimate.prompt_tokens_bound(len(ctx.body)),
+            self.res.throughput[child], estimate.prompt_tokens_bound(len(ctx.body)),
             estimate.requested_tokens(ctx.payload))
 
     def observe(self, child: str, ctx: RequestCtx) -> None:
         if ctx.timings:
-            self.throughput[child] = estimate.observe(self.throughput[child], ctx.timings)
+            self.res.observe_timings(child, ctx.timings)
+
+    def ctx_per_slot(self, child: str) -> int | None:
+        return self.res.profiles[child].ctx_per_slot
 
     def can_take_replay(self, child: str) -> bool:
-        c = self.children[child]
-        if c.state in (ChildState.READY, ChildState.STARTING):
-            return True
-        return child == "cpu" and self.config.cpu.mode == "on-demand" and c.state in (
-            ChildState.STOPPED, ChildState.STOPPING)
-
-    async def ready_for_replay(self, child: str, within_s: float | None) -> float | None:
-        """Seconds spent waiting for the child to be ready (0 when it was); None if it was not
-        ready in time."""
-        c = self.children[child]
-        if c.state is ChildState.READY:
-            return 0.0
-        began = time.monotonic()
-        if c.state in (ChildState.STOPPED, ChildState.STOPPING):
-            c.start()
-        limit = c.cfg.start_timeout_s if within_s is None else min(within_s,
-                                                                   c.cfg.start_timeout_s)
-        if not await c.wait_state(ChildState.READY, timeout=max(0.0, limit)):
-            return None
-        return time.monotonic() - began
+        view = self.res.child_view(child, 0, 0, 0)
+        return view.state in ("READY", "STARTING") or view.startable
 
     def attempt_failed(self, failure: AttemptFailure) -> None:
         if failure.verdict.kind is FailureKind.OOM_SURVIVED:
@@ -152,7 +165,7 @@ class Daemon:
         start = c.last_start_s if c.last_start_s is not None else 5.0
         if c.state is ChildState.READY:
             return 1.0
-        if c.state is ChildState.FATAL or (child == "gpu" and self.gpu_paused):
+        if c.state is ChildState.FATAL or child in self.res.paused:
             return 60.0
         return 1.0 + start
 
@@ -160,38 +173,43 @@ class Daemon:
         return f"{child}-{self.boot}-{generation}"
 
     def finished(self, ctx: RequestCtx, status: int, child: str | None) -> None:
-        pass  # metrics come here
+        if child == "cpu":
+            self.cpu_last_used = time.monotonic()
+        if (ctx.route is RouteClass.GENERATION and status == 200 and ctx.broken is None
+                and ctx.attempt_started is not None):
+            self.res.observe_duration(time.monotonic() - ctx.attempt_started)
 
-    # --- GPU recovery -----------------------------------------------------------------------------
+    # --- the daemon's own clock -------------------------------------------------------------------
 
-    def gpu_need_bytes(self) -> int:
-        """What the GPU child needs to load: the most it was seen using, else a guess from the
-        model file, plus the headroom."""
-        try:
-            model = os.path.getsize(self.config.model.path)
-        except OSError:
-            model = 0
-        need = max(self.gpu_peak_bytes, int(model * 1.2))
-        return need + self.config.gpu.vram_headroom_mib * MIB
-
-    async def _watch_gpu(self) -> None:
-        """Track the GPU child's own use; after load-time OOMs left it FATAL, try again when
-        the card has room."""
+    async def _tick(self) -> None:
+        """On the monitor's interval: sample RAM and use, bring the GPU child back after
+        load-time OOMs once the card has room, stop an idle on-demand CPU child, and let
+        waiting requests in if capacity freed."""
         while True:
             await asyncio.sleep(self.config.monitor.sample_interval_s)
-            sample = self.monitor.latest
-            gpu = self.children["gpu"]
-            if sample is None:
-                continue
-            if gpu.state is ChildState.READY and gpu.pid is not None:
-                self.gpu_peak_bytes = max(self.gpu_peak_bytes,
-                                          sample.process_bytes.get(gpu.pid, 0))
-            last = gpu.last_exit
-            if (gpu.state is ChildState.FATAL and not self.gpu_paused and last is not None
-                    and last.kind == str(FailureKind.LOAD_OOM)
-                    and sample.free_bytes >= self.gpu_need_bytes()):
-                gpu.restart(f"the GPU has {sample.free_bytes // MIB} MiB free again (needs "
-                            f"about {self.gpu_need_bytes() // MIB} MiB)")
+            self.res.sample()
+            self._recover_gpu()
+            await self._stop_idle_cpu()
+            if self.gate is not None:
+                self.gate.dispatch()
+
+    def _recover_gpu(self) -> None:
+        gpu = self.children["gpu"]
+        sample = self.monitor.latest
+        last = gpu.last_exit
+        if (sample is not None and gpu.state is ChildState.FATAL and not self.gpu_paused
+                and last is not None and last.kind == str(FailureKind.LOAD_OOM)
+                and sample.free_bytes >= self.res.gpu_need_bytes()):
+            gpu.restart(f"the GPU has {sample.free_bytes // MIB} MiB free again (needs "
+                        f"about {self.res.gpu_need_bytes() // MIB} MiB)")
+
+    async def _stop_idle_cpu(self) -> None:
+        cpu = self.children["cpu"]
+        idle = time.monotonic() - self.cpu_last_used
+        if (self.config.cpu.mode == "on-demand" and cpu.state is ChildState.READY
+                and self.gate is not None and self.gate.busy["cpu"] == 0
+                and idle >= self.config.cpu.idle_stop_s):
+            self._spawn(cpu.stop(f"on-demand: idle for {idle:.0f} s"))
 
     # --- Spillway's own routes --------------------------------------------------------------------
 
@@ -200,6 +218,7 @@ class Daemon:
         children = {}
         for name, child in self.children.items():
             info = child.to_json()
+            info.update(self.res.to_json(name, self.gate.busy[name] if self.gate else 0))
             if name == "gpu":
                 info["devices"] = self.gpu_devices
                 info["runs_on"] = (self.gpu_devices[0] if self.gpu_devices else
@@ -210,29 +229,33 @@ class Daemon:
                         child.last_exit.kind == str(FailureKind.LOAD_OOM):
                     info["why"] = ("the GPU child cannot load (out of memory); serving from the "
                                    "CPU child. It is tried again when the GPU has about "
-                                   f"{self.gpu_need_bytes() // MIB} MiB free, or at once on "
+                                   f"{self.res.gpu_need_bytes() // MIB} MiB free, or at once on "
                                    "`spillway gpu restart`")
             else:
                 info["runs_on"] = "CPU"
                 info["mode"] = self.config.cpu.mode
-            t = self.throughput[name]
-            info["tokens_per_s"] = {"prompt": t.prompt_tps and round(t.prompt_tps, 1),
-                                    "generation": t.gen_tps and round(t.gen_tps, 1)}
             children[name] = info
         ready = [n for n, c in self.children.items() if c.state is ChildState.READY]
+        on_demand = self.config.cpu.mode == "on-demand" and \
+            self.children["cpu"].state is ChildState.STOPPED
+        serving = bool(ready) or on_demand
         return {
             "version": __version__,
             "uptime_s": round(time.monotonic() - self.started, 3),
             "listen": self.listening,
-            "serving": bool(ready),
-            "why_not_serving": None if ready else (
+            "serving": serving,
+            "why_not_serving": None if serving else (
                 "no child is ready: " + "; ".join(
                     f"{n} is {c.state} ({c.reason})" for n, c in self.children.items())),
             "children": children,
             "gpu": self.monitor.to_json(pids),
             "gpu_note": self.monitor.note,
             "gpu_child_on_cpu": (not self.gpu_devices) if self._devices_listed else None,
-            "waiting": 0,
+            "waiting": len(self.gate.line) if self.gate else 0,
+            "waiting_requests": self.gate.waiting() if self.gate else [],
+            "queue": {"max_waiting": self.config.queue.max_waiting,
+                      "max_wait_s": self.config.queue.max_wait_s,
+                      "service_s": self.res.service and round(self.res.service, 3)},
             "incidents": {"path": str(self.incidents.path), "written": self.incidents.written,
                           "error": self.incidents.error,
                           "last": list(self.incidents.recent)[-5:]},
@@ -282,7 +305,7 @@ class Daemon:
         """Operator control of the GPU child (key-guarded routes)."""
         gpu = self.children["gpu"]
         if action == "restart":
-            self.gpu_paused = False
+            self.res.paused.discard("gpu")
             gpu.restart("operator: spillway gpu restart")
             return "restarting the GPU child"
         if action == "drain":
@@ -291,10 +314,10 @@ class Daemon:
             gpu.drain("operator: spillway gpu drain")
             return "draining the GPU child; it restarts when its requests are done"
         if action == "pause":
-            self.gpu_paused = True
+            self.res.paused.add("gpu")
             await gpu.stop("operator: spillway gpu pause (VRAM freed)")
             return "the GPU child is stopped and its VRAM free; the CPU child serves"
-        self.gpu_paused = False
+        self.res.paused.discard("gpu")
         gpu.start()
         return "starting the GPU child"
 
@@ -315,13 +338,17 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop, sig.name)
         await self.monitor.start()
         self.children = {name: self._make_child(name) for name in CHILD_NAMES}
+        self.resources = Resources(self.config, self.children, self.monitor)
+        await asyncio.to_thread(self.res.read_model)
+        self.res.sample()
+        self.gate = Gate(self.res, self.config.queue.max_waiting, self.config.queue.max_wait_s)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             auto_decompress=False, skip_auto_headers=("User-Agent",),
         )
         forwarder = Forwarder(self._session, self.forward_settings)
-        proxy = ProxyHandler(self, forwarder, self.proxy_settings,
-                             self.incidents, self.idempotency)
+        proxy = ProxyHandler(self, self.gate, forwarder, self.proxy_settings, self.incidents,
+                             self.idempotency)
         app = build_app(proxy, self.auth, self.own_routes())
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self.config.server.drain_timeout_s)
@@ -339,8 +366,8 @@ class Daemon:
         log.info("incidents go to %s", self.incidents.path)
         # Listing devices takes a moment (a CUDA build initialises the driver): do it while the
         # children start; it only informs the status.
-        self._tasks.append(asyncio.create_task(self._list_gpu_devices()))
-        self._tasks.append(asyncio.create_task(self._watch_gpu()))
+        self._spawn(self._list_gpu_devices())
+        self._spawn(self._tick())
         for name in CHILD_NAMES:
             if name == "cpu" and self.config.cpu.mode == "on-demand":
                 continue

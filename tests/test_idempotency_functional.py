@@ -75,7 +75,7 @@ async def test_a_retry_while_it_runs_gets_409_and_another_body_gets_422(
 async def test_a_controlled_error_is_not_stored_so_a_retry_runs_anew(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
     cfg = fake_config(fake_server, tiny_model, gpu={"env": {"FAKE_SLOW_START_S": "1.5"}},
-                      cpu={"env": {"FAKE_SLOW_START_S": "1.5"}})
+                      cpu={"env": {"FAKE_SLOW_START_S": "1.5"}}, queue={"max_waiting": 0})
     s = spillway(cfg, wait_ready=False)
     async with aiohttp.ClientSession() as http:
         status, _, _ = await post(http, s.url, CHAT, "k-4")

@@ -23,7 +23,8 @@ def seen(state_file: Path) -> list[dict[str, Any]]:
 
 
 def generation_requests(state_file: Path) -> list[dict[str, Any]]:
-    return [r for r in seen(state_file) if r["path"] not in ("/health", "/v1/health")]
+    """What clients sent the child through Spillway (not Spillway's own health and /props)."""
+    return [r for r in seen(state_file) if r["path"] not in ("/health", "/v1/health", "/props")]
 
 
 @pytest.fixture
@@ -146,7 +147,7 @@ async def test_no_ready_child_gives_a_controlled_503(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
     cfg = fake_config(fake_server, tiny_model,
                       gpu={"env": {"FAKE_HANG_START": "1"}},
-                      cpu={"env": {"FAKE_HANG_START": "1"}})
+                      cpu={"env": {"FAKE_HANG_START": "1"}}, queue={"max_waiting": 0})
     s = spillway(cfg, wait_ready=False)
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{s.url}/v1/chat/completions",
@@ -162,9 +163,9 @@ async def test_no_ready_child_gives_a_controlled_503(
     assert err["type"] == "unavailable_error"
     assert err["code"] == 503
     assert err["src"] == "spillway"
-    assert err["queue_position"] == 0
+    assert err["queue_position"] == 1
     assert err["retry_after_s"] == int(r.headers["Retry-After"])
-    assert "gpu is STARTING" in err["message"]
+    assert "waiting line is full" in err["message"] and "gpu is STARTING" in err["message"]
 
 
 async def test_routes_to_the_cpu_child_while_the_gpu_child_is_not_ready(

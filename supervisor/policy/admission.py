@@ -6,13 +6,18 @@ Pure. The design's order, numbered the same way in the code:
 2. Bad input is rejected with a 4xx before any child sees it (the handler checks the body).
 3. A prompt over the GPU child's context per slot goes to a child with room, else 400.
 4. GPU child ready, under its concurrency cap, VRAM headroom kept: forward to it.
-5. Replay-safe, CPU child ready or startable, expected CPU time within the deadline: CPU child.
+5. Replay-safe, CPU child ready or startable (RAM available), expected CPU time within the
+   client's deadline: forward to the CPU child.
 6. Room in the waiting line and the wait fits the deadline: wait, in FIFO order.
 7. Else 503 with Retry-After, x-should-retry, queue position and the estimated wait.
+
+Routes outside generation (`/props`, `/slots`, ...) are outside the caps: the GPU child when
+ready, else the CPU child, or the child pinned with `X-Spillway-Child`.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -21,38 +26,172 @@ from .routes import RouteClass
 CHILD_ORDER = ("gpu", "cpu")
 
 
+class Action(enum.StrEnum):
+    FORWARD = "forward"
+    WAIT = "wait"
+    REJECT = "reject"  # 503: no capacity now
+    TOO_LONG = "too_long"  # 400 exceed_context_size_error
+
+
 @dataclass(frozen=True)
-class Route:
-    child: str | None  # None: nobody can take it now
+class ChildView:
+    name: str
+    state: str  # the lifecycle state, e.g. "READY"
+    busy: int  # generation requests it is working on
+    cap: int  # at most this many at once
+    ctx_per_slot: int | None  # from its /props; None until known
+    startable: bool = False  # stopped, may be started now (on-demand CPU child)
+    ram_ok: bool = True  # enough RAM for it (the CPU guard)
+    expected_s: float | None = None  # how long this request would take on it
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "READY"
+
+    @property
+    def has_room(self) -> bool:
+        return self.ready and self.busy < self.cap
+
+    def fits(self, prompt_tokens: int) -> bool:
+        return self.ctx_per_slot is None or prompt_tokens <= self.ctx_per_slot
+
+
+@dataclass(frozen=True)
+class Request:
+    route: RouteClass
+    prompt_tokens: int  # counted, or a cheap upper bound when that shows it is small
+    cpu_allowed: bool  # replay-safe: a parsed generation request that did not opt out
+    deadline_s: float | None  # seconds the client still waits, if it said
+    pin: str | None = None  # X-Spillway-Child (routes outside generation only)
+
+
+@dataclass(frozen=True)
+class Capacity:
+    gpu: ChildView
+    cpu: ChildView
+    vram_free_mib: float | None  # None: no GPU figures (no driver): the rule does not apply
+    vram_headroom_mib: float
+    waiting: int  # requests already in line, ahead of this one
+    max_waiting: int
+    wait_s: float  # estimated wait for a place at the back of the line
+    max_wait_s: float
+
+    def child(self, name: str) -> ChildView:
+        return self.gpu if name == "gpu" else self.cpu
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    branch: int
     reason: str
+    child: str | None = None
+    start_child: bool = False  # start it first (on-demand cold start)
     retry_after_s: float = 0.0
+    queue_position: int = 0
 
 
-def _retry_after(states: Mapping[str, str]) -> float:
-    """How soon a child may be back, from the states alone."""
-    values = set(states.values())
-    if "STARTING" in values or "DRAINING" in values or "STOPPING" in values:
+# States from which a child serves again without anyone's help.
+_COMING = frozenset({"READY", "STARTING", "BACKOFF", "EXITED", "DRAINING", "STOPPING"})
+
+
+def _may_serve(child: ChildView) -> bool:
+    return child.state in _COMING
+
+
+def _headroom_kept(cap: Capacity) -> bool:
+    return cap.vram_free_mib is None or cap.vram_free_mib >= cap.vram_headroom_mib
+
+
+def _retry_after(cap: Capacity) -> float:
+    """How soon capacity may be back, from what is known."""
+    if cap.wait_s > 0:
+        return cap.wait_s
+    states = {cap.gpu.state, cap.cpu.state}
+    if states & {"STARTING", "DRAINING", "STOPPING"}:
         return 2.0
-    if "BACKOFF" in values or "EXITED" in values:
+    if states & {"BACKOFF", "EXITED"}:
         return 5.0
     return 30.0
 
 
-def _why_none(states: Mapping[str, str]) -> str:
-    return "no child is ready (" + ", ".join(f"{n} is {s}" for n, s in states.items()) + ")"
+def _why(cap: Capacity) -> str:
+    parts = []
+    for c in (cap.gpu, cap.cpu):
+        if c.ready:
+            parts.append(f"{c.name} busy ({c.busy}/{c.cap})")
+        else:
+            parts.append(f"{c.name} is {c.state}")
+    if not _headroom_kept(cap):
+        parts.append(f"GPU has {cap.vram_free_mib:.0f} MiB free, under the "
+                     f"{cap.vram_headroom_mib:.0f} MiB headroom")
+    return ", ".join(parts)
 
 
-def route_simple(states: Mapping[str, str], route: RouteClass, pin: str | None) -> Route:
-    """4/5 without caps: the GPU child when ready, else the CPU child when ready, else 7.
-
-    Routes outside the caps may be pinned to a child with `X-Spillway-Child`.
-    """
-    if pin in CHILD_ORDER and route is not RouteClass.GENERATION:
+def passthrough(states: Mapping[str, str], pin: str | None) -> Decision:
+    """Routes outside generation: outside the caps, never replayed."""
+    if pin in CHILD_ORDER:
         if states.get(pin) == "READY":
-            return Route(pin, "pinned by X-Spillway-Child")
-        return Route(None, f"the {pin} child (pinned by X-Spillway-Child) is "
-                           f"{states.get(pin)}", _retry_after(states))
+            return Decision(Action.FORWARD, 4, "pinned by X-Spillway-Child", child=pin)
+        return Decision(Action.REJECT, 7, f"the {pin} child (pinned by X-Spillway-Child) is "
+                                          f"{states.get(pin)}", retry_after_s=5.0)
     for name in CHILD_ORDER:
         if states.get(name) == "READY":
-            return Route(name, f"{name} child ready")
-    return Route(None, _why_none(states), _retry_after(states))
+            return Decision(Action.FORWARD, 4, f"{name} child ready", child=name)
+    return Decision(Action.REJECT, 7, "no child is ready (" + ", ".join(
+        f"{n} is {s}" for n, s in states.items()) + ")", retry_after_s=5.0)
+
+
+def decide(req: Request, cap: Capacity) -> Decision:
+    """Forward, wait or reject one generation request (branches 3 to 7)."""
+    gpu, cpu = cap.gpu, cap.cpu
+    # 3. A prompt over the GPU child's context per slot goes to a child with room for it.
+    gpu_fits = gpu.fits(req.prompt_tokens)
+    if not gpu_fits and not cpu.fits(req.prompt_tokens):
+        limit = max(c.ctx_per_slot or 0 for c in (gpu, cpu))
+        return Decision(Action.TOO_LONG, 3, f"the prompt ({req.prompt_tokens} tokens) exceeds "
+                                            f"the context of every child ({limit} tokens per "
+                                            "slot)")
+    # 4. The GPU child: ready, under its cap, VRAM headroom kept.
+    if gpu_fits and gpu.has_room and _headroom_kept(cap):
+        return Decision(Action.FORWARD, 4, "GPU child has room", child="gpu")
+    # 5. The CPU child: for requests that may move, when it is ready (or can start), has the
+    #    RAM, and its expected time fits the client's deadline.
+    cpu_in_time = (req.deadline_s is None or cpu.expected_s is None
+                   or cpu.expected_s <= req.deadline_s)
+    if req.cpu_allowed and cpu.fits(req.prompt_tokens) and cpu.ram_ok and cpu_in_time:
+        if cpu.has_room:
+            why = "GPU child full or short of VRAM" if gpu_fits else \
+                "the prompt exceeds the GPU child's context"
+            return Decision(Action.FORWARD, 5, f"CPU child: {why}", child="cpu")
+        if cpu.startable:
+            return Decision(Action.FORWARD, 5, "CPU child started on demand", child="cpu",
+                            start_child=True)
+    # 6. Wait in line, if there is room, the wait fits, and capacity can come back at all.
+    coming = (gpu_fits and _may_serve(gpu)) or (
+        req.cpu_allowed and cpu.fits(req.prompt_tokens) and (_may_serve(cpu) or cpu.startable))
+    if not coming:
+        return Decision(Action.REJECT, 7, f"no child can take it: {_why(cap)}",
+                        retry_after_s=_retry_after(cap))
+    allowed = cap.max_wait_s if req.deadline_s is None else min(cap.max_wait_s, req.deadline_s)
+    position = cap.waiting + 1
+    if cap.waiting < cap.max_waiting and cap.wait_s <= allowed:
+        return Decision(Action.WAIT, 6, f"waiting: {_why(cap)}", queue_position=position,
+                        retry_after_s=cap.wait_s)
+    # 7. Reject, saying when to come back.
+    if cap.waiting >= cap.max_waiting:
+        reason = f"the waiting line is full ({cap.max_waiting} waiting): {_why(cap)}"
+    else:
+        reason = (f"the estimated wait ({cap.wait_s:.0f} s) is longer than the client will "
+                  f"wait ({allowed:.0f} s): {_why(cap)}")
+    if req.deadline_s is not None and cpu.expected_s is not None and not cpu_in_time:
+        reason += (f"; the CPU child would need about {cpu.expected_s:.0f} s, the deadline is "
+                   f"{req.deadline_s:.0f} s")
+    return Decision(Action.REJECT, 7, reason, retry_after_s=_retry_after(cap),
+                    queue_position=position)
+
+
+def can_serve_now(req: Request, cap: Capacity) -> Decision | None:
+    """For the head of the line: a FORWARD decision if it can go now, else None."""
+    d = decide(req, cap)
+    return d if d.action in (Action.FORWARD, Action.TOO_LONG) else None

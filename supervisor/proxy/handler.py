@@ -21,9 +21,10 @@ from aiohttp import web
 from ..idempotency import IdempotencyStore, Outcome, StoredResponse, fingerprint, scope_of
 from ..incidents import Incident, IncidentLog, new_incident_id
 from ..timefmt import rfc3339
-from ..policy import admission, replay
+from ..gate import Gate
+from ..policy import admission, estimate, replay
 from ..policy.routes import RouteClass, classify_route
-from . import errors
+from . import errors, tokens
 from .auth import presented_key
 from .forward import AttemptFailure, Forwarder, RequestCtx, Upstream
 from .identity import request_id_of
@@ -97,13 +98,13 @@ class Backend(Protocol):
 
     def can_take_replay(self, child: str) -> bool: ...
 
-    async def ready_for_replay(self, child: str, within_s: float | None) -> float | None: ...
-
     def attempt_failed(self, failure: AttemptFailure) -> None: ...
 
     def back_in_s(self, child: str) -> float: ...
 
     def episode_id(self, child: str, generation: int) -> str: ...
+
+    def ctx_per_slot(self, child: str) -> int | None: ...
 
     def finished(self, ctx: RequestCtx, status: int, child: str | None) -> None: ...
 
@@ -122,9 +123,11 @@ class _Episode:
 class ProxyHandler:
     """Handles every request outside /spillway/."""
 
-    def __init__(self, backend: Backend, forwarder: Forwarder, settings: ProxySettings,
-                 incidents: IncidentLog, idempotency: IdempotencyStore) -> None:
+    def __init__(self, backend: Backend, gate: Gate, forwarder: Forwarder,
+                 settings: ProxySettings, incidents: IncidentLog,
+                 idempotency: IdempotencyStore) -> None:
         self.backend = backend
+        self.gate = gate
         self.forwarder = forwarder
         self.settings = settings
         self.incidents = incidents
@@ -235,23 +238,71 @@ class ProxyHandler:
                 self._record(ctx, episode, status, connected)
             self._finish(ctx, request, ctx.request_id, status)
 
+    def _deadline_left(self, ctx: RequestCtx) -> float | None:
+        deadline = client_deadline(ctx.client_headers)
+        return None if deadline is None else deadline - (time.monotonic() - ctx.received)
+
     async def _serve(self, request: web.Request, ctx: RequestCtx,
                      episodes: list[_Episode]) -> web.StreamResponse:
-        pin = request.headers.get("X-Spillway-Child", "").strip().lower() or None
-        decision = admission.route_simple(self.backend.states(), ctx.route, pin)
-        if decision.child is None:
-            return errors.unavailable(decision.reason, ctx.request_id,
-                                      retry_after_s=decision.retry_after_s, queue_position=0)
-        child = self.backend.upstreams()[decision.child]
-        result = await self._attempt(request, ctx, child)
-        if not isinstance(result, AttemptFailure):
+        if ctx.route is not RouteClass.GENERATION:
+            # Outside the caps: the GPU child when ready, else the CPU child, or the pinned one.
+            pin = request.headers.get("X-Spillway-Child", "").strip().lower() or None
+            decision = admission.passthrough(self.backend.states(), pin)
+            if decision.child is None:
+                return errors.unavailable(decision.reason, ctx.request_id,
+                                          retry_after_s=decision.retry_after_s)
+            result = await self._attempt(request, ctx, self.backend.upstreams()[decision.child])
+            if isinstance(result, AttemptFailure):
+                return await self._after_failure(request, ctx, result, episodes)
             return result
-        return await self._after_failure(request, ctx, result, episodes)
+        # Generation: 3 to 7 of the admission order.
+        opted_out = ctx.client_headers.get("X-Spillway-Replay", "").strip().lower() == "never"
+        got = await self.gate.admit(admission.Request(
+            route=ctx.route, prompt_tokens=await self._prompt_tokens(ctx),
+            cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx)),
+            len(ctx.body), estimate.requested_tokens(ctx.payload))
+        if isinstance(got, admission.Decision):
+            return self._refusal(ctx, got)
+        try:
+            result = await self._attempt(request, ctx, self.backend.upstreams()[got.child])
+        finally:
+            self.gate.release(got.child)
+        if isinstance(result, AttemptFailure):
+            return await self._after_failure(request, ctx, result, episodes)
+        return result
+
+    async def _prompt_tokens(self, ctx: RequestCtx) -> int:
+        """The prompt's tokens when they may matter (over a child's context), else the cheap
+        bound (or 0: unknown, which fits anywhere)."""
+        bound = tokens.upper_bound(len(ctx.body), ctx.payload)
+        limit = self.backend.ctx_per_slot("gpu")
+        if limit is None or bound <= limit or ctx.payload is None:
+            return bound if limit is not None else 0
+        states = self.backend.states()
+        name = "gpu" if states.get("gpu") == "READY" else "cpu"
+        if states.get(name) != "READY":
+            return 0
+        counted = await tokens.count(self.forwarder.session, self.backend.upstreams()[name],
+                                     ctx.path, ctx.payload)
+        return counted if counted is not None else 0
+
+    def _refusal(self, ctx: RequestCtx, decision: admission.Decision) -> web.Response:
+        if decision.action is admission.Action.TOO_LONG:
+            # As llama-server says it, before any child works on it.
+            limit = max(filter(None, (self.backend.ctx_per_slot(n) for n in ("gpu", "cpu"))),
+                        default=0)
+            return errors.json_error(
+                400, "exceed_context_size_error", decision.reason, ctx.request_id,
+                n_ctx=limit)
+        return errors.unavailable(decision.reason, ctx.request_id,
+                                  retry_after_s=decision.retry_after_s,
+                                  queue_position=decision.queue_position)
 
     async def _attempt(self, request: web.Request, ctx: RequestCtx,
                        child: Upstream) -> web.StreamResponse | AttemptFailure:
         ctx.attempts += 1
         ctx.children.append(child.name)
+        ctx.attempt_started = time.monotonic()
         own = [("X-Request-Id", ctx.request_id), ("X-Spillway-Child", child.name),
                ("X-Spillway-Attempts", str(ctx.attempts))]
         if ctx.failover_kind:
@@ -269,8 +320,7 @@ class ProxyHandler:
                              failure: AttemptFailure,
                              episodes: list[_Episode]) -> web.StreamResponse:
         other = "cpu" if failure.child == "gpu" else "gpu"
-        deadline = client_deadline(ctx.client_headers)
-        left = None if deadline is None else deadline - (time.monotonic() - ctx.received)
+        left = self._deadline_left(ctx)
         opted_out = ctx.client_headers.get("X-Spillway-Replay", "").strip().lower() == "never"
         decision = replay.decide(replay.ReplayCase(
             verdict=failure.verdict,
@@ -287,7 +337,7 @@ class ProxyHandler:
         ))
         cpu_start_s: float | None = 0.0
         if decision.replay:
-            cpu_start_s = await self.backend.ready_for_replay(other, left)
+            cpu_start_s = await self.gate.acquire_replay(other, left)
             if cpu_start_s is None:
                 decision = replay.ReplayDecision(False, f"{replay.Refusal.NO_TARGET}: the {other}"
                                                         " child did not become ready in time",
@@ -301,7 +351,10 @@ class ProxyHandler:
         log.warning("rid=%s %s child failed (%s: %s); replaying on the %s child",
                     ctx.request_id, failure.child, failure.verdict.kind,
                     failure.verdict.evidence, other)
-        second = await self._attempt(request, ctx, self.backend.upstreams()[other])
+        try:
+            second = await self._attempt(request, ctx, self.backend.upstreams()[other])
+        finally:
+            self.gate.release(other)
         if isinstance(second, AttemptFailure):
             # No third attempt: the client gets a controlled error naming both failures.
             episodes.append(_Episode(second, "rejected", str(replay.Refusal.ALREADY_REPLAYED)))
