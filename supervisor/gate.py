@@ -207,14 +207,16 @@ class Gate:
         began = time.monotonic()
         limit = self.max_wait_s if within_s is None else min(within_s, self.max_wait_s)
         view = self.source.child_view(child, self.busy[child], 0, 0)
+        start_s = 0.0  # the child was running
         if not view.ready:
             if view.startable:
                 self.source.start_child(child)
             elif view.state not in ("STARTING",):
                 return None
-            if await self.source.wait_ready(child, limit) is None:
+            waited = await self.source.wait_ready(child, limit)
+            if waited is None:
                 return None
-        start_s = time.monotonic() - began
+            start_s = waited
         view = self.source.child_view(child, self.busy[child], 0, 0)
         if view.has_room and not self._replays:
             self.reserve(child)
@@ -223,7 +225,8 @@ class Gate:
         self._replays.append((child, future))
         try:
             self.dispatch()
-            await asyncio.wait_for(asyncio.shield(future), max(0.0, limit - start_s))
+            await asyncio.wait_for(asyncio.shield(future),
+                                   max(0.0, limit - (time.monotonic() - began)))
             return start_s
         except TimeoutError:
             return None

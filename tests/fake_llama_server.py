@@ -102,6 +102,14 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok"})
 
 
+def timings(count: int) -> dict[str, float]:
+    """As llama-server reports them: what this answer took, by its fault switches."""
+    delay = float(ENV.get("FAKE_TOKEN_DELAY_S", "0.01"))
+    prompt_s = float(ENV.get("FAKE_PROMPT_DELAY_S", "0")) or 0.001
+    return {"prompt_n": 10, "prompt_ms": prompt_s * 1000, "predicted_n": count,
+            "predicted_ms": max(count * delay * 1000, 0.001)}
+
+
 def n_tokens(body: dict[str, Any]) -> int:
     default = int(ENV.get("FAKE_TOKENS", "8"))
     asked = body.get("max_tokens", body.get("n_predict", default))
@@ -147,6 +155,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
             "usage": {"completion_tokens": count, "prompt_tokens": 10,
                       "total_tokens": count + 10},
             "fake": {"pid": os.getpid(), "request_id": rid},
+            "timings": timings(count),
         })
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                        "X-Accel-Buffering": "no"})
@@ -162,7 +171,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
         await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await asyncio.sleep(delay)
     final = {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}],
-             "object": "chat.completion.chunk", "model": "fake"}
+             "object": "chat.completion.chunk", "model": "fake", "timings": timings(count)}
     await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
     await resp.write_eof()
     return resp

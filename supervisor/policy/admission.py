@@ -122,6 +122,8 @@ def _why(cap: Capacity) -> str:
             parts.append(f"{c.name} busy ({c.busy}/{c.cap})")
         else:
             parts.append(f"{c.name} is {c.state}")
+    if not cap.cpu.ram_ok:
+        parts.append("not enough free RAM for the CPU child")
     if not _headroom_kept(cap):
         parts.append(f"GPU has {cap.vram_free_mib:.0f} MiB free, under the "
                      f"{cap.vram_headroom_mib:.0f} MiB headroom")

@@ -1,0 +1,132 @@
+"""The admission gate with a fake capacity source: caps never exceeded, first in first out,
+clients that leave leave the line, nothing lost."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from supervisor.gate import Admitted, Gate
+from supervisor.policy.admission import Action, ChildView, Decision, Request
+from supervisor.policy.routes import RouteClass
+
+REQ = Request(route=RouteClass.GENERATION, prompt_tokens=10, cpu_allowed=True, deadline_s=None)
+
+
+class FakeSource:
+    """A test double of the daemon's capacity figures: fixed states and caps."""
+
+    def __init__(self, caps: dict[str, int], states: dict[str, str] | None = None) -> None:
+        self.caps = caps
+        self.states = states or {"gpu": "READY", "cpu": "READY"}
+        self.started: list[str] = []
+
+    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int) -> ChildView:
+        return ChildView(name, self.states[name], busy, self.caps[name], ctx_per_slot=None,
+                         startable=self.states[name] == "STOPPED" and name == "cpu")
+
+    def vram_free_mib(self) -> float | None:
+        return None
+
+    def vram_headroom_mib(self) -> float:
+        return 0.0
+
+    def service_s(self) -> float | None:
+        return 1.0
+
+    def start_child(self, name: str) -> None:
+        self.started.append(name)
+        self.states[name] = "READY"
+
+    async def wait_ready(self, name: str, within_s: float) -> float | None:
+        return 0.25
+
+
+@pytest.mark.asyncio
+async def test_caps_hold_and_the_line_is_served_in_order() -> None:
+    gate = Gate(FakeSource({"gpu": 2, "cpu": 1}), max_waiting=50, max_wait_s=30)
+    served: list[int] = []
+    peak = {"gpu": 0, "cpu": 0}
+
+    async def client(i: int) -> None:
+        got = await gate.admit(REQ, 100, 10)
+        assert isinstance(got, Admitted)
+        served.append(i)
+        peak[got.child] = max(peak[got.child], gate.busy[got.child])
+        await asyncio.sleep(random.uniform(0.001, 0.01))
+        gate.release(got.child)
+
+    tasks = []
+    for i in range(40):
+        tasks.append(asyncio.create_task(client(i)))
+        await asyncio.sleep(0)  # arrivals in order
+    await asyncio.gather(*tasks)
+    assert peak == {"gpu": 2, "cpu": 1}
+    assert gate.busy == {"gpu": 0, "cpu": 0}
+    # The first three went at once; the rest were served from the line in arrival order.
+    assert served[3:] == sorted(served[3:])
+    assert len(served) == 40 and len(gate.line) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_client_that_leaves_the_line_leaves_at_once_and_loses_nothing() -> None:
+    gate = Gate(FakeSource({"gpu": 1, "cpu": 1}), max_waiting=10, max_wait_s=30)
+    first = await gate.admit(REQ, 1, 1)
+    second = await gate.admit(REQ, 1, 1)
+    assert isinstance(first, Admitted) and isinstance(second, Admitted)
+    waiters = [asyncio.create_task(gate.admit(REQ, 1, 1)) for _ in range(3)]
+    await asyncio.sleep(0.01)
+    assert len(gate.line) == 3
+    waiters[1].cancel()
+    await asyncio.sleep(0.01)
+    assert len(gate.line) == 2
+    assert [w["position"] for w in gate.waiting()] == [1, 2]
+    gate.release(first.child)
+    got = await waiters[0]
+    assert isinstance(got, Admitted) and got.waited_s > 0
+    gate.release(second.child)
+    assert isinstance(await waiters[2], Admitted)
+    assert len(gate.line) == 0
+
+
+@pytest.mark.asyncio
+async def test_a_full_line_and_a_short_wait_are_refused_with_position_and_retry_after() -> None:
+    gate = Gate(FakeSource({"gpu": 1, "cpu": 1}), max_waiting=1, max_wait_s=0.6)
+    for _ in range(2):
+        assert isinstance(await gate.admit(REQ, 1, 1), Admitted)
+    waiting = asyncio.create_task(gate.admit(REQ, 1, 1))
+    await asyncio.sleep(0.01)
+    full = await gate.admit(REQ, 1, 1)
+    assert isinstance(full, Decision) and full.action is Action.REJECT
+    assert full.queue_position == 2 and "full" in full.reason
+    timed_out = await waiting  # nobody released within max_wait_s
+    assert isinstance(timed_out, Decision) and timed_out.action is Action.REJECT
+    assert timed_out.retry_after_s > 0 and timed_out.queue_position == 1
+
+
+@pytest.mark.asyncio
+async def test_replays_go_ahead_of_the_line() -> None:
+    gate = Gate(FakeSource({"gpu": 1, "cpu": 1}), max_waiting=10, max_wait_s=30)
+    held = [await gate.admit(REQ, 1, 1) for _ in range(2)]
+    waiting = asyncio.create_task(gate.admit(REQ, 1, 1))
+    await asyncio.sleep(0.01)
+    replay = asyncio.create_task(gate.acquire_replay("cpu", None))
+    await asyncio.sleep(0.01)
+    assert isinstance(held[1], Admitted)
+    gate.release(held[1].child)  # the CPU slot frees: the replay takes it, not the line
+    assert await replay == 0.0
+    assert not waiting.done()
+    assert isinstance(held[0], Admitted)
+    gate.release(held[0].child)
+    assert isinstance(await waiting, Admitted)
+
+
+@pytest.mark.asyncio
+async def test_an_on_demand_child_is_started_and_its_start_time_measured() -> None:
+    source = FakeSource({"gpu": 1, "cpu": 1}, {"gpu": "BACKOFF", "cpu": "STOPPED"})
+    gate = Gate(source, max_waiting=10, max_wait_s=30)
+    got = await gate.admit(REQ, 1, 1)
+    assert isinstance(got, Admitted)
+    assert got.child == "cpu" and got.cpu_start_s == 0.25 and source.started == ["cpu"]

@@ -1,0 +1,193 @@
+"""Admission: the decision table, branch by branch, and the waiting line's properties."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from supervisor.policy.admission import (
+    Action,
+    Capacity,
+    ChildView,
+    Request,
+    can_serve_now,
+    decide,
+    passthrough,
+)
+from supervisor.policy.routes import RouteClass
+from supervisor.policy.waitline import WaitLine, estimated_wait
+
+GPU = ChildView("gpu", "READY", busy=0, cap=2, ctx_per_slot=4096)
+CPU = ChildView("cpu", "READY", busy=0, cap=1, ctx_per_slot=8192, expected_s=20.0)
+CAP = Capacity(gpu=GPU, cpu=CPU, vram_free_mib=8000, vram_headroom_mib=1024, waiting=0,
+               max_waiting=4, wait_s=5.0, max_wait_s=60)
+REQ = Request(route=RouteClass.GENERATION, prompt_tokens=100, cpu_allowed=True,
+              deadline_s=None)
+
+
+def with_(cap: Capacity = CAP, gpu: dict[str, object] | None = None,
+          cpu: dict[str, object] | None = None, **kw: object) -> Capacity:
+    return dataclasses.replace(
+        cap, gpu=dataclasses.replace(cap.gpu, **(gpu or {})),  # type: ignore[arg-type]
+        cpu=dataclasses.replace(cap.cpu, **(cpu or {})), **kw)  # type: ignore[arg-type]
+
+
+# (name, request changes, capacity, expected action, branch, child)
+TABLE = [
+    ("gpu has room", {}, CAP, Action.FORWARD, 4, "gpu"),
+    ("over the gpu context, cpu has room", {"prompt_tokens": 6000}, CAP, Action.FORWARD, 5,
+     "cpu"),
+    ("over every context", {"prompt_tokens": 9000}, CAP, Action.TOO_LONG, 3, None),
+    ("gpu full: cpu", {}, with_(gpu={"busy": 2}), Action.FORWARD, 5, "cpu"),
+    ("vram under headroom: cpu", {}, with_(vram_free_mib=500), Action.FORWARD, 5, "cpu"),
+    ("no gpu figures: headroom not applied", {}, with_(vram_free_mib=None), Action.FORWARD, 4,
+     "gpu"),
+    ("gpu restarting: cpu", {}, with_(gpu={"state": "BACKOFF"}), Action.FORWARD, 5, "cpu"),
+    ("opted out: waits for the gpu", {"cpu_allowed": False}, with_(gpu={"busy": 2}),
+     Action.WAIT, 6, None),
+    ("cpu too slow for the deadline: wait", {"deadline_s": 10.0}, with_(gpu={"busy": 2}),
+     Action.WAIT, 6, None),
+    ("cpu without RAM: wait", {}, with_(gpu={"busy": 2}, cpu={"ram_ok": False}), Action.WAIT,
+     6, None),
+    ("on-demand cpu: start it", {}, with_(gpu={"busy": 2}, cpu={"state": "STOPPED",
+                                                               "startable": True}),
+     Action.FORWARD, 5, "cpu"),
+    ("both full: wait", {}, with_(gpu={"busy": 2}, cpu={"busy": 1}), Action.WAIT, 6, None),
+    ("both full, line full: 503", {}, with_(gpu={"busy": 2}, cpu={"busy": 1}, waiting=4),
+     Action.REJECT, 7, None),
+    ("both full, wait too long: 503", {}, with_(gpu={"busy": 2}, cpu={"busy": 1}, wait_s=90),
+     Action.REJECT, 7, None),
+    ("both full, deadline shorter than the wait: 503", {"deadline_s": 2.0},
+     with_(gpu={"busy": 2}, cpu={"busy": 1}), Action.REJECT, 7, None),
+    ("both fatal: 503 at once", {}, with_(gpu={"state": "FATAL"}, cpu={"state": "FATAL"}),
+     Action.REJECT, 7, None),
+    ("gpu fatal, cpu stopped and not startable: 503", {},
+     with_(gpu={"state": "FATAL"}, cpu={"state": "STOPPED"}), Action.REJECT, 7, None),
+    ("both starting: wait", {}, with_(gpu={"state": "STARTING"}, cpu={"state": "STARTING"}),
+     Action.WAIT, 6, None),
+]
+
+
+@pytest.mark.parametrize("name,change,cap,action,branch,child", TABLE, ids=[t[0] for t in TABLE])
+def test_the_decision_table(name: str, change: dict[str, object], cap: Capacity, action: Action,
+                            branch: int, child: str | None) -> None:
+    d = decide(dataclasses.replace(REQ, **change), cap)  # type: ignore[arg-type]
+    assert (d.action, d.branch, d.child) == (action, branch, child), d.reason
+    if action is Action.WAIT:
+        assert d.queue_position == cap.waiting + 1
+    if action is Action.REJECT:
+        assert d.retry_after_s > 0
+
+
+def test_a_startable_cpu_child_is_started_first() -> None:
+    d = decide(REQ, with_(gpu={"busy": 2}, cpu={"state": "STOPPED", "startable": True}))
+    assert d.start_child
+
+
+def test_reasons_say_what_is_full() -> None:
+    d = decide(REQ, with_(gpu={"busy": 2}, cpu={"busy": 1}, waiting=4))
+    assert "gpu busy (2/2)" in d.reason and "cpu busy (1/1)" in d.reason
+    d = decide(REQ, with_(vram_free_mib=500, cpu={"busy": 1}))
+    assert "500 MiB free, under the 1024 MiB headroom" in d.reason
+
+
+def test_the_head_of_the_line_goes_only_when_it_can_be_forwarded() -> None:
+    assert can_serve_now(REQ, with_(gpu={"busy": 2}, cpu={"busy": 1})) is None
+    d = can_serve_now(REQ, with_(gpu={"busy": 1}, cpu={"busy": 1}))
+    assert d is not None and d.child == "gpu"
+
+
+def test_routes_outside_generation_are_outside_the_caps() -> None:
+    assert passthrough({"gpu": "READY", "cpu": "READY"}, None).child == "gpu"
+    assert passthrough({"gpu": "BACKOFF", "cpu": "READY"}, None).child == "cpu"
+    assert passthrough({"gpu": "READY", "cpu": "READY"}, "cpu").child == "cpu"
+    assert passthrough({"gpu": "READY", "cpu": "STOPPED"}, "cpu").action is Action.REJECT
+
+
+def test_the_estimated_wait_grows_with_the_position() -> None:
+    assert estimated_wait(0, 4.0, 2) == 0
+    assert estimated_wait(1, 4.0, 2) == 2.0
+    assert estimated_wait(4, 4.0, 2) == 8.0
+    assert estimated_wait(2, None, 1) > 0
+
+
+@given(st.integers(0, 5), st.integers(0, 3), st.integers(0, 2), st.integers(0, 2),
+       st.booleans(), st.sampled_from(["READY", "BACKOFF", "FATAL", "STARTING"]))
+def test_never_forwards_past_a_cap(gpu_busy: int, cpu_busy: int, gpu_cap: int, cpu_cap: int,
+                                   cpu_allowed: bool, gpu_state: str) -> None:
+    cap = with_(gpu={"busy": gpu_busy, "cap": gpu_cap, "state": gpu_state},
+                cpu={"busy": cpu_busy, "cap": cpu_cap})
+    d = decide(dataclasses.replace(REQ, cpu_allowed=cpu_allowed), cap)
+    if d.action is Action.FORWARD:
+        chosen = cap.child(d.child or "")
+        assert chosen.ready and chosen.busy < chosen.cap
+        assert cpu_allowed or d.child == "gpu"
+
+
+class WaitLineMachine(RuleBasedStateMachine):
+    """Random arrivals, departures and services: order kept, positions only fall, nothing
+    lost, the bound held."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.line = WaitLine(max_waiting=8)
+        self.model: list[int] = []  # ticket ids in arrival order
+        self.positions: dict[int, int] = {}
+        self.served: list[int] = []
+        self.left: list[int] = []
+        self.refused = 0
+        self.arrived = 0
+        self.now = 0.0
+
+    @rule()
+    def arrive(self) -> None:
+        self.now += 1
+        self.arrived += 1
+        ticket = self.line.join(self.now)
+        if ticket is None:
+            assert len(self.model) == 8
+            self.refused += 1
+        else:
+            self.model.append(ticket.id)
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data())
+    def depart(self, data: st.DataObject) -> None:
+        tid = data.draw(st.sampled_from(self.model))
+        ticket = next(t for t in self.line.tickets() if t.id == tid)
+        self.line.leave(ticket)
+        self.model.remove(tid)
+        self.left.append(tid)
+
+    @precondition(lambda self: self.model)
+    @rule()
+    def serve(self) -> None:
+        head = self.line.head()
+        assert head is not None and head.id == self.model[0]  # first in, first out
+        self.line.leave(head)
+        self.served.append(self.model.pop(0))
+
+    @invariant()
+    def order_positions_and_bound(self) -> None:
+        tickets = self.line.tickets()
+        assert [t.id for t in tickets] == self.model
+        assert len(tickets) <= 8
+        for t in tickets:
+            position = self.line.position(t)
+            assert position == self.model.index(t.id) + 1
+            assert position <= self.positions.get(t.id, position)  # positions only fall
+            self.positions[t.id] = position
+
+    @invariant()
+    def nothing_lost(self) -> None:
+        assert self.arrived == (len(self.model) + len(self.served) + len(self.left)
+                                + self.refused)
+        assert self.served == sorted(self.served)  # served in arrival order
+
+
+TestWaitLine = WaitLineMachine.TestCase
+TestWaitLine.settings = settings(max_examples=60, stateful_step_count=60)
