@@ -141,6 +141,21 @@ class Spillway:
         except ValueError:
             return status, body.decode(errors="replace")
 
+    def post(self, path: str, body: Any, headers: Mapping[str, str] | None = None,
+             timeout: float = 60.0) -> tuple[int, Any]:
+        req = urllib.request.Request(self.url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **dict(headers or {})})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                raw, status = r.read(), r.status
+        except urllib.error.HTTPError as e:
+            raw, status = e.read(), e.code
+        try:
+            return status, json.loads(raw)
+        except ValueError:
+            return status, raw.decode(errors="replace")
+
     def status(self, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         code, body = self.get("/spillway/status", headers)
         assert code == 200, (code, body)

@@ -182,8 +182,7 @@ async def test_an_on_demand_cpu_child_starts_when_needed_and_stops_when_idle(
     assert "on-demand: idle for" in s.log_text()
 
 
-@pytest.mark.asyncio
-async def test_the_cpu_guard_keeps_a_cold_start_off_a_machine_without_the_ram(
+def test_the_cpu_guard_keeps_a_cold_start_off_a_machine_without_the_ram(
         spillway: SpillwayFactory, fake_server: Path, tmp_path: Path) -> None:
     huge = tmp_path / "huge.gguf"
     with open(huge, "wb") as f:  # sparse: as large as a model no machine here can hold
@@ -194,8 +193,7 @@ async def test_the_cpu_guard_keeps_a_cold_start_off_a_machine_without_the_ram(
     s.wait_listening()
     needs = s.child("cpu")["ram"]["needs_bytes_to_start"]
     assert needs >= 1 << 40
-    async with aiohttp.ClientSession() as http:
-        status, _, body = await post(http, s)
+    status, body = s.post("/v1/chat/completions", CHAT)
     assert status == 503
     assert "not enough free RAM for the CPU child" in body["error"]["message"]
     assert s.child("cpu")["state"] == "STOPPED"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -115,9 +114,9 @@ async def test_low_free_vram_moves_new_work_off_the_gpu_child(
 
     assert await child_now() == "gpu"
     write_json(nvml, total_mib=24576, free_mib=600)  # a game took the card
-    time.sleep(0.5)
+    await asyncio.sleep(0.5)
     assert [await child_now() for _ in range(3)] == ["cpu"] * 3
     assert s.status()["gpu"]["free_mib"] == 600
     write_json(nvml, total_mib=24576, free_mib=20000)
-    time.sleep(0.5)
+    await asyncio.sleep(0.5)
     assert await child_now() == "gpu"
