@@ -38,6 +38,7 @@ import aiohttp
 
 from .config import ChildConfig, RestartConfig
 from .policy import lifecycle
+from .systemd import OWN_VARIABLES
 from .timefmt import rfc3339
 from .policy.evidence import VramSample, classify_exit, describe_exit, exit_signal
 from .policy.lifecycle import ChildState
@@ -50,9 +51,10 @@ LIVENESS_POLL_S = 2.0  # while ready
 LIVENESS_TIMEOUT_S = 10.0
 _PR_SET_PDEATHSIG = 1
 
-# Environment variables llama-server reads as settings that Spillway owns.
+# Environment variables llama-server reads as settings that Spillway owns, and systemd's, which
+# are for the daemon alone (a child must not answer systemd's notify socket in its place).
 _OWNED_ENV = ("LLAMA_ARG_HOST", "LLAMA_ARG_PORT", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE",
-              "LLAMA_ARG_MODEL")
+              "LLAMA_ARG_MODEL", *OWN_VARIABLES)
 
 
 def _die_with_parent(parent_pid: int) -> Callable[[], None]:

@@ -612,5 +612,25 @@ __all__ = [
     "Config", "ConfigError", "Problem", "ChildConfig", "ServerConfig", "ModelConfig",
     "RestartConfig", "GpuMonitorConfig", "FailoverConfig", "IncidentsConfig", "QueueConfig",
     "IdempotencyConfig", "ListenAddress", "load", "build",
-    "known_keys", "parse_listen", "SCHEMA", "CHILD_NAMES",
+    "known_keys", "parse_listen", "SCHEMA", "CHILD_NAMES", "diff", "command_changed",
 ]
+
+
+def diff(old: Config, new: Config) -> list[str]:
+    """`section.field` for every value that differs (the path excepted)."""
+    changed = []
+    for f in dataclasses.fields(Config):
+        if f.name == "path":
+            continue
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        for g in dataclasses.fields(a):
+            if getattr(a, g.name) != getattr(b, g.name):
+                changed.append(f"{f.name}.{g.name}")
+    return changed
+
+
+def command_changed(old: ChildConfig, new: ChildConfig) -> bool:
+    """Whether the child must be restarted to take the new config: its command line or
+    environment (or card) differ."""
+    return (old.llama_server, old.model_path, old.args, dict(old.env), old.device) != (
+        new.llama_server, new.model_path, new.args, dict(new.env), new.device)

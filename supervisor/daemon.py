@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 import time
@@ -19,22 +20,26 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from . import __version__, bootstrap
+from . import __version__, bootstrap, config as config_module
 from .children import Child
 from .config import CHILD_NAMES, Config
 from .gate import Gate
 from .gpu import MIB, GpuMonitor
 from .idempotency import IdempotencyStore
 from .incidents import IncidentLog, default_path
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
 from .policy import estimate
 from .policy.evidence import FailureKind
 from .policy.lifecycle import ChildState
-from .policy.routes import RouteClass
+from .policy.routes import RouteClass, route_label
 from .proxy.app import build_app, json_response
 from .proxy.auth import AuthSettings
 from .proxy.forward import AttemptFailure, Forwarder, ForwardSettings, RequestCtx, Upstream
 from .proxy.handler import ProxyHandler, ProxySettings
+from .reload import Reloader
 from .resources import Resources
+from .systemd import Notifier
 
 log = logging.getLogger("spillway")
 
@@ -71,6 +76,11 @@ class Daemon:
             max_response_bytes=config.idempotency.max_response_bytes)
         self.resources: Resources | None = None
         self.gate: Gate | None = None
+        self.proxy: ProxyHandler | None = None
+        self.metrics = Metrics()
+        self.notifier = Notifier()
+        self.reloader: Reloader | None = None
+        self.restart_notes: list[str] = []  # config changes that need a daemon restart
         self._stop = asyncio.Event()
         self._stop_signals = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -116,10 +126,17 @@ class Daemon:
 
     def _child_changed(self, child: Child, old: ChildState, new: ChildState,
                        reason: str) -> None:
+        self.metrics.set_state(child.name, new)
+        if new is ChildState.STARTING and child.generation > 0:
+            last = child.last_exit
+            cause = last.kind if last is not None and not last.planned else "requested"
+            self.metrics.restarts.labels(child.name, cause).inc()
         if new is ChildState.READY and self._session is not None:
             self._spawn(self.res.fetch_profile(self._session, child.name), then_dispatch=True)
         if self.gate is not None:
             self.gate.dispatch()
+        self._maybe_ready()
+        self.notifier.status(self.status_line())
 
     def _spawn(self, coro: Any, then_dispatch: bool = False) -> None:
         """A background task of the daemon's, cancelled at shutdown."""
@@ -154,6 +171,7 @@ class Daemon:
         return view.state in ("READY", "STARTING") or view.startable
 
     def attempt_failed(self, failure: AttemptFailure) -> None:
+        self.metrics.failovers.labels(failure.child, str(failure.verdict.kind)).inc()
         if failure.verdict.kind is FailureKind.OOM_SURVIVED:
             # The child lives but its memory state is unknown: no new work, let its other
             # requests finish, then restart it.
@@ -173,11 +191,39 @@ class Daemon:
         return f"{child}-{self.boot}-{generation}"
 
     def finished(self, ctx: RequestCtx, status: int, child: str | None) -> None:
+        now = time.monotonic()
         if child == "cpu":
-            self.cpu_last_used = time.monotonic()
+            self.cpu_last_used = now
         if (ctx.route is RouteClass.GENERATION and status == 200 and ctx.broken is None
                 and ctx.attempt_started is not None):
-            self.res.observe_duration(time.monotonic() - ctx.attempt_started)
+            self.res.observe_duration(now - ctx.attempt_started)
+        route = route_label(ctx.path)
+        if status == 499:
+            outcome = "client_closed"
+        elif ctx.broken is not None:
+            outcome = "failed"
+        elif status < 400:
+            outcome = "success"
+        elif ctx.attempts == 0:
+            outcome = "rejected"
+        elif status < 500:
+            outcome = "client_error"
+        else:
+            outcome = "failed"
+        self.metrics.requests.labels(route, child or "none", outcome).inc()
+        self.metrics.duration.labels(route).observe(now - ctx.received)
+        if ctx.stream and ctx.first_byte_s is not None and status == 200:
+            self.metrics.ttft.labels(route).observe(ctx.first_byte_s)
+        if ctx.attempts == 2:
+            self.metrics.replays.labels("completed" if status == 200 and ctx.broken is None
+                                        else "failed").inc()
+        if ctx.waited_s is not None:
+            self.metrics.wait.observe(ctx.waited_s)
+
+    def rejected(self, cause: str, path: str) -> None:
+        self.metrics.rejections.labels(cause).inc()
+        if cause in ("body_too_large", "bad_request"):
+            self.metrics.requests.labels(route_label(path), "none", "rejected").inc()
 
     # --- the daemon's own clock -------------------------------------------------------------------
 
@@ -192,6 +238,16 @@ class Daemon:
             await self._stop_idle_cpu()
             if self.gate is not None:
                 self.gate.dispatch()
+            self._sample_metrics()
+            self.notifier.status(self.status_line())
+
+    def _sample_metrics(self) -> None:
+        sample = self.monitor.latest
+        if sample is not None:
+            self.metrics.gpu_free.set(sample.free_bytes)
+            self.metrics.gpu_used.set(sample.used_bytes)
+            self.metrics.gpu_total.set(sample.total_bytes)
+        self.metrics.waiting.set(len(self.gate.line) if self.gate else 0)
 
     def _recover_gpu(self) -> None:
         gpu = self.children["gpu"]
@@ -210,6 +266,41 @@ class Daemon:
                 and self.gate is not None and self.gate.busy["cpu"] == 0
                 and idle >= self.config.cpu.idle_stop_s):
             self._spawn(cpu.stop(f"on-demand: idle for {idle:.0f} s"))
+
+    # --- systemd --------------------------------------------------------------------------------
+
+    def can_serve(self) -> bool:
+        """A child is ready, or the CPU child can start on demand while the GPU child cannot."""
+        if any(c.state is ChildState.READY for c in self.children.values()):
+            return True
+        return (self.config.cpu.mode == "on-demand" and bool(self.children)
+                and self.children["cpu"].state is ChildState.STOPPED)
+
+    def _maybe_ready(self) -> None:
+        if not self.notifier.ready_sent and self.listening and self.can_serve():
+            self.notifier.ready(self.status_line())
+
+    def status_line(self) -> str:
+        """systemd's STATUS=: one line."""
+        parts = [f"{n} {c.state}" for n, c in self.children.items()]
+        waiting = len(self.gate.line) if self.gate else 0
+        line = ", ".join(parts) + f"; {waiting} waiting"
+        if self.incidents.recent:
+            last = self.incidents.recent[-1]
+            line += (f"; last incident: {last['kind']} on {last['child']}, {last['decision']} "
+                     f"at {last['time']}")
+        if self.config_error:
+            line += "; config reload refused (see status)"
+        return line
+
+    async def _extend_start(self) -> None:
+        """While the first model load takes longer than systemd's start timeout, ask for
+        more time (only before READY=1)."""
+        while not self.notifier.ready_sent:
+            if any(c.state in (ChildState.STARTING, ChildState.BACKOFF)
+                   for c in self.children.values()):
+                self.notifier.extend_timeout(30)
+            await asyncio.sleep(10)
 
     # --- Spillway's own routes --------------------------------------------------------------------
 
@@ -284,6 +375,11 @@ class Daemon:
             return json_response({"incidents": records, "path": str(self.incidents.path),
                                   "error": self.incidents.error})
 
+        async def metrics(request: web.Request) -> web.StreamResponse:
+            self._sample_metrics()
+            return web.Response(body=self.metrics.render(),
+                                headers={"Content-Type": METRICS_CONTENT_TYPE})
+
         def gpu_action(action: str) -> Any:
             async def act(request: web.Request) -> web.StreamResponse:
                 message = await self.gpu_control(action)
@@ -296,6 +392,7 @@ class Daemon:
             ("GET", "/spillway/ready"): ready,
             ("GET", "/spillway/status"): status_route,
             ("GET", "/spillway/incidents"): incidents,
+            ("GET", "/spillway/metrics"): metrics,
         }
         for action in ("restart", "drain", "pause", "resume"):
             routes[("POST", f"/spillway/gpu/{action}")] = gpu_action(action)
@@ -321,6 +418,72 @@ class Daemon:
         gpu.start()
         return "starting the GPU child"
 
+    # --- reload -----------------------------------------------------------------------------------
+
+    def _reload_started(self) -> None:
+        self.notifier.reloading()
+
+    def _reload_result(self, result: str, problems: list[config_module.Problem]) -> None:
+        self.metrics.reloads.labels(result).inc()
+        self.metrics.config_valid.set(0 if result == "invalid" else 1)
+        self.config_error = ("; ".join(str(p) for p in problems) if result == "invalid"
+                             else None)
+        self.notifier.ready(self.status_line())
+
+    async def apply_config(self, new: Config, changes: list[str]) -> None:
+        """A valid new config, applied as a diff: proxy settings at once; a child whose command
+        changed is drained (its requests finish, new ones go to the other child or wait) and
+        restarted with the new command."""
+        old = self.config
+        for key in ("server.listen", "gpu.device"):
+            if key in changes:
+                note = f"{key} changed: it takes effect when spillway restarts"
+                log.warning("%s", note)
+                self.restart_notes.append(note)
+        if "gpu.device" in changes:  # keep watching and using the card we started with
+            new = dataclasses.replace(new, gpu=dataclasses.replace(new.gpu,
+                                                                   device=old.gpu.device))
+        self.config = new
+        self.res.config = new
+        self.auth.api_key = new.server.api_key
+        self.proxy_settings.max_body_bytes = new.server.max_body_bytes
+        self.proxy_settings.max_replay_body_bytes = new.failover.max_replay_body_bytes
+        self.proxy_settings.replay = new.failover.replay
+        self.forward_settings.read_timeout_s = new.server.read_timeout_s
+        self.forward_settings.connect_timeout_s = new.server.connect_timeout_s
+        self.forward_settings.stream_hold_s = new.failover.stream_hold_s
+        if self.gate is not None:
+            self.gate.max_wait_s = new.queue.max_wait_s
+            self.gate.line.max_waiting = new.queue.max_waiting
+        self.idempotency.ttl_s = new.idempotency.ttl_s
+        self.idempotency.max_entries = new.idempotency.max_keys
+        self.idempotency.max_response_bytes = new.idempotency.max_response_bytes
+        self.incidents.path = Path(new.incidents.path) if new.incidents.path else default_path()
+        self.incidents.max_bytes = new.incidents.max_bytes
+        self.incidents.backups = new.incidents.backups
+        self.monitor.interval_s = new.monitor.sample_interval_s
+        logging.getLogger().setLevel(new.server.log_level.upper())
+        for name in CHILD_NAMES:
+            child = self.children[name]
+            child.restart_cfg = new.restart
+            child.hang_timeout_s = new.restart.hang_timeout_s
+            child.drain_timeout_s = new.failover.drain_timeout_s
+            changed = config_module.command_changed(child.cfg, new.child(name))
+            child.cfg = new.child(name)
+            if not changed:
+                continue
+            if child.state is ChildState.READY:
+                child.drain("config reload: its command changed")
+            elif child.state in (ChildState.STARTING, ChildState.BACKOFF, ChildState.FATAL):
+                child.restart("config reload: its command changed")
+            # STOPPED, DRAINING, STOPPING: the new command is used at the next start.
+        cpu = self.children["cpu"]
+        if new.cpu.mode == "hot" and cpu.state is ChildState.STOPPED and "cpu" not in \
+                self.res.paused:
+            cpu.start()
+        if self.gate is not None:
+            self.gate.dispatch()
+
     # --- running ----------------------------------------------------------------------------------
 
     def request_stop(self, signame: str) -> None:
@@ -336,6 +499,7 @@ class Daemon:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         await self.monitor.start()
         self.children = {name: self._make_child(name) for name in CHILD_NAMES}
         self.resources = Resources(self.config, self.children, self.monitor)
@@ -347,11 +511,13 @@ class Daemon:
             auto_decompress=False, skip_auto_headers=("User-Agent",),
         )
         forwarder = Forwarder(self._session, self.forward_settings)
-        proxy = ProxyHandler(self, self.gate, forwarder, self.proxy_settings, self.incidents,
-                             self.idempotency)
-        app = build_app(proxy, self.auth, self.own_routes())
+        self.proxy = ProxyHandler(self, self.gate, forwarder, self.proxy_settings,
+                                  self.incidents, self.idempotency)
+        app = build_app(self.proxy, self.auth, self.own_routes())
+        # In-flight requests are drained by _shutdown itself (the drain timeout can change on
+        # reload); the runner's own wait is only for stragglers after that.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.config.server.drain_timeout_s)
+                                     shutdown_timeout=2.0)
         await self._runner.setup()
         try:
             for addr in self.config.server.listen:
@@ -368,13 +534,28 @@ class Daemon:
         # children start; it only informs the status.
         self._spawn(self._list_gpu_devices())
         self._spawn(self._tick())
+        self._spawn(self.notifier.watchdog())
+        self._spawn(self._extend_start())
+        if self.config.path is not None:
+            self.reloader = Reloader(self.config.path, lambda: self.config, self.apply_config,
+                                     self._reload_result, self._reload_started)
+            self.reloader.watch()
         for name in CHILD_NAMES:
             if name == "cpu" and self.config.cpu.mode == "on-demand":
                 continue
             self.children[name].start()
+        self._maybe_ready()
         await self._stop.wait()
         await self._shutdown()
         return 0
+
+    def _on_sighup(self) -> None:
+        if self.reloader is not None:
+            self._spawn(self._reload("SIGHUP"))
+
+    async def _reload(self, trigger: str) -> None:
+        assert self.reloader is not None
+        await self.reloader.reload(trigger)
 
     async def _list_gpu_devices(self) -> None:
         self.gpu_devices = await asyncio.to_thread(
@@ -387,17 +568,25 @@ class Daemon:
             log.info("the GPU child's llama-server sees %s", "; ".join(self.gpu_devices))
 
     async def _shutdown(self) -> None:
+        self.notifier.stopping()
+        if self.reloader is not None:
+            self.reloader.stop()
         if self._runner is not None:
             # Stop accepting, then let in-flight requests finish up to the drain timeout; a
             # second signal cuts the wait short.
-            drain = asyncio.create_task(self._runner.cleanup())
-            second = asyncio.create_task(self._second_signal())
-            await asyncio.wait({drain, second}, return_when=asyncio.FIRST_COMPLETED)
-            second.cancel()
-            if not drain.done():
-                drain.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await drain
+            for site in list(self._runner.sites):
+                await site.stop()
+            if self.proxy is not None and self.proxy.in_flight:
+                log.info("waiting for %d in-flight request(s), up to %.0f s", self.proxy.in_flight,
+                         self.config.server.drain_timeout_s)
+                idle = asyncio.create_task(self.proxy.idle.wait())
+                second = asyncio.create_task(self._second_signal())
+                await asyncio.wait({idle, second}, timeout=self.config.server.drain_timeout_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                idle.cancel()
+                second.cancel()
+            with contextlib.suppress(Exception):
+                await self._runner.cleanup()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*(c.close() for c in self.children.values()),

@@ -104,7 +104,8 @@ class Gate:
             # line, a request that could go now waits its turn too.
             position = len(self.line) + 1
             decision = (Decision(Action.REJECT, 7, "the waiting line is full",
-                                 retry_after_s=cap.wait_s, queue_position=position)
+                                 retry_after_s=cap.wait_s, queue_position=position,
+                                 cause="queue_full")
                         if self.line.full else
                         Decision(Action.WAIT, 6, "waiting behind earlier requests",
                                  retry_after_s=cap.wait_s, queue_position=position))
@@ -131,7 +132,7 @@ class Gate:
             if started is None:
                 self.release(child)
                 return Decision(Action.REJECT, 7, f"the {child} child did not start in time",
-                                retry_after_s=10.0)
+                                retry_after_s=10.0, cause="start_timeout")
             admitted.cpu_start_s = started
         return admitted
 
@@ -141,7 +142,7 @@ class Gate:
         if ticket is None:
             return Decision(Action.REJECT, 7, "the waiting line is full",
                             retry_after_s=decision.retry_after_s,
-                            queue_position=self.line.max_waiting + 1)
+                            queue_position=self.line.max_waiting + 1, cause="queue_full")
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
         self._waiters[ticket.id] = _Waiter(ticket, req, body_size, max_tokens, future)
         allowed = self.max_wait_s if req.deadline_s is None else min(self.max_wait_s,
@@ -156,7 +157,7 @@ class Gate:
             cap = self.capacity(position - 1, body_size, max_tokens)
             return Decision(Action.REJECT, 7, f"waited {allowed:.0f} s without capacity "
                                               f"freeing", retry_after_s=cap.wait_s,
-                            queue_position=position)
+                            queue_position=position, cause="wait_timeout")
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
                 served = future.result()

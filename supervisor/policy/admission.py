@@ -89,6 +89,7 @@ class Decision:
     start_child: bool = False  # start it first (on-demand cold start)
     retry_after_s: float = 0.0
     queue_position: int = 0
+    cause: str = ""  # for REJECT/TOO_LONG: a short label for metrics and logs
 
 
 # States from which a child serves again without anyone's help.
@@ -136,12 +137,13 @@ def passthrough(states: Mapping[str, str], pin: str | None) -> Decision:
         if states.get(pin) == "READY":
             return Decision(Action.FORWARD, 4, "pinned by X-Spillway-Child", child=pin)
         return Decision(Action.REJECT, 7, f"the {pin} child (pinned by X-Spillway-Child) is "
-                                          f"{states.get(pin)}", retry_after_s=5.0)
+                                          f"{states.get(pin)}", retry_after_s=5.0,
+                        cause="no_child")
     for name in CHILD_ORDER:
         if states.get(name) == "READY":
             return Decision(Action.FORWARD, 4, f"{name} child ready", child=name)
     return Decision(Action.REJECT, 7, "no child is ready (" + ", ".join(
-        f"{n} is {s}" for n, s in states.items()) + ")", retry_after_s=5.0)
+        f"{n} is {s}" for n, s in states.items()) + ")", retry_after_s=5.0, cause="no_child")
 
 
 def decide(req: Request, cap: Capacity) -> Decision:
@@ -153,7 +155,7 @@ def decide(req: Request, cap: Capacity) -> Decision:
         limit = max(c.ctx_per_slot or 0 for c in (gpu, cpu))
         return Decision(Action.TOO_LONG, 3, f"the prompt ({req.prompt_tokens} tokens) exceeds "
                                             f"the context of every child ({limit} tokens per "
-                                            "slot)")
+                                            "slot)", cause="too_long")
     # 4. The GPU child: ready, under its cap, VRAM headroom kept.
     if gpu_fits and gpu.has_room and _headroom_kept(cap):
         return Decision(Action.FORWARD, 4, "GPU child has room", child="gpu")
@@ -174,13 +176,14 @@ def decide(req: Request, cap: Capacity) -> Decision:
         req.cpu_allowed and cpu.fits(req.prompt_tokens) and (_may_serve(cpu) or cpu.startable))
     if not coming:
         return Decision(Action.REJECT, 7, f"no child can take it: {_why(cap)}",
-                        retry_after_s=_retry_after(cap))
+                        retry_after_s=_retry_after(cap), cause="no_child")
     allowed = cap.max_wait_s if req.deadline_s is None else min(cap.max_wait_s, req.deadline_s)
     position = cap.waiting + 1
     if cap.waiting < cap.max_waiting and cap.wait_s <= allowed:
         return Decision(Action.WAIT, 6, f"waiting: {_why(cap)}", queue_position=position,
                         retry_after_s=cap.wait_s)
     # 7. Reject, saying when to come back.
+    cause = "queue_full" if cap.waiting >= cap.max_waiting else "wait_too_long"
     if cap.waiting >= cap.max_waiting:
         reason = f"the waiting line is full ({cap.max_waiting} waiting): {_why(cap)}"
     else:
@@ -190,7 +193,7 @@ def decide(req: Request, cap: Capacity) -> Decision:
         reason += (f"; the CPU child would need about {cpu.expected_s:.0f} s, the deadline is "
                    f"{req.deadline_s:.0f} s")
     return Decision(Action.REJECT, 7, reason, retry_after_s=_retry_after(cap),
-                    queue_position=position)
+                    queue_position=position, cause=cause)
 
 
 def can_serve_now(req: Request, cap: Capacity) -> Decision | None:

@@ -104,6 +104,7 @@ class RequestCtx:
     events: int = 0  # SSE data events delivered (a token count for streams)
     first_byte_s: float | None = None
     attempt_started: float | None = None  # monotonic, of the latest attempt
+    waited_s: float | None = None  # time spent in the waiting line, when admitted
     status: int | None = None  # the status the client got
     timings: dict[str, Any] | None = None  # llama-server's own timings of the answer
     tokens: int | None = None  # completion tokens, when the answer said

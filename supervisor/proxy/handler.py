@@ -108,6 +108,8 @@ class Backend(Protocol):
 
     def finished(self, ctx: RequestCtx, status: int, child: str | None) -> None: ...
 
+    def rejected(self, cause: str, path: str) -> None: ...
+
 
 @dataclass
 class _Episode:
@@ -132,8 +134,21 @@ class ProxyHandler:
         self.settings = settings
         self.incidents = incidents
         self.idempotency = idempotency
+        self.in_flight = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
+        self.in_flight += 1
+        self.idle.clear()
+        try:
+            return await self._handle(request)
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.set()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
         rid = request_id_of(request)
         route = classify_route(request.path)
         started = time.monotonic()
@@ -142,14 +157,15 @@ class ProxyHandler:
             body = await read_body(request, self.settings.max_body_bytes)
         except BodyTooLarge as e:
             size = f"{e.size} bytes" if e.size is not None else "more than that"
-            return self._early(None, request, rid, errors.invalid_request(
+            return self._early(None, request, rid, "body_too_large", errors.invalid_request(
                 413, f"request body is {size}; the limit is {e.limit} bytes "
                      "(server.max_body_mib)", rid, param="body"))
         payload: dict[str, Any] | None = None
         if route is RouteClass.GENERATION and request.method == "POST":
             problem, payload = _parse_json_object(body)
             if problem is not None:
-                return self._early(None, request, rid, errors.invalid_request(400, problem, rid))
+                return self._early(None, request, rid, "bad_request",
+                                   errors.invalid_request(400, problem, rid))
         ctx = RequestCtx(
             request_id=rid, method=request.method, path=request.path,
             path_qs=request.raw_path, route=route, body=body, payload=payload,
@@ -167,19 +183,19 @@ class ProxyHandler:
                                 key: str) -> web.StreamResponse:
         rid = ctx.request_id
         if not key or len(key) > 255:
-            return self._early(ctx, request, rid, errors.invalid_request(
+            return self._early(ctx, request, rid, "bad_request", errors.invalid_request(
                 400, "Idempotency-Key must be 1 to 255 characters", rid,
                 param="Idempotency-Key"))
         scope = scope_of(presented_key(request), ctx.path)
         fp = fingerprint(ctx.method, ctx.path_qs, ctx.body)
         found = self.idempotency.begin(scope, key, fp, time.monotonic())
         if found.outcome is Outcome.IN_PROGRESS:
-            return self._early(ctx, request, rid, errors.json_error(
+            return self._early(ctx, request, rid, "idempotency_in_progress", errors.json_error(
                 409, "invalid_request_error", "a request with this Idempotency-Key is still "
                 "running; retry when it is done", rid, param="Idempotency-Key",
                 headers={"Retry-After": "1"}))
         if found.outcome is Outcome.MISMATCH:
-            return self._early(ctx, request, rid, errors.json_error(
+            return self._early(ctx, request, rid, "idempotency_mismatch", errors.json_error(
                 422, "invalid_request_error", "this Idempotency-Key was used with a different "
                 "request body", rid, param="Idempotency-Key"))
         if found.outcome is Outcome.DONE:
@@ -187,7 +203,7 @@ class ProxyHandler:
             stored = found.response
             replayed = dict(stored.headers)
             replayed.update({"X-Request-Id": rid, "Idempotent-Replayed": "true"})
-            return self._early(ctx, request, rid, web.Response(
+            return self._early(ctx, request, rid, None, web.Response(
                 status=stored.status, body=stored.body, headers=replayed))
         ctx.capture = bytearray()
         ctx.capture_limit = self.idempotency.max_response_bytes
@@ -249,8 +265,7 @@ class ProxyHandler:
             pin = request.headers.get("X-Spillway-Child", "").strip().lower() or None
             decision = admission.passthrough(self.backend.states(), pin)
             if decision.child is None:
-                return errors.unavailable(decision.reason, ctx.request_id,
-                                          retry_after_s=decision.retry_after_s)
+                return self._refusal(ctx, decision)
             result = await self._attempt(request, ctx, self.backend.upstreams()[decision.child])
             if isinstance(result, AttemptFailure):
                 return await self._after_failure(request, ctx, result, episodes)
@@ -263,6 +278,7 @@ class ProxyHandler:
             len(ctx.body), estimate.requested_tokens(ctx.payload))
         if isinstance(got, admission.Decision):
             return self._refusal(ctx, got)
+        ctx.waited_s = got.waited_s
         try:
             result = await self._attempt(request, ctx, self.backend.upstreams()[got.child])
         finally:
@@ -287,6 +303,7 @@ class ProxyHandler:
         return counted if counted is not None else 0
 
     def _refusal(self, ctx: RequestCtx, decision: admission.Decision) -> web.Response:
+        self.backend.rejected(decision.cause or "other", ctx.path)
         if decision.action is admission.Action.TOO_LONG:
             # As llama-server says it, before any child works on it.
             limit = max(filter(None, (self.backend.ctx_per_slot(n) for n in ("gpu", "cpu"))),
@@ -406,22 +423,29 @@ class ProxyHandler:
         ))
 
     def _early(self, ctx: RequestCtx | None, request: web.Request, rid: str,
-               response: web.StreamResponse) -> web.StreamResponse:
+               cause: str | None, response: web.StreamResponse) -> web.StreamResponse:
         """An answer Spillway gives itself, before or instead of any attempt."""
-        self._finish(ctx, request, rid, response.status)
+        if cause is not None:
+            self.backend.rejected(cause, request.path)
+        if ctx is not None:
+            self._finish(ctx, request, rid, response.status)
+        else:
+            self._log_line(request, rid, "-", response.status, 0.0, 0)
         return response
 
-    def _finish(self, ctx: RequestCtx | None, request: web.Request, rid: str,
-                status: int) -> None:
+    def _finish(self, ctx: RequestCtx, request: web.Request, rid: str, status: int) -> None:
         """One log line per request, with its id; and the backend's accounting."""
-        elapsed = time.monotonic() - ctx.received if ctx else 0.0
-        child = ctx.children[-1] if ctx and ctx.children else "-"
-        attempts = ctx.attempts if ctx else 0
-        log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method,
-                 request.path, child, status, elapsed, attempts)
-        if ctx is not None:
-            ctx.status = status
-            self.backend.finished(ctx, status, ctx.children[-1] if ctx.children else None)
+        child = ctx.children[-1] if ctx.children else None
+        self._log_line(request, rid, child or "-", status, time.monotonic() - ctx.received,
+                       ctx.attempts)
+        ctx.status = status
+        self.backend.finished(ctx, status, child)
+
+    @staticmethod
+    def _log_line(request: web.Request, rid: str, child: str, status: int, elapsed: float,
+                  attempts: int) -> None:
+        log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method, request.path,
+                 child, status, elapsed, attempts)
 
 
 def _parse_json_object(body: bytes) -> tuple[str | None, dict[str, Any] | None]:

@@ -1,0 +1,87 @@
+"""Prometheus metrics at /spillway/metrics, in a registry of Spillway's own.
+
+Names follow Prometheus's conventions: the `spillway_` prefix, base units (seconds, bytes) in the
+name, `_total` on counters. Label values are bounded: routes by name (others are `other`),
+children `gpu`/`cpu`, failure kinds from the fixed set.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from .policy.lifecycle import ChildState
+
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+WAIT_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "spillway_requests", "Requests answered, by route, the child that served the last "
+            "attempt (none when Spillway answered itself) and outcome.",
+            ["route", "child", "outcome"], registry=r)
+        self.duration = Histogram(
+            "spillway_request_duration_seconds", "Time from a request's arrival to its answer.",
+            ["route"], buckets=DURATION_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "spillway_stream_time_to_first_token_seconds", "Time from a streamed request's "
+            "arrival to its first event reaching the client.", ["route"],
+            buckets=TTFT_BUCKETS, registry=r)
+        self.failovers = Counter(
+            "spillway_failovers", "Failures of a child caught while serving a request, by kind.",
+            ["child", "kind"], registry=r)
+        self.replays = Counter(
+            "spillway_replays", "Replays on the other child, by result (completed, failed).",
+            ["result"], registry=r)
+        self.rejections = Counter(
+            "spillway_rejections", "Requests Spillway answered with an error of its own instead "
+            "of forwarding, by reason.", ["reason"], registry=r)
+        self.waiting = Gauge(
+            "spillway_waiting_requests", "Requests in the waiting line.", registry=r)
+        self.wait = Histogram(
+            "spillway_wait_seconds", "Time admitted requests spent in the waiting line.",
+            buckets=WAIT_BUCKETS, registry=r)
+        self.child_state = Gauge(
+            "spillway_child_state", "1 for each child's current state, 0 for the others.",
+            ["child", "state"], registry=r)
+        self.restarts = Counter(
+            "spillway_child_restarts", "Child restarts, by the kind of exit (or the reason) "
+            "that caused them.", ["child", "reason"], registry=r)
+        self.gpu_free = Gauge(
+            "spillway_gpu_memory_free_bytes", "Free memory of the GPU child's card (NVML).",
+            registry=r)
+        self.gpu_used = Gauge(
+            "spillway_gpu_memory_used_bytes", "Used memory of the GPU child's card (NVML).",
+            registry=r)
+        self.gpu_total = Gauge(
+            "spillway_gpu_memory_total_bytes", "Total memory of the GPU child's card (NVML).",
+            registry=r)
+        self.reloads = Counter(
+            "spillway_config_reloads", "Configuration reloads, by result (applied, invalid, "
+            "unchanged).", ["result"], registry=r)
+        self.config_valid = Gauge(
+            "spillway_config_last_reload_valid", "1 if the last configuration read was valid "
+            "(the running one is in effect either way).", registry=r)
+        self.config_valid.set(1)
+        for child in ("gpu", "cpu"):
+            self.set_state(child, ChildState.STOPPED)
+
+    def set_state(self, child: str, state: ChildState) -> None:
+        for s in ChildState:
+            self.child_state.labels(child, str(s)).set(1 if s is state else 0)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
