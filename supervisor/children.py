@@ -170,6 +170,7 @@ class Child:
         self._exits: dict[int, asyncio.Future[ExitRecord]] = {}
         self._owner: asyncio.Task[None] | None = None
         self._closed = False
+        self._grace_override: float | None = None
         self._session: aiohttp.ClientSession | None = None
 
     # --- reading ----------------------------------------------------------------------------------
@@ -226,8 +227,9 @@ class Child:
             self._command, self._command_reason = "drain", reason
             self._wake.set()
 
-    async def stop(self, reason: str = "stop asked for") -> None:
+    async def stop(self, reason: str = "stop asked for", grace_s: float | None = None) -> None:
         """Stop the process and wait until it is gone; the child stays STOPPED."""
+        self._grace_override = grace_s
         self._want_running = False
         self._command, self._command_reason = "stop", reason
         self._wake.set()
@@ -236,9 +238,9 @@ class Child:
                 break
             await self._wait_state_change()
 
-    async def close(self) -> None:
+    async def close(self, grace_s: float | None = None) -> None:
         """Stop for good (daemon shutdown)."""
-        await self.stop("daemon shutting down")
+        await self.stop("daemon shutting down", grace_s)
         self._closed = True
         self._wake.set()
         if self._owner is not None:
@@ -562,6 +564,8 @@ class Child:
     async def _terminate(self, proc: asyncio.subprocess.Process, waiter: asyncio.Task[int],
                          grace_s: float | None = None) -> None:
         """SIGTERM to the group, a grace period, then SIGKILL."""
+        if grace_s is None:
+            grace_s = self._grace_override
         grace = self.cfg.stop_grace_s if grace_s is None else grace_s
         await self._kill_group(proc, signal.SIGTERM)
         done, _ = await asyncio.wait({waiter}, timeout=grace)

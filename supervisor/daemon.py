@@ -294,12 +294,10 @@ class Daemon:
         return line
 
     async def _extend_start(self) -> None:
-        """While the first model load takes longer than systemd's start timeout, ask for
-        more time (only before READY=1)."""
+        """While the children load (a first model load can take minutes), ask systemd for
+        more time than its start timeout; only before READY=1."""
         while not self.notifier.ready_sent:
-            if any(c.state in (ChildState.STARTING, ChildState.BACKOFF)
-                   for c in self.children.values()):
-                self.notifier.extend_timeout(30)
+            self.notifier.extend_timeout(30)
             await asyncio.sleep(10)
 
     # --- Spillway's own routes --------------------------------------------------------------------
@@ -350,7 +348,8 @@ class Daemon:
             "incidents": {"path": str(self.incidents.path), "written": self.incidents.written,
                           "error": self.incidents.error,
                           "last": list(self.incidents.recent)[-5:]},
-            "config": {"path": self.config.path, "error": self.config_error},
+            "config": {"path": self.config.path, "error": self.config_error,
+                       "restart_needed": self.restart_notes},
         }
 
     def own_routes(self) -> dict[tuple[str, str], Any]:
@@ -589,7 +588,9 @@ class Daemon:
                 await self._runner.cleanup()
         for task in self._tasks:
             task.cancel()
-        await asyncio.gather(*(c.close() for c in self.children.values()),
+        # A second signal asked for speed: a short grace for the children too.
+        grace = 1.0 if self._stop_signals >= 2 else None
+        await asyncio.gather(*(c.close(grace) for c in self.children.values()),
                              return_exceptions=True)
         if self._session is not None:
             await self._session.close()
