@@ -92,6 +92,7 @@ class ExitRecord:
     monotonic: float
     run_s: float
     planned: bool  # Spillway stopped it
+    served: bool = False  # it had started work on at least one request
 
     @property
     def signal_name(self) -> str | None:
@@ -159,6 +160,7 @@ class Child:
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         self.in_flight = 0
         self.listeners: list[StateListener] = []
+        self.armed_signal: int | None = None  # the drill's: sent when the next task launches
 
         self._want_running = False
         self._command: str | None = None  # "restart" | "drain" | "stop"
@@ -270,6 +272,25 @@ class Child:
         except TimeoutError:
             return None
 
+    def arm(self, sig: int | None) -> None:
+        """The drill without a GPU: send `sig` to the process group as soon as the next task
+        launches (during its prompt processing), standing in for a GPU that runs out of
+        memory. None disarms."""
+        self.armed_signal = sig
+
+    def _fire_armed(self, proc: asyncio.subprocess.Process) -> None:
+        sig = self.armed_signal
+        self.armed_signal = None
+        if sig is None:
+            return
+        log.warning("[%s] drill: sending %s as a task launches", self.name,
+                    signal.Signals(sig).name)
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError):
+                proc.send_signal(sig)
+
     def acquire(self) -> None:
         self.in_flight += 1
         self._idle.clear()
@@ -353,7 +374,7 @@ class Child:
                         quick_failure_s=self.restart_cfg.quick_failure_s,
                         max_quick_failures=self.restart_cfg.max_quick_failures,
                     ),
-                    self.quick_failures, record.run_s, self._rng(),
+                    self.quick_failures, record.run_s, self._rng(), served=record.served,
                 )
                 self.quick_failures = decision.quick_failures
                 if not self._want_running:
@@ -434,6 +455,7 @@ class Child:
         waiter = asyncio.create_task(proc.wait(), name=f"child-{self.name}-wait")
         planned = False
         note = ""
+        tasks_before = self.tasks_started
         try:
             outcome = await self._until_ready(waiter)
             if outcome == "ready":
@@ -475,7 +497,8 @@ class Child:
         evidence = f"{note} ({describe_exit(returncode)})" if note else verdict.evidence
         kind = "crash" if note else str(verdict.kind)
         record = ExitRecord(generation, proc.pid, returncode, kind, evidence, time.time(), died,
-                            died - spawned, planned=planned)
+                            died - spawned, planned=planned,
+                            served=self.tasks_started > tasks_before)
         exit_future.set_result(record)
         self.pid = None
         self.started_at = None
@@ -597,6 +620,8 @@ class Child:
                 return
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             self.stderr_tail.append(line)
+            log.info("[%s] %s", self.name, line)
             if "launch_slot_" in line:
                 self.tasks_started += 1
-            log.info("[%s] %s", self.name, line)
+                if self.armed_signal is not None:
+                    self._fire_armed(proc)

@@ -199,6 +199,45 @@ def cmd_gpu(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_drill(args: argparse.Namespace) -> int:
+    from . import drill  # the drill's modules load only when it runs
+    from .drill import profiles, report
+
+    try:
+        target = _target(args)
+        cfg = config.load(args.config, check_paths=False) if args.config else None
+    except config.ConfigError as e:
+        _print_problems(e)
+        return EXIT_CONFIG
+    only = tuple(int(n) for n in args.only.split(",")) if args.only else drill.ALL
+    try:
+        result = asyncio.run(drill.run(
+            target, how=args.ballast, only=only, prompt_tokens=args.prompt_tokens,
+            model_path=cfg.model.path if cfg else None,
+            binary=cfg.gpu.llama_server if cfg else None))
+        if args.profiles:
+            if cfg is None:
+                print("spillway drill --profiles needs --config (the model and llama-server)",
+                      file=sys.stderr)
+                return EXIT_CONFIG
+            result["profiles"] = asyncio.run(profiles.run(cfg, target))
+    except client.Unreachable as e:
+        print(f"spillway drill: {e}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except (RuntimeError, client.RequestFailed) as e:
+        print(f"spillway drill: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    print(report.table(result))
+    if result.get("profiles"):
+        print()
+        print(profiles.table(result["profiles"]))
+    json_path, html_path = drill.write(result, Path(args.out))
+    print(f"\n{'PASSED' if result['passed'] else 'FAILED'}"
+          f"{' (simulated: no GPU here)' if result['simulated'] else ''}; report: {html_path} "
+          f"and {json_path}")
+    return EXIT_OK if result["passed"] else EXIT_FAIL
+
+
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default=None,
                    help=f"the daemon's config, for its address and key (default: "
@@ -244,6 +283,23 @@ def build_parser() -> argparse.ArgumentParser:
                         "it and free the VRAM (the CPU child serves); resume: start it again")
     _add_target(p)
     p.set_defaults(func=cmd_gpu)
+
+    p = sub.add_parser("drill", help="the deliberate memory test: provoke a GPU failure and "
+                                     "prove the failover; writes a report (exit 1 when a "
+                                     "scenario falls short)")
+    _add_target(p)
+    p.add_argument("--out", default="drill-report", help="where the JSON and HTML reports go")
+    p.add_argument("--ballast", default="auto",
+                   choices=("auto", "simulate", "torch", "llama-server"),
+                   help="how to run the GPU out of memory (auto: PyTorch if importable, else "
+                        "a second llama-server; simulated when there is no GPU)")
+    p.add_argument("--only", default=None, help="scenarios to run, e.g. 1,2 (default: all)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="the size of the request over the GPU's profile (default: 60%% of a "
+                        "slot's context, at most 24000)")
+    p.add_argument("--profiles", action="store_true",
+                   help="also compare GPU-resident, split and CPU profiles on one prompt set")
+    p.set_defaults(func=cmd_drill)
 
     default_config = bootstrap.cache_dir() / "quickstart.toml"
     p = sub.add_parser("quickstart", help="build/fetch llama-server and a small model, write "

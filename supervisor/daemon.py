@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import signal
 import time
+from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,8 @@ class Daemon:
         self.notifier = Notifier()
         self.reloader: Reloader | None = None
         self.restart_notes: list[str] = []  # config changes that need a daemon restart
+        # Child state changes with wall-clock times, for the drill's timeline.
+        self.timeline: deque[dict[str, Any]] = deque(maxlen=2000)
         self._stop = asyncio.Event()
         self._stop_signals = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -126,6 +129,8 @@ class Daemon:
 
     def _child_changed(self, child: Child, old: ChildState, new: ChildState,
                        reason: str) -> None:
+        self.timeline.append({"time": time.time(), "child": child.name, "state": str(new),
+                              "reason": reason})
         self.metrics.set_state(child.name, new)
         if new is ChildState.STARTING and child.generation > 0:
             last = child.last_exit
@@ -379,6 +384,25 @@ class Daemon:
             return web.Response(body=self.metrics.render(),
                                 headers={"Content-Type": METRICS_CONTENT_TYPE})
 
+        async def timeline(request: web.Request) -> web.StreamResponse:
+            try:
+                since = float(request.query.get("since", "0"))
+            except ValueError:
+                since = 0.0
+            events = [e for e in self.timeline if e["time"] >= since]
+            now = {name: str(c.state) for name, c in self.children.items()}
+            return json_response({"events": events, "now": now, "time": time.time()})
+
+        async def drill_arm(request: web.Request) -> web.StreamResponse:
+            """The drill without a GPU: SIGABRT to the GPU child as its next task launches."""
+            try:
+                body = await request.json()
+            except ValueError:
+                body = {}
+            disarm = isinstance(body, dict) and body.get("disarm") is True
+            self.children["gpu"].arm(None if disarm else signal.SIGABRT)
+            return json_response({"armed": not disarm, "child": "gpu", "signal": "SIGABRT"})
+
         def gpu_action(action: str) -> Any:
             async def act(request: web.Request) -> web.StreamResponse:
                 message = await self.gpu_control(action)
@@ -392,6 +416,8 @@ class Daemon:
             ("GET", "/spillway/status"): status_route,
             ("GET", "/spillway/incidents"): incidents,
             ("GET", "/spillway/metrics"): metrics,
+            ("GET", "/spillway/timeline"): timeline,
+            ("POST", "/spillway/drill/arm"): drill_arm,
         }
         for action in ("restart", "drain", "pause", "resume"):
             routes[("POST", f"/spillway/gpu/{action}")] = gpu_action(action)

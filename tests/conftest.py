@@ -59,3 +59,22 @@ def spillway(tmp_path: Path) -> Iterator[SpillwayFactory]:
     yield make
     for s in made:
         s.stop()
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Path:
+    """Debian's Chromium, installed by the test setup when missing (downloaded browsers are
+    not reachable from these machines)."""
+    import os
+    import shutil
+    import subprocess
+    found = shutil.which("chromium")
+    if found is None and shutil.which("apt-get") and os.geteuid() == 0:
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], check=False, env=env,
+                       capture_output=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], check=True, env=env,
+                       capture_output=True)
+        found = shutil.which("chromium")
+    assert found is not None, "the report test needs Debian's chromium (apt-get install chromium)"
+    return Path(found)

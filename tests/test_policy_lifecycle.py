@@ -64,6 +64,11 @@ def test_too_many_quick_failures_in_a_row_is_fatal() -> None:
         assert d.fatal == (i == 5)
 
 
+def test_a_death_while_serving_requests_is_not_a_quick_failure() -> None:
+    d = after_exit(POLICY, quick_failures=4, run_s=0.5, jitter=0.5, served=True)
+    assert not d.fatal and d.quick_failures == 0
+
+
 def test_a_long_run_clears_the_quick_failure_count() -> None:
     d = after_exit(POLICY, quick_failures=4, run_s=3600.0, jitter=0.5)
     assert not d.fatal

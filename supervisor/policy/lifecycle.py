@@ -85,14 +85,18 @@ class ExitDecision:
 
 
 def after_exit(policy: BackoffPolicy, quick_failures: int, run_s: float,
-               jitter: float) -> ExitDecision:
+               jitter: float, served: bool = False) -> ExitDecision:
     """What to do after an unplanned exit.
 
     `run_s` is how long the process ran; `jitter` is a number in [0, 1) supplied by the caller so
     that this stays deterministic under test. A run longer than `quick_failure_s` clears the
-    count: a child that served for hours and then died restarts after the initial delay.
+    count: a child that served for hours and then died restarts after the initial delay. So does
+    a death while working on requests (`served`): a request that runs the GPU out of memory is
+    replayed elsewhere, not retried there, so it cannot loop; only a child that cannot start or
+    stay up on its own is on its way to FATAL.
     """
-    count = quick_failures + 1 if run_s < policy.quick_failure_s else 0
+    quick = run_s < policy.quick_failure_s and not served
+    count = quick_failures + 1 if quick else 0
     if count >= policy.max_quick_failures:
         return ExitDecision(fatal=True, delay_s=0.0, quick_failures=count)
     base = min(policy.max_s, policy.initial_s * (2 ** max(count - 1, 0)))

@@ -1,0 +1,169 @@
+"""The drill's view of a running Spillway: requests as a client sends them, and the daemon's
+own records (status, incidents, timeline) read back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import aiohttp
+
+from ..client import Target
+
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Sent:
+    """One request the drill made, and what came back."""
+
+    scenario: int
+    request_id: str
+    stream: bool
+    started: float  # wall clock
+    ended: float = 0.0
+    status: int | None = None  # None: no answer (the client left, or the connection broke)
+    attempts: int = 0
+    child: str | None = None
+    failover: str | None = None
+    complete: bool = False  # a whole answer: JSON with choices, or a stream ending in [DONE]
+    error_event: bool = False  # a stream ended by Spillway's error event
+    controlled: bool = False  # a JSON error from Spillway (src: spillway)
+    client_left: bool = False  # the drill left on purpose
+    request_id_kept: bool = False
+    tokens: int = 0
+    note: str = ""
+    incident: dict[str, Any] | None = None
+
+    @property
+    def latency_s(self) -> float:
+        return round(self.ended - self.started, 3) if self.ended else 0.0
+
+    @property
+    def outcome(self) -> str:
+        if self.client_left:
+            return "cancelled"
+        if self.complete and self.attempts >= 2:
+            return "replayed"
+        if self.complete:
+            return "completed"
+        if self.controlled or self.error_event:
+            return "controlled_error"
+        return "failed"
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["latency_s"] = self.latency_s
+        out["outcome"] = self.outcome
+        return out
+
+
+@dataclass
+class DrillClient:
+    target: Target
+    session: aiohttp.ClientSession
+    sent: list[Sent] = field(default_factory=list)
+
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.target.api_key:
+            h["Authorization"] = f"Bearer {self.target.api_key}"
+        h.update(extra or {})
+        return h
+
+    async def get(self, path: str, **headers: str) -> Any:
+        async with self.session.get(self.target.url + path,
+                                    headers=self._headers(headers)) as r:
+            return await r.json()
+
+    async def post_json(self, path: str, body: Any) -> Any:
+        async with self.session.post(self.target.url + path, data=json.dumps(body),
+                                     headers=self._headers()) as r:
+            return await r.json()
+
+    async def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self.get("/spillway/status")
+        return result
+
+    async def incidents(self, limit: int = 500) -> list[dict[str, Any]]:
+        body = await self.get(f"/spillway/incidents?limit={limit}")
+        records: list[dict[str, Any]] = body["incidents"]
+        return records
+
+    async def wait_state(self, child: str, states: tuple[str, ...], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if (await self.status())["children"][child]["state"] in states:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    async def tasks_started(self) -> dict[str, int]:
+        return {n: c["tasks_started"] for n, c in (await self.status())["children"].items()}
+
+    async def chat(self, scenario: int, messages: list[dict[str, str]], max_tokens: int,
+                   stream: bool = False, headers: dict[str, str] | None = None,
+                   leave_after_first_event: bool = False) -> Sent:
+        rid = f"drill-{scenario}-{uuid.uuid4().hex[:10]}"
+        sent = Sent(scenario, rid, stream, time.time())
+        self.sent.append(sent)
+        body = {"messages": messages, "max_tokens": max_tokens, "stream": stream,
+                "temperature": 0}
+        try:
+            async with self.session.post(self.target.url + CHAT, data=json.dumps(body),
+                                         headers=self._headers({"X-Request-Id": rid,
+                                                                **(headers or {})})) as r:
+                sent.status = r.status
+                sent.attempts = int(r.headers.get("X-Spillway-Attempts", "0"))
+                sent.child = r.headers.get("X-Spillway-Child")
+                sent.failover = r.headers.get("X-Spillway-Failover")
+                sent.request_id_kept = r.headers.get("X-Request-Id") == rid
+                if stream and r.status == 200:
+                    await self._read_stream(r, sent, leave_after_first_event)
+                else:
+                    raw = await r.read()
+                    self._read_json(raw, sent)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            sent.note = f"connection: {type(e).__name__}: {e}"
+        sent.ended = time.time()
+        return sent
+
+    @staticmethod
+    def _read_json(raw: bytes, sent: Sent) -> None:
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            sent.note = f"not JSON: {raw[:100]!r}"
+            return
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            sent.controlled = data["error"].get("src") == "spillway"
+            sent.note = str(data["error"].get("message", ""))[:300]
+        elif isinstance(data, dict) and data.get("choices"):
+            sent.complete = True
+            usage = data.get("usage") or {}
+            sent.tokens = int(usage.get("completion_tokens", 0))
+
+    @staticmethod
+    async def _read_stream(r: aiohttp.ClientResponse, sent: Sent, leave: bool) -> None:
+        events = 0
+        async for line in r.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                sent.complete = True
+                break
+            if b'"error"' in data:
+                sent.error_event = True
+                sent.note = data.decode(errors="replace")[:300]
+                break
+            events += 1
+            if leave:
+                sent.client_left = True
+                r.close()  # the client goes away during the failover
+                break
+        sent.tokens = events
