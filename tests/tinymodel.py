@@ -54,7 +54,9 @@ def vocabulary() -> tuple[list[bytes], list[float], list[int]]:
 
 def write_tiny_model(path: Path, *, n_embd: int = 256, n_layer: int = 4, n_ff: int = 512,
                      n_head: int = 4, n_head_kv: int = 4, n_ctx_train: int = 4096,
-                     seed: int = 1) -> Path:
+                     seed: int = 1, q8: bool = False) -> Path:
+    """Q8_0 weight matrices (`q8`) go through the buffers a CUDA build's memory pool grows at
+    run time: that is where a runtime OOM happens on a real GPU."""
     rng = np.random.default_rng(seed)
     tokens, scores, types = vocabulary()
     n_vocab = len(tokens)
@@ -69,7 +71,7 @@ def write_tiny_model(path: Path, *, n_embd: int = 256, n_layer: int = 4, n_ff: i
     w.add_head_count_kv(n_head_kv)
     w.add_rope_dimension_count(n_embd // n_head)
     w.add_layer_norm_rms_eps(1e-5)
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if q8 else gguf.LlamaFileType.ALL_F32)
     w.add_tokenizer_model("llama")
     w.add_token_list(tokens)
     w.add_token_scores(scores)
@@ -82,7 +84,12 @@ def write_tiny_model(path: Path, *, n_embd: int = 256, n_layer: int = 4, n_ff: i
     w.add_chat_template(CHATML)
 
     def tensor(name: str, *shape: int, scale: float = 0.05) -> None:
-        w.add_tensor(name, (rng.standard_normal(shape) * scale).astype(np.float32))
+        data = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if q8 and len(shape) == 2 and shape[1] % 32 == 0:
+            quantized = gguf.quants.quantize(data, gguf.GGMLQuantizationType.Q8_0)
+            w.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            w.add_tensor(name, data)
 
     tensor("token_embd.weight", n_vocab, n_embd)
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
@@ -109,5 +116,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("path", type=Path)
     parser.add_argument("--n-ctx-train", type=int, default=4096)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-ff", type=int, default=512)
+    parser.add_argument("--q8", action="store_true", help="Q8_0 weight matrices")
     a = parser.parse_args()
-    print(write_tiny_model(a.path, n_ctx_train=a.n_ctx_train))
+    print(write_tiny_model(a.path, n_ctx_train=a.n_ctx_train, n_embd=a.n_embd,
+                           n_layer=a.n_layer, n_ff=a.n_ff, q8=a.q8))
