@@ -74,6 +74,8 @@ class ServerConfig:
     read_timeout_s: float
     connect_timeout_s: float
     drain_timeout_s: float
+    idle_timeout_s: float
+    body_timeout_s: float
     log_level: str
 
 
@@ -222,6 +224,8 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "read_timeout_s": Key("number", 600.0, check=_positive),
         "connect_timeout_s": Key("number", 5.0, check=_positive),
         "drain_timeout_s": Key("number", 30.0, check=_non_negative),
+        "idle_timeout_s": Key("number", 15.0, check=_positive),
+        "body_timeout_s": Key("number", 30.0, check=_positive),
         "log_level": Key("str", "info", check=_one_of("debug", "info", "warning", "error")),
     },
     "model": {
@@ -535,6 +539,8 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
             read_timeout_s=float(s["read_timeout_s"]),
             connect_timeout_s=float(s["connect_timeout_s"]),
             drain_timeout_s=float(s["drain_timeout_s"]),
+            idle_timeout_s=float(s["idle_timeout_s"]),
+            body_timeout_s=float(s["body_timeout_s"]),
             log_level=s["log_level"],
         ),
         model=model,

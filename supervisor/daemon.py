@@ -69,6 +69,7 @@ class Daemon:
             max_body_bytes=config.server.max_body_bytes,
             max_replay_body_bytes=config.failover.max_replay_body_bytes,
             replay=config.failover.replay,
+            body_timeout_s=config.server.body_timeout_s,
         )
         path = Path(config.incidents.path) if config.incidents.path else default_path()
         self.incidents = IncidentLog(path, config.incidents.max_bytes, config.incidents.backups)
@@ -474,6 +475,7 @@ class Daemon:
         self.proxy_settings.max_body_bytes = new.server.max_body_bytes
         self.proxy_settings.max_replay_body_bytes = new.failover.max_replay_body_bytes
         self.proxy_settings.replay = new.failover.replay
+        self.proxy_settings.body_timeout_s = new.server.body_timeout_s
         self.forward_settings.read_timeout_s = new.server.read_timeout_s
         self.forward_settings.connect_timeout_s = new.server.connect_timeout_s
         self.forward_settings.stream_hold_s = new.failover.stream_hold_s
@@ -541,8 +543,11 @@ class Daemon:
         app = build_app(self.proxy, self.auth, self.own_routes())
         # In-flight requests are drained by _shutdown itself (the drain timeout can change on
         # reload); the runner's own wait is only for stragglers after that.
+        # keepalive_timeout also bounds a client that never finishes its headers: aiohttp
+        # starts that clock when the connection opens (a slowloris is closed after it).
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=2.0)
+                                     shutdown_timeout=2.0,
+                                     keepalive_timeout=self.config.server.idle_timeout_s)
         await self._runner.setup()
         try:
             for addr in self.config.server.listen:

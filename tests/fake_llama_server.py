@@ -91,7 +91,8 @@ async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
         return error(503, "Loading model", "unavailable_error")
     if time.monotonic() - START < float(ENV.get("FAKE_SLOW_START_S", "0")):
         return error(503, "Loading model", "unavailable_error")
-    if request.path not in ("/health", "/v1/health") and API_KEY:
+    # Like llama-server: CORS preflights and health need no key.
+    if request.method != "OPTIONS" and request.path not in ("/health", "/v1/health") and API_KEY:
         given = request.headers.get("Authorization", "") or request.headers.get("X-Api-Key", "")
         if given.removeprefix("Bearer ") != API_KEY:
             return error(401, "Invalid API Key", "authentication_error")

@@ -14,6 +14,22 @@ from .handler import ProxyHandler
 from .identity import request_id_of
 
 
+# All of a request's headers together; each one alone is bounded by the parser (16 KiB).
+MAX_HEADER_BYTES = 32 * 1024
+
+
+@web.middleware
+async def header_budget(request: web.Request,
+                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                        ) -> web.StreamResponse:
+    size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
+    if size > MAX_HEADER_BYTES:
+        return errors.json_error(431, "invalid_request_error",
+                                 f"the request's headers are {size} bytes; the limit is "
+                                 f"{MAX_HEADER_BYTES}", request_id_of(request))
+    return await handler(request)
+
+
 def json_response(data: Any, status: int = 200) -> web.Response:
     return web.Response(status=status, text=json.dumps(data, indent=1),
                         content_type="application/json")
@@ -27,12 +43,23 @@ def build_app(proxy: ProxyHandler, auth: AuthSettings,
     """`own_routes` maps (method, path under /spillway/) to a handler."""
     # The body limit is enforced by the proxy handler itself (it can change on reload); the
     # framework's own limit only applies to Spillway's small routes.
-    app = web.Application(middlewares=[auth_middleware(auth)], client_max_size=1024 * 1024,
-                          handler_args={"max_field_size": 65536, "max_line_size": 65536})
+    app = web.Application(middlewares=[header_budget, auth_middleware(auth)],
+                          client_max_size=1024 * 1024,
+                          handler_args={"max_field_size": 16384, "max_line_size": 16384})
     for (method, path), handler in own_routes.items():
         app.router.add_route(method, path, handler)
 
+    methods: dict[str, set[str]] = {}
+    for method, path in own_routes:
+        methods.setdefault(path, set()).add(method)
+
     async def unknown_own(request: web.Request) -> web.StreamResponse:
+        allowed = methods.get(request.path)
+        if allowed:
+            return errors.json_error(405, "invalid_request_error",
+                                     f"{request.path} takes {', '.join(sorted(allowed))}",
+                                     request_id_of(request),
+                                     headers={"Allow": ", ".join(sorted(allowed))})
         return errors.json_error(404, "invalid_request_error",
                                  f"no Spillway route {request.method} {request.path}",
                                  request_id_of(request))

@@ -14,6 +14,9 @@ from ..policy.routes import PUBLIC_ROUTES
 from . import errors
 from .identity import request_id_of
 
+# Set on every request: did it present the key (or is there none to present)?
+AUTHENTICATED = web.RequestKey("authenticated", bool)
+
 # The web UI's assets are public in llama-server (they carry no data); so they are here.
 _UI_ASSET = re.compile(r"^/([\w.\-]+/)*[\w.\-]+\.(js|mjs|css|html|ico|svg|png|jpg|woff2?|map|"
                        r"webmanifest|txt)$")
@@ -55,11 +58,18 @@ def auth_middleware(settings: AuthSettings) -> Any:
                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                         ) -> web.StreamResponse:
         key = settings.api_key
-        if key is None or _is_public(request):
+        if key is None:
+            request[AUTHENTICATED] = True
+            return await handler(request)
+        if _is_public(request):
+            # Open, but not trusted: forwarded without the child's key, so that a path that
+            # looks public here and means something else to llama-server is refused there.
+            request[AUTHENTICATED] = False
             return await handler(request)
         given = presented_key(request)
         if given is None or not hmac.compare_digest(given.encode(), key.encode()):
             return errors.authentication_error(request_id_of(request))
+        request[AUTHENTICATED] = True
         return await handler(request)
 
     return check_key

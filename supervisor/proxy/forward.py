@@ -97,6 +97,7 @@ class RequestCtx:
     stream: bool
     client_headers: CIMultiDictProxy[str]
     received: float = field(default_factory=time.monotonic)
+    trusted: bool = True  # passed Spillway's key check: the child's key goes along
     attempts: int = 0
     children: list[str] = field(default_factory=list)
     failover_kind: str | None = None
@@ -167,7 +168,8 @@ class Forwarder:
                       own_headers: list[tuple[str, str]]) -> web.StreamResponse | AttemptFailure:
         generation = child.generation
         url = f"{child.base_url}{ctx.path_qs}"
-        headers = upstream_headers(ctx.client_headers, ctx.request_id, child.api_key)
+        headers = upstream_headers(ctx.client_headers, ctx.request_id,
+                                   child.api_key if ctx.trusted else None)
         child.acquire()
         try:
             try:

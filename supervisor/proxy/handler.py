@@ -25,7 +25,7 @@ from ..gate import Gate
 from ..policy import admission, estimate, replay
 from ..policy.routes import RouteClass, classify_route
 from . import errors, tokens
-from .auth import presented_key
+from .auth import AUTHENTICATED, presented_key
 from .forward import AttemptFailure, Forwarder, RequestCtx, Upstream
 from .identity import request_id_of
 
@@ -37,21 +37,30 @@ _STORED_HEADERS = ("Content-Type", "X-Spillway-Child", "X-Spillway-Attempts",
                    "X-Spillway-Failover")
 
 
+class BodyTimeout(Exception):
+    pass
+
+
 class BodyTooLarge(Exception):
     def __init__(self, size: int | None, limit: int) -> None:
         self.size = size
         self.limit = limit
 
 
-async def read_body(request: web.Request, limit: int) -> bytes:
-    """The whole body, refusing (before reading it) one that announces more than `limit`."""
+async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, refusing (before reading it) one that announces more than `limit`, and
+    giving up on a client that trickles it (no byte for `timeout_s`)."""
     length = request.content_length
     if length is not None and length > limit:
         raise BodyTooLarge(length, limit)
     chunks = []
     size = 0
     while True:
-        chunk = await request.content.readany()
+        try:
+            async with asyncio.timeout(timeout_s):
+                chunk = await request.content.readany()
+        except TimeoutError as e:
+            raise BodyTimeout() from e
         if not chunk:
             break
         size += len(chunk)
@@ -83,6 +92,7 @@ class ProxySettings:
     max_body_bytes: int
     max_replay_body_bytes: int
     replay: bool = True
+    body_timeout_s: float = 30.0
 
 
 class Backend(Protocol):
@@ -154,7 +164,14 @@ class ProxyHandler:
         started = time.monotonic()
         # 2. Bad input is answered before any child sees it.
         try:
-            body = await read_body(request, self.settings.max_body_bytes)
+            body = await read_body(request, self.settings.max_body_bytes,
+                                   self.settings.body_timeout_s)
+        except BodyTimeout:
+            response = errors.invalid_request(
+                408, f"no byte of the request body for {self.settings.body_timeout_s:.0f} s "
+                     "(server.body_timeout_s)", rid)
+            response.force_close()
+            return self._early(None, request, rid, "body_timeout", response)
         except BodyTooLarge as e:
             size = f"{e.size} bytes" if e.size is not None else "more than that"
             return self._early(None, request, rid, "body_too_large", errors.invalid_request(
@@ -171,6 +188,7 @@ class ProxyHandler:
             path_qs=request.raw_path, route=route, body=body, payload=payload,
             stream=bool(payload.get("stream")) if payload else False,
             client_headers=request.headers, received=started,
+            trusted=request.get(AUTHENTICATED, True),
         )
         idem_key = request.headers.get("Idempotency-Key")
         if idem_key is not None and request.method == "POST":

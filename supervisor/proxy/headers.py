@@ -35,7 +35,7 @@ def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set
 
 
 def upstream_headers(client: CIMultiDictProxy[str], request_id: str,
-                     child_key: str) -> CIMultiDict[str]:
+                     child_key: str | None) -> CIMultiDict[str]:
     extra = _connection_tokens(client)
     out: CIMultiDict[str] = CIMultiDict()
     for name, value in client.items():
@@ -44,7 +44,8 @@ def upstream_headers(client: CIMultiDictProxy[str], request_id: str,
             continue
         out.add(name, value)
     out["X-Request-Id"] = request_id
-    out["Authorization"] = f"Bearer {child_key}"
+    if child_key is not None:
+        out["Authorization"] = f"Bearer {child_key}"
     # Compressed bodies would have to be decoded to find SSE events; loopback needs no gzip.
     out["Accept-Encoding"] = "identity"
     return out
