@@ -209,6 +209,15 @@ class Gate:
         limit = self.max_wait_s if within_s is None else min(within_s, self.max_wait_s)
         view = self.source.child_view(child, self.busy[child], 0, 0)
         start_s = 0.0  # the child was running
+        if view.ready and not view.has_room:
+            # Busy: wait only if the estimated wait fits; a replay that would sit out the
+            # whole limit is better answered now, with a Retry-After.
+            expected = waitline.estimated_wait(len(self._replays) + 1, self.source.service_s(),
+                                               view.cap)
+            if expected > limit:
+                log.info("replay on the %s child refused: it is busy and the wait would be "
+                         "about %.0f s", child, expected)
+                return None
         if not view.ready:
             if view.startable:
                 self.source.start_child(child)

@@ -21,6 +21,8 @@ lines are written and the process dies with SIGABRT, taking the real server with
   FAULT_MODE=survive    answer HTTP 500 "Compute error." and log a Vulkan OOM line; stay alive
   FAULT_LINES=full      the whole CUDA out-of-memory message before the abort (default)
   FAULT_LINES=terse     only `ggml-cuda.cu:109: CUDA error`, as seen on a real H200
+  FAULT_EVERY_S=S       abort S seconds after starting, whatever it is doing (chaos: the
+                        restarted child dies again S seconds later)
 """
 
 from __future__ import annotations
@@ -65,6 +67,7 @@ class State:
         self.real: subprocess.Popen[bytes] | None = None
         self.real_port = 0
         self.output_done = threading.Event()
+        self.dying = False
 
 
 state = State()
@@ -111,6 +114,7 @@ def should_fire(path: str, body: bytes) -> bool:
 
 def die() -> None:
     """As a CUDA build dies: the real server aborts, the CUDA lines are the last ones out."""
+    state.dying = True  # from now on nothing answers: a dying process sends no responses
     real = state.real
     if real is not None and real.poll() is None:
         real.send_signal(signal.SIGABRT)
@@ -168,8 +172,15 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             await resp.write_eof()
             return resp
     except aiohttp.ClientConnectorError:
+        if state.dying:
+            await asyncio.sleep(3600)
         return web.json_response({"error": {"code": 503, "message": "Loading model",
                                             "type": "unavailable_error"}}, status=503)
+    except (aiohttp.ClientError, ConnectionError):
+        # The real server died under this request (the GPU's abort): so does this process in a
+        # moment; a real server would close the connection without a word, not answer 500.
+        await asyncio.sleep(3600)
+        raise
     finally:
         if fire and when == "launch":
             task.cancel()
@@ -204,6 +215,11 @@ def main() -> None:
         os._exit(0)
 
     signal.signal(signal.SIGTERM, on_term)
+    every = float(ENV.get("FAULT_EVERY_S", "0"))
+    if every > 0:
+        timer = threading.Timer(every, die)
+        timer.daemon = True
+        timer.start()
 
     async def serve() -> None:
         state.loop = asyncio.get_running_loop()
