@@ -18,12 +18,11 @@ import random
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import psutil
 import pytest
-from harness import Spillway, real_config, settled
+from harness import real_config, settled
 
 from conftest import SpillwayFactory
 
