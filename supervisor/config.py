@@ -77,6 +77,7 @@ class ServerConfig:
     idle_timeout_s: float
     body_timeout_s: float
     log_level: str
+    access_log: bool
 
 
 @dataclass(frozen=True)
@@ -227,6 +228,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "idle_timeout_s": Key("number", 15.0, check=_positive),
         "body_timeout_s": Key("number", 30.0, check=_positive),
         "log_level": Key("str", "info", check=_one_of("debug", "info", "warning", "error")),
+        "access_log": Key("bool", True),
     },
     "model": {
         "llama_server": Key("str", "llama-server"),
@@ -542,6 +544,7 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
             idle_timeout_s=float(s["idle_timeout_s"]),
             body_timeout_s=float(s["body_timeout_s"]),
             log_level=s["log_level"],
+            access_log=bool(s["access_log"]),
         ),
         model=model,
         gpu=gpu,

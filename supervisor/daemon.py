@@ -70,6 +70,7 @@ class Daemon:
             max_replay_body_bytes=config.failover.max_replay_body_bytes,
             replay=config.failover.replay,
             body_timeout_s=config.server.body_timeout_s,
+            access_log=config.server.access_log,
         )
         path = Path(config.incidents.path) if config.incidents.path else default_path()
         self.incidents = IncidentLog(path, config.incidents.max_bytes, config.incidents.backups)
@@ -216,8 +217,7 @@ class Daemon:
             outcome = "client_error"
         else:
             outcome = "failed"
-        self.metrics.requests.labels(route, child or "none", outcome).inc()
-        self.metrics.duration.labels(route).observe(now - ctx.received)
+        self.metrics.count_request(route, child or "none", outcome, now - ctx.received)
         if ctx.stream and ctx.first_byte_s is not None and status == 200:
             self.metrics.ttft.labels(route).observe(ctx.first_byte_s)
         if ctx.attempts == 2:
@@ -471,11 +471,13 @@ class Daemon:
                                                                    device=old.gpu.device))
         self.config = new
         self.res.config = new
+        self.res.refresh()
         self.auth.api_key = new.server.api_key
         self.proxy_settings.max_body_bytes = new.server.max_body_bytes
         self.proxy_settings.max_replay_body_bytes = new.failover.max_replay_body_bytes
         self.proxy_settings.replay = new.failover.replay
         self.proxy_settings.body_timeout_s = new.server.body_timeout_s
+        self.proxy_settings.access_log = new.server.access_log
         self.forward_settings.read_timeout_s = new.server.read_timeout_s
         self.forward_settings.connect_timeout_s = new.server.connect_timeout_s
         self.forward_settings.stream_hold_s = new.failover.stream_hold_s

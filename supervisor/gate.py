@@ -27,8 +27,8 @@ log = logging.getLogger("spillway.gate")
 class CapacitySource(Protocol):
     """What the gate needs to know of the children (the daemon provides it)."""
 
-    def child_view(self, name: str, busy: int, body_size: int,
-                   max_tokens: int) -> ChildView: ...
+    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int,
+                   with_estimate: bool = True) -> ChildView: ...
 
     def vram_free_mib(self) -> float | None: ...
 
@@ -71,9 +71,12 @@ class Gate:
 
     # --- capacity -----------------------------------------------------------------------------
 
-    def capacity(self, waiting: int, body_size: int, max_tokens: int) -> Capacity:
-        gpu = self.source.child_view("gpu", self.busy["gpu"], body_size, max_tokens)
-        cpu = self.source.child_view("cpu", self.busy["cpu"], body_size, max_tokens)
+    def capacity(self, waiting: int, body_size: int, max_tokens: int,
+                 with_estimate: bool = True) -> Capacity:
+        gpu = self.source.child_view("gpu", self.busy["gpu"], body_size, max_tokens,
+                                     with_estimate)
+        cpu = self.source.child_view("cpu", self.busy["cpu"], body_size, max_tokens,
+                                     with_estimate)
         servers = sum(c.cap for c in (gpu, cpu) if c.ready) or 1
         return Capacity(
             gpu=gpu, cpu=cpu,
@@ -97,7 +100,13 @@ class Gate:
     async def admit(self, req: Request, body_size: int, max_tokens: int) -> Admitted | Decision:
         """Admitted (holding a reservation on its child), or a REJECT/TOO_LONG decision."""
         began = time.monotonic()
-        cap = self.capacity(len(self.line), body_size, max_tokens)
+        if not self.line:
+            fast = self._gpu_fast_path(req)
+            if fast is not None:
+                self.reserve("gpu")
+                return Admitted("gpu", fast)
+        cap = self.capacity(len(self.line), body_size, max_tokens,
+                            with_estimate=req.deadline_s is not None)
         decision = admission.decide(req, cap)
         if decision.action is Action.FORWARD and len(self.line) > 0:
             # A newcomer never passes those already waiting (no starvation): with anyone in
@@ -135,6 +144,18 @@ class Gate:
                                 retry_after_s=10.0, cause="start_timeout")
             admitted.cpu_start_s = started
         return admitted
+
+    def _gpu_fast_path(self, req: Request) -> Decision | None:
+        """Branch 4 for the common case, without building the whole picture: nobody waiting,
+        the GPU child ready with room and headroom, the prompt known to fit. Gives the same
+        answer decide() would (the tests hold the two to it); None when in doubt."""
+        gpu = self.source.child_view("gpu", self.busy["gpu"], 0, 0, with_estimate=False)
+        if not gpu.has_room or not gpu.fits(req.prompt_tokens):
+            return None
+        free = self.source.vram_free_mib()
+        if free is not None and free < self.source.vram_headroom_mib():
+            return None
+        return Decision(Action.FORWARD, 4, "GPU child has room", child="gpu")
 
     async def _wait(self, req: Request, decision: Decision, body_size: int,
                     max_tokens: int) -> Decision:

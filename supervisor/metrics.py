@@ -7,6 +7,8 @@ children `gpu`/`cpu`, failure kinds from the fixed set.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -76,8 +78,20 @@ class Metrics:
             "spillway_config_last_reload_valid", "1 if the last configuration read was valid "
             "(the running one is in effect either way).", registry=r)
         self.config_valid.set(1)
+        self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         for child in ("gpu", "cpu"):
             self.set_state(child, ChildState.STOPPED)
+
+    def count_request(self, route: str, child: str, outcome: str, seconds: float) -> None:
+        """On every request: the labelled series are looked up once and kept."""
+        key = (route, child, outcome)
+        series = self._request_series.get(key)
+        if series is None:
+            series = (self.requests.labels(route, child, outcome),
+                      self.duration.labels(route))
+            self._request_series[key] = series
+        series[0].inc()
+        series[1].observe(seconds)
 
     def set_state(self, child: str, state: ChildState) -> None:
         for s in ChildState:

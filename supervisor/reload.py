@@ -13,7 +13,13 @@ import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.events import (
+    FileClosedEvent,
+    FileCreatedEvent,
+    FileMovedEvent,
+    FileSystemEvent,
+    FileSystemEventHandler,
+)
 from watchdog.observers import Observer
 
 from . import config
@@ -32,7 +38,7 @@ class _Handler(FileSystemEventHandler):
 
     def on_any_event(self, event: FileSystemEvent) -> None:
         paths = [event.src_path, getattr(event, "dest_path", "")]
-        if event.event_type in ("modified", "created", "moved", "closed") and any(
+        if event.event_type in ("created", "moved", "closed") and any(
                 Path(str(p)).name == self.name for p in paths if p):
             self.fire()
 
@@ -80,8 +86,11 @@ class Reloader:
         self._loop = asyncio.get_running_loop()
         folder = str(Path(self.path).resolve().parent)
         observer = Observer()
+        # Only what a save looks like (a file closed after writing, or renamed into place): the
+        # kernel then stays quiet about files merely appended to in the same folder (a log).
         observer.schedule(_Handler(Path(self.path).name, self._from_thread), folder,
-                          recursive=False)
+                          recursive=False,
+                          event_filter=[FileClosedEvent, FileMovedEvent, FileCreatedEvent])
         observer.daemon = True
         observer.start()
         self._observer = observer

@@ -53,6 +53,12 @@ class Resources:
         self.model_size = 0
         self.model_shape: gguf_meta.ModelShape | None = None
         self.paused: set[str] = set()
+        self._cpu_need = 0  # cached: asked on every admission, changes only with the config
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute what depends on the config and the model (after a reload, a sample)."""
+        self._cpu_need = self._compute_cpu_need()
 
     def _slots_from_args(self, name: str) -> int | None:
         value = llama_args.flag_value(self.config.child(name).args, "-np")
@@ -67,6 +73,7 @@ class Resources:
             self.model_shape = gguf_meta.model_shape(self.config.model.path)
         except (OSError, gguf_meta.GgufError) as e:
             log.info("model shape unknown (%s): the KV estimate is a guess", e)
+        self.refresh()
 
     async def fetch_profile(self, session: aiohttp.ClientSession, name: str) -> None:
         """Slots and context per slot, as the child reports them once ready."""
@@ -107,6 +114,7 @@ class Resources:
         if sample is not None and gpu.state is ChildState.READY and gpu.pid is not None:
             used = sample.process_bytes.get(gpu.pid, 0)
             self.profiles["gpu"].peak_vram = max(self.profiles["gpu"].peak_vram, used)
+        self.refresh()
 
     # --- what the child needs ---------------------------------------------------------------
 
@@ -119,11 +127,14 @@ class Resources:
             else shape.n_ctx_train
         return shape.kv_bytes(n_ctx)
 
+    def _compute_cpu_need(self) -> int:
+        estimate_bytes = self.model_size + self._kv_bytes("cpu") + 256 * MIB
+        return max(self.profiles["cpu"].peak_rss, estimate_bytes)
+
     def cpu_need_bytes(self) -> int:
         """RAM the CPU child needs to start: what it used before, else the model plus its KV
         cache (and some room for compute buffers)."""
-        estimate_bytes = self.model_size + self._kv_bytes("cpu") + 256 * MIB
-        return max(self.profiles["cpu"].peak_rss, estimate_bytes)
+        return self._cpu_need
 
     def gpu_need_bytes(self) -> int:
         """VRAM the GPU child needs to load: what it used before, else the model plus its KV
@@ -144,20 +155,26 @@ class Resources:
         configured = self.config.child(name).max_concurrency
         return configured or self.profiles[name].slots or 1
 
-    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int) -> ChildView:
+    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int,
+                   with_estimate: bool = True) -> ChildView:
+        """What admission needs of one child; called on every request, so kept cheap (the
+        time estimate only when the request has a deadline to weigh it against)."""
         child = self.children[name]
-        state = str(child.state)
-        running = child.state in (ChildState.READY, ChildState.STARTING)
-        startable = (name == "cpu" and self.config.cpu.mode == "on-demand"
-                     and child.state is ChildState.STOPPED and name not in self.paused
-                     and self.cpu_ram_ok(cold=True))
-        ram_ok = True if name == "gpu" else self.cpu_ram_ok(cold=not running)
+        state = child.state
+        if name == "gpu":
+            startable, ram_ok = False, True
+        else:
+            running = state is ChildState.READY or state is ChildState.STARTING
+            startable = (state is ChildState.STOPPED and self.config.cpu.mode == "on-demand"
+                         and name not in self.paused and self.cpu_ram_ok(cold=True))
+            ram_ok = self.cpu_ram_ok(cold=not running)
+        expected = estimate.expected_seconds(
+            self.throughput[name], estimate.prompt_tokens_bound(body_size),
+            max_tokens) if with_estimate else None
         return ChildView(
-            name=name, state=state, busy=busy, cap=self.cap(name),
+            name=name, state=str(state), busy=busy, cap=self.cap(name),
             ctx_per_slot=self.profiles[name].ctx_per_slot, startable=startable, ram_ok=ram_ok,
-            expected_s=estimate.expected_seconds(
-                self.throughput[name], estimate.prompt_tokens_bound(body_size), max_tokens),
-        )
+            expected_s=expected)
 
     def vram_free_mib(self) -> float | None:
         sample = self.monitor.latest

@@ -89,8 +89,10 @@ class Spillway:
     """One daemon: `spillway run --config FILE` in a subprocess, its log in a file."""
 
     def __init__(self, folder: Path, config: Mapping[str, Any],
-                 env: Mapping[str, str] | None = None, fake_nvml: Path | None = None) -> None:
+                 env: Mapping[str, str] | None = None, fake_nvml: Path | None = None,
+                 command_prefix: list[str] | None = None) -> None:
         self.folder = folder
+        self.command_prefix = list(command_prefix or [])  # e.g. taskset, for the benchmark
         folder.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
         cfg = deep_merge({"server": {"listen": f"127.0.0.1:{self.port}"},
@@ -118,7 +120,8 @@ class Spillway:
     def start(self, wait_ready: bool = True, timeout: float = 90.0) -> Spillway:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "supervisor", "run", "--config", str(self.config_path)],
+            [*self.command_prefix, sys.executable, "-m", "supervisor", "run", "--config",
+             str(self.config_path)],
             cwd=self.folder, env=self.env, stdout=self._log, stderr=subprocess.STDOUT)
         if wait_ready:
             self.wait_ready(timeout)

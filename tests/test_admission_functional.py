@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,18 @@ async def post(http: aiohttp.ClientSession, s: Spillway, body: dict[str, Any] = 
     async with http.post(f"{s.url}/v1/chat/completions", json=body, headers=headers) as r:
         data = await r.read()
         return r.status, r.headers, json.loads(data) if data[:1] == b"{" else data
+
+
+def occupy_both(s: Spillway) -> threading.Thread:
+    """Both children busy with a slow request each, from another thread (the test goes on)."""
+    async def occupy() -> None:
+        async with aiohttp.ClientSession() as http:
+            await asyncio.gather(post(http, s), post(http, s))
+
+    t = threading.Thread(target=asyncio.run, args=(occupy(),))
+    t.start()
+    eventually(lambda: sum(c["busy"] for c in s.status()["children"].values()) == 2, 10)
+    return t
 
 
 @pytest.mark.asyncio
@@ -69,15 +82,7 @@ def test_a_full_line_gives_the_controlled_503_through_the_openai_client(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
     s = spillway(one_each(fake_server, tiny_model, queue={"max_waiting": 0}))
     oa = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
-
-    async def occupy() -> None:
-        async with aiohttp.ClientSession() as http:
-            await asyncio.gather(post(http, s), post(http, s))
-
-    import threading
-    t = threading.Thread(target=asyncio.run, args=(occupy(),))
-    t.start()
-    eventually(lambda: sum(c["busy"] for c in s.status()["children"].values()) == 2, 10)
+    t = occupy_both(s)
     with pytest.raises(openai.APIStatusError) as e:
         oa.chat.completions.create(model="m", messages=[{"role": "user", "content": "hi"}],
                                    extra_headers={"X-Request-Id": "busy-1"})
@@ -101,15 +106,7 @@ def test_the_openai_clients_retry_honours_retry_after(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
     s = spillway(one_each(fake_server, tiny_model, queue={"max_waiting": 0}))
     oa = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=1)
-
-    async def occupy() -> None:
-        async with aiohttp.ClientSession() as http:
-            await asyncio.gather(post(http, s), post(http, s))
-
-    import threading
-    t = threading.Thread(target=asyncio.run, args=(occupy(),))
-    t.start()
-    eventually(lambda: sum(c["busy"] for c in s.status()["children"].values()) == 2, 10)
+    t = occupy_both(s)
     began = time.monotonic()
     raw = oa.chat.completions.with_raw_response.create(
         model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=2)

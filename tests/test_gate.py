@@ -4,12 +4,13 @@ clients that leave leave the line, nothing lost."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 
 import pytest
 
 from supervisor.gate import Admitted, Gate
-from supervisor.policy.admission import Action, ChildView, Decision, Request
+from supervisor.policy.admission import Action, ChildView, Decision, Request, decide
 from supervisor.policy.routes import RouteClass
 
 REQ = Request(route=RouteClass.GENERATION, prompt_tokens=10, cpu_allowed=True, deadline_s=None)
@@ -23,7 +24,8 @@ class FakeSource:
         self.states = states or {"gpu": "READY", "cpu": "READY"}
         self.started: list[str] = []
 
-    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int) -> ChildView:
+    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int,
+                   with_estimate: bool = True) -> ChildView:
         return ChildView(name, self.states[name], busy, self.caps[name], ctx_per_slot=None,
                          startable=self.states[name] == "STOPPED" and name == "cpu")
 
@@ -130,3 +132,24 @@ async def test_an_on_demand_child_is_started_and_its_start_time_measured() -> No
     got = await gate.admit(REQ, 1, 1)
     assert isinstance(got, Admitted)
     assert got.child == "cpu" and got.cpu_start_s == 0.25 and source.started == ["cpu"]
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_the_gpu_fast_path_answers_as_the_full_decision_does(seed: int) -> None:
+    rnd = random.Random(seed)
+    states = {"gpu": rnd.choice(["READY", "STARTING", "BACKOFF", "DRAINING", "FATAL"]),
+              "cpu": rnd.choice(["READY", "STOPPED", "FATAL"])}
+    source = FakeSource({"gpu": rnd.randint(0, 3), "cpu": rnd.randint(0, 3)}, states)
+    free = rnd.choice([None, 100.0, 5000.0])
+    source.vram_free_mib = lambda: free  # type: ignore[method-assign]
+    source.vram_headroom_mib = lambda: 1024.0  # type: ignore[method-assign]
+    gate = Gate(source, max_waiting=4, max_wait_s=30)
+    gate.busy = {"gpu": rnd.randint(0, 3), "cpu": rnd.randint(0, 3)}
+    req = dataclasses.replace(REQ, prompt_tokens=rnd.choice([10, 5000]),
+                              cpu_allowed=rnd.random() < 0.8)
+    fast = gate._gpu_fast_path(req)
+    full = decide(req, gate.capacity(0, 1, 1))
+    if fast is not None:
+        assert (full.action, full.child, full.branch) == (fast.action, fast.child, fast.branch)
+    else:
+        assert not (full.action is Action.FORWARD and full.child == "gpu")

@@ -18,16 +18,14 @@ from .identity import request_id_of
 MAX_HEADER_BYTES = 32 * 1024
 
 
-@web.middleware
-async def header_budget(request: web.Request,
-                        handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-                        ) -> web.StreamResponse:
+def header_budget(request: web.Request) -> web.StreamResponse | None:
+    """431 for a request whose headers together exceed MAX_HEADER_BYTES."""
     size = sum(len(k) + len(v) + 4 for k, v in request.raw_headers)
     if size > MAX_HEADER_BYTES:
         return errors.json_error(431, "invalid_request_error",
                                  f"the request's headers are {size} bytes; the limit is "
                                  f"{MAX_HEADER_BYTES}", request_id_of(request))
-    return await handler(request)
+    return None
 
 
 def json_response(data: Any, status: int = 200) -> web.Response:
@@ -43,7 +41,7 @@ def build_app(proxy: ProxyHandler, auth: AuthSettings,
     """`own_routes` maps (method, path under /spillway/) to a handler."""
     # The body limit is enforced by the proxy handler itself (it can change on reload); the
     # framework's own limit only applies to Spillway's small routes.
-    app = web.Application(middlewares=[header_budget, auth_middleware(auth)],
+    app = web.Application(middlewares=[auth_middleware(auth, header_budget)],
                           client_max_size=1024 * 1024,
                           handler_args={"max_field_size": 16384, "max_line_size": 16384})
     for (method, path), handler in own_routes.items():

@@ -52,11 +52,18 @@ def presented_key(request: web.Request) -> str | None:
     return None
 
 
-def auth_middleware(settings: AuthSettings) -> Any:
+def auth_middleware(settings: AuthSettings,
+                    precheck: Callable[[web.Request], web.StreamResponse | None] | None = None
+                    ) -> Any:
+    """The key check; `precheck` (e.g. a header budget) runs first, in the same middleware,
+    since every layer costs on every request."""
+
     @web.middleware
     async def check_key(request: web.Request,
                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                         ) -> web.StreamResponse:
+        if precheck is not None and (refused := precheck(request)) is not None:
+            return refused
         key = settings.api_key
         if key is None:
             request[AUTHENTICATED] = True

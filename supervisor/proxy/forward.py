@@ -152,12 +152,18 @@ class Forwarder:
     def __init__(self, session: aiohttp.ClientSession, settings: ForwardSettings) -> None:
         self.session = session
         self.settings = settings
+        self._timeout_key: tuple[float, float] | None = None
+        self._timeout_value = aiohttp.ClientTimeout()
 
     def _timeout(self) -> aiohttp.ClientTimeout:
-        # No total timeout: a long generation is not an error. Only silence is.
-        return aiohttp.ClientTimeout(total=None, sock_connect=self.settings.connect_timeout_s,
-                                     connect=self.settings.connect_timeout_s,
-                                     sock_read=self.settings.read_timeout_s)
+        # No total timeout: a long generation is not an error. Only silence is. (Made once per
+        # settings: the settings can change on reload.)
+        key = (self.settings.connect_timeout_s, self.settings.read_timeout_s)
+        if self._timeout_key != key:
+            self._timeout_key = key
+            self._timeout_value = aiohttp.ClientTimeout(
+                total=None, sock_connect=key[0], connect=key[0], sock_read=key[1])
+        return self._timeout_value
 
     def _silent(self, child: Upstream, generation: int, **kw: Any) -> AttemptFailure:
         return AttemptFailure(child.name, generation, ev.Verdict(

@@ -53,6 +53,10 @@ async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes
     length = request.content_length
     if length is not None and length > limit:
         raise BodyTooLarge(length, limit)
+    content = request.content
+    if length is not None and content.is_eof():
+        # The whole body already arrived with the headers (the usual case): no waiting.
+        return content.read_nowait()
     chunks = []
     size = 0
     while True:
@@ -93,6 +97,7 @@ class ProxySettings:
     max_replay_body_bytes: int
     replay: bool = True
     body_timeout_s: float = 30.0
+    access_log: bool = True
 
 
 class Backend(Protocol):
@@ -459,9 +464,10 @@ class ProxyHandler:
         ctx.status = status
         self.backend.finished(ctx, status, child)
 
-    @staticmethod
-    def _log_line(request: web.Request, rid: str, child: str, status: int, elapsed: float,
-                  attempts: int) -> None:
+    def _log_line(self, request: web.Request, rid: str, child: str, status: int,
+                  elapsed: float, attempts: int) -> None:
+        if not self.settings.access_log and 200 <= status < 400 and attempts <= 1:
+            return  # only the lines that say something went differently
         log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method, request.path,
                  child, status, elapsed, attempts)
 

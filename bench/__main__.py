@@ -1,0 +1,534 @@
+"""Spillway's benchmarks, one command, every figure side by side with its reference in the same
+run (so ratios hold on a noisy machine):
+
+    .venv/bin/python -m bench [--quick] [--out bench/results]
+
+- added latency (p50, p99) and throughput at concurrency 1, 16 and 64: straight to the
+  upstream, through Spillway, through nginx (Debian's package, a plain keep-alive reverse proxy)
+  and through LiteLLM's proxy (PyPI, its own virtual environment, a plain pass-through); once
+  with an upstream that answers at once (nginx posing as llama-server, to isolate the proxy) and
+  once with the real llama-server and the tiny model. Load comes from wrk (Debian's package,
+  with a Lua script for the POST body), pinned to its own core with taskset;
+- streams: added time to first token and added delay per SSE event (each event carries the time
+  it was sent; its arrival is compared straight and through Spillway);
+- the failover penalty: from the GPU child's death to the first byte from the CPU child, minus
+  the same request sent straight to a CPU llama-server, the CPU child hot;
+- Spillway's resident memory idle and with 256 open streams.
+
+Needs root (or the tools already installed) for `apt-get install nginx wrk`. Writes
+bench/results/latest.json and prints the table (the README carries the latest one).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import psutil
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tests"))
+
+from harness import Spillway, fake_server_script, toml_dumps  # noqa: E402
+from tinymodel import write_tiny_model  # noqa: E402
+
+from supervisor import bootstrap  # noqa: E402
+
+BODY = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+# LiteLLM's proxy refuses to start without a master key; every target gets the header (the
+# others ignore it).
+BENCH_KEY = "sk-spillway-bench"
+SERVER_CORE = "0"
+LOAD_CORE = "1"
+CACHE = bootstrap.cache_dir() / "bench"
+
+
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def cores() -> int:
+    return os.cpu_count() or 1
+
+
+def pin(core: str) -> list[str]:
+    """taskset when there are two cores or more: load and server apart."""
+    return ["taskset", "-c", core] if cores() >= 2 and shutil.which("taskset") else []
+
+
+def ensure_tools() -> None:
+    missing = [p for p, cmd in (("nginx", "nginx"), ("wrk", "wrk")) if shutil.which(cmd) is None]
+    if missing:
+        if os.geteuid() != 0 or shutil.which("apt-get") is None:
+            raise SystemExit(f"the benchmark needs {', '.join(missing)} (apt-get install "
+                             f"{' '.join(missing)})")
+        say(f"installing {', '.join(missing)} from Debian's packages")
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        subprocess.run(["apt-get", "update", "-qq"], env=env, check=False, capture_output=True)
+        subprocess.run(["apt-get", "install", "-y", "-qq", *missing], env=env, check=True,
+                       capture_output=True)
+
+
+def litellm_binary() -> Path | None:
+    """LiteLLM's proxy in a virtual environment of its own (installed once, cached)."""
+    venv = CACHE / "litellm-venv"
+    binary = venv / "bin" / "litellm"
+    if not binary.exists():
+        say("installing LiteLLM's proxy into its own virtual environment (once)")
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        result = subprocess.run([str(venv / "bin" / "pip"), "install", "-q",
+                                 "litellm[proxy]"], capture_output=True, text=True)
+        if result.returncode != 0:
+            say(f"LiteLLM could not be installed; left out: {result.stderr[-300:]}")
+            return None
+    return binary
+
+
+class Stack:
+    """Processes started for the benchmark, all stopped at the end."""
+
+    def __init__(self) -> None:
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.daemons: list[Spillway] = []
+        self.tmp = Path(tempfile.mkdtemp(prefix="spillway-bench-"))
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for d in self.daemons:
+            d.stop()
+        for p in self.procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+
+    def start(self, argv: list[str], env: dict[str, str] | None = None,
+              core: str = SERVER_CORE) -> subprocess.Popen[bytes]:
+        proc = subprocess.Popen([*pin(core), *argv], env={**os.environ, **(env or {})},
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def spillway(self, name: str, config: dict[str, Any]) -> Spillway:
+        """A daemon pinned, with its children, to the server core."""
+        s = Spillway(self.tmp / name, config, command_prefix=pin(SERVER_CORE))
+        s.start()
+        self.daemons.append(s)
+        return s
+
+    def nginx_proxy(self, upstream_port: int) -> int:
+        port = free_port()
+        d = self.tmp / f"nginx-{port}"
+        d.mkdir()
+        (d / "nginx.conf").write_text(f"""
+worker_processes 1;
+pid {d}/nginx.pid;
+error_log stderr error;
+daemon off;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off;
+  client_body_temp_path {d};
+  proxy_temp_path {d};
+  upstream u {{ server 127.0.0.1:{upstream_port}; keepalive 128; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{
+      proxy_pass http://u;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_read_timeout 600s;
+    }}
+  }}
+}}
+""")
+        self.start(["nginx", "-c", str(d / "nginx.conf"), "-p", str(d)])
+        wait_port(port)
+        return port
+
+    def litellm(self, upstream_port: int) -> int | None:
+        binary = litellm_binary()
+        if binary is None:
+            return None
+        port = free_port()
+        cfg = self.tmp / f"litellm-{port}.yaml"
+        cfg.write_text(f"""model_list:
+  - model_name: bench
+    litellm_params:
+      model: openai/bench
+      api_base: http://127.0.0.1:{upstream_port}/v1
+      api_key: none
+""")
+        self.start([str(binary), "--config", str(cfg), "--host", "127.0.0.1", "--port",
+                    str(port), "--num_workers", "1"],
+                   env={"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR",
+                        "LITELLM_MASTER_KEY": BENCH_KEY})
+        if not wait_http(f"http://127.0.0.1:{port}/health/liveliness", 240):
+            say("LiteLLM did not start; left out")
+            return None
+        return port
+
+
+def wait_port(port: int, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {port}")
+
+
+def wait_http(url: str, timeout: float) -> bool:
+    import urllib.request
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return True
+        time.sleep(0.3)
+    return False
+
+
+def _ms(value: str) -> float:
+    m = re.match(r"([\d.]+)(us|ms|s)", value.strip())
+    if not m:
+        return float("nan")
+    n, unit = float(m.group(1)), m.group(2)
+    return n / 1000 if unit == "us" else n if unit == "ms" else n * 1000
+
+
+def wrk(url: str, connections: int, seconds: float, lua: Path) -> dict[str, float]:
+    threads = max(1, min(connections, 2))
+    out = subprocess.run([*pin(LOAD_CORE), "wrk", "-t", str(threads), "-c", str(connections),
+                          "-d", f"{max(1, round(seconds))}s", "--latency", "-s", str(lua), url],
+                         capture_output=True, text=True, timeout=seconds + 60).stdout
+    p50 = re.search(r"^\s+50%\s+(\S+)", out, re.M)
+    p99 = re.search(r"^\s+99%\s+(\S+)", out, re.M)
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    return {"p50_ms": _ms(p50.group(1)) if p50 else float("nan"),
+            "p99_ms": _ms(p99.group(1)) if p99 else float("nan"),
+            "rps": float(rps.group(1)) if rps else 0.0,
+            "non_2xx": int(errors.group(1)) if errors else 0}
+
+
+def latency_matrix(targets: dict[str, str], seconds: float, lua: Path,
+                   concurrency: tuple[int, ...]) -> dict[str, dict[str, dict[str, float]]]:
+    results: dict[str, dict[str, dict[str, float]]] = {}
+    for c in concurrency:
+        for name, url in targets.items():
+            wrk(url, c, min(2.0, seconds), lua)  # warm up
+            r = wrk(url, c, seconds, lua)
+            results.setdefault(name, {})[str(c)] = r
+            say(f"  {name:9s} c={c:<3d} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
+                f"{r['rps']:.0f} req/s{'  (' + str(r['non_2xx']) + ' non-2xx)' if r['non_2xx'] else ''}")
+    return results
+
+
+async def stream_timings(url: str, n: int) -> dict[str, list[float]]:
+    """Time to first event, and each event's delay from its send time (`fake.t`)."""
+    ttft: list[float] = []
+    delays: list[float] = []
+    body = {**BODY, "stream": True, "max_tokens": 64}
+    async with aiohttp.ClientSession() as http:
+        for _ in range(n):
+            began = time.time()
+            async with http.post(url, json=body) as r:
+                first = True
+                async for line in r.content:
+                    if not line.startswith(b"data: {"):
+                        continue
+                    now = time.time()
+                    event = json.loads(line[6:])
+                    if first:
+                        ttft.append(now - began)
+                        first = False
+                    if "fake" in event:
+                        delays.append(now - event["fake"]["t"])
+    return {"ttft": ttft, "delays": delays}
+
+
+def pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * (len(values) - 1) + 0.5))] if values else 0.0
+
+
+def rss_mib(pid: int) -> float:
+    return psutil.Process(pid).memory_info().rss / 2**20
+
+
+def machine() -> dict[str, Any]:
+    cpu = platform.processor()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    return {"cpu": cpu, "cores": cores(), "memory_gib": round(psutil.virtual_memory().total /
+                                                              2**30), "python":
+            platform.python_version(), "kernel": platform.release()}
+
+
+@contextlib.contextmanager
+def lua_body(body: dict[str, Any]) -> Iterator[Path]:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write('wrk.method = "POST"\n')
+        f.write(f"wrk.body = {json.dumps(json.dumps(body))}\n")
+        f.write('wrk.headers["Content-Type"] = "application/json"\n')
+        f.write(f'wrk.headers["Authorization"] = "Bearer {BENCH_KEY}"\n')
+    try:
+        yield Path(f.name)
+    finally:
+        os.unlink(f.name)
+
+
+def run(quick: bool) -> dict[str, Any]:
+    ensure_tools()
+    seconds = 3.0 if quick else 10.0
+    concurrency = (1, 16, 64)
+    llama = bootstrap.ensure_llama_server()
+    fake = fake_server_script(Path(tempfile.mkdtemp(prefix="spillway-bench-fake-")))
+    instant = REPO / "bench" / "instant-upstream.sh"
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                              "machine": machine(), "quick": quick, "seconds": seconds}
+    with Stack() as st, lua_body(BODY) as lua:
+        model = write_tiny_model(st.tmp / "tiny.gguf")
+        # 1. An upstream that answers at once.
+        say("instant upstream: straight, Spillway, nginx, LiteLLM")
+        up = free_port()
+        st.start([str(instant), "--port", str(up)])
+        wait_port(up)
+        sp = st.spillway("instant", {
+            "model": {"llama_server": str(instant), "path": str(model), "args": []},
+            "gpu": {"args": [], "max_concurrency": 1024},
+            "cpu": {"args": [], "max_concurrency": 1024},
+            "queue": {"max_waiting": 1024}})
+        bare = free_port()
+        st.start([sys.executable, str(REPO / "bench" / "bare_proxy.py"),
+                  f"http://127.0.0.1:{up}", str(bare)])
+        wait_port(bare)
+        targets = {"direct": f"http://127.0.0.1:{up}/v1/chat/completions",
+                   "spillway": f"{sp.url}/v1/chat/completions",
+                   "nginx": f"http://127.0.0.1:{st.nginx_proxy(up)}/v1/chat/completions",
+                   "aiohttp": f"http://127.0.0.1:{bare}/v1/chat/completions"}
+        ll = st.litellm(up)
+        if ll is not None:
+            targets["litellm"] = f"http://127.0.0.1:{ll}/v1/chat/completions"
+        report["instant"] = latency_matrix(targets, seconds, lua, concurrency)
+        report["spillway_rss_idle_mib"] = round(rss_mib(sp.proc.pid), 1)  # type: ignore[union-attr]
+
+        # 2. The real llama-server with the tiny model.
+        say("real llama-server (tiny model): straight, Spillway, nginx, LiteLLM")
+        args = ["-c", "4096", "-np", "4", "-t", "1", "-tb", "1"]
+        lp = free_port()
+        st.start([str(llama), "-m", str(model), *args, "--host", "127.0.0.1", "--port",
+                  str(lp)])
+        wait_http(f"http://127.0.0.1:{lp}/health", 60)
+        sp2 = st.spillway("llama", {
+            "model": {"llama_server": str(llama), "path": str(model), "args": args},
+            "gpu": {"args": ["-ngl", "99"]}, "cpu": {"args": ["--device", "none", "-ngl", "0"]},
+            "queue": {"max_waiting": 1024, "max_wait_s": 300}})
+        targets = {"direct": f"http://127.0.0.1:{lp}/v1/chat/completions",
+                   "spillway": f"{sp2.url}/v1/chat/completions",
+                   "nginx": f"http://127.0.0.1:{st.nginx_proxy(lp)}/v1/chat/completions"}
+        ll2 = st.litellm(lp)
+        if ll2 is not None:
+            targets["litellm"] = f"http://127.0.0.1:{ll2}/v1/chat/completions"
+        report["llama"] = latency_matrix(targets, seconds, lua, concurrency)
+
+        # 3. Streams: time to first token and delay per event.
+        say("streams: straight and through Spillway")
+        env = {"FAKE_TOKEN_DELAY_S": "0.002", "FAKE_TOKENS": "64"}
+        fp = free_port()
+        st.start([str(fake), "--port", str(fp)], env=env)
+        wait_http(f"http://127.0.0.1:{fp}/health", 30)
+        sp3 = st.spillway("streams", {
+            "model": {"llama_server": str(fake), "path": str(model), "args": []},
+            "gpu": {"args": [], "env": env}, "cpu": {"args": [], "env": env}})
+        n = 20 if quick else 100
+        direct = asyncio.run(stream_timings(f"http://127.0.0.1:{fp}/v1/chat/completions", n))
+        via = asyncio.run(stream_timings(f"{sp3.url}/v1/chat/completions", n))
+        report["streams"] = {
+            "ttft_p50_ms": {"direct": pct(direct["ttft"], 0.5) * 1000,
+                            "spillway": pct(via["ttft"], 0.5) * 1000},
+            "event_delay_ms": {k: {"p50": pct(v["delays"], 0.5) * 1000,
+                                   "p99": pct(v["delays"], 0.99) * 1000}
+                               for k, v in (("direct", direct), ("spillway", via))},
+        }
+
+        # 4. Resident memory with 256 open streams.
+        say("memory: 256 open streams")
+        slow = {"FAKE_TOKEN_DELAY_S": "0.5", "FAKE_TOKENS": "60", "FAKE_SLOTS": "1024"}
+        sp4 = st.spillway("memory", {
+            "model": {"llama_server": str(fake), "path": str(model), "args": []},
+            "gpu": {"args": [], "env": slow}, "cpu": {"args": [], "env": slow},
+            "queue": {"max_waiting": 1024}})
+        report["memory"] = asyncio.run(open_streams(sp4, 256))
+
+        # 5. The failover penalty.
+        say("failover penalty")
+        report["failover"] = failover_penalty(st, llama, model, 3 if quick else 7)
+    return report
+
+
+async def open_streams(s: Spillway, count: int) -> dict[str, float]:
+    assert s.proc is not None
+    idle = rss_mib(s.proc.pid)
+    started = asyncio.Event()
+    opened = 0
+
+    async def one(http: aiohttp.ClientSession) -> None:
+        nonlocal opened
+        async with http.post(f"{s.url}/v1/chat/completions",
+                             json={**BODY, "stream": True, "max_tokens": 60}) as r:
+            await r.content.readline()
+            opened += 1
+            if opened == count:
+                started.set()
+            await r.read()
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+        tasks = [asyncio.create_task(one(http)) for _ in range(count)]
+        await asyncio.wait_for(started.wait(), 120)
+        await asyncio.sleep(1)
+        peak = rss_mib(s.proc.pid)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return {"idle_mib": round(idle, 1), "with_streams_mib": round(peak, 1), "streams": count}
+
+
+def failover_penalty(st: Stack, llama: Path, model: Path, runs: int) -> dict[str, float]:
+    args = ["-c", "4096", "-np", "2", "-t", "1", "-tb", "1"]
+    s = st.spillway("failover", {
+        "model": {"llama_server": str(llama), "path": str(model), "args": args},
+        "gpu": {"args": ["-ngl", "99"]}, "cpu": {"args": ["--device", "none", "-ngl", "0"]},
+        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0}})
+    cp = free_port()
+    st.start([str(llama), "-m", str(model), *args, "--device", "none", "-ngl", "0",
+              "--host", "127.0.0.1", "--port", str(cp)])
+    wait_http(f"http://127.0.0.1:{cp}/health", 60)
+    import itertools
+    serial = itertools.count()
+
+    async def first_byte(url: str, headers: dict[str, str] | None = None) -> tuple[float, float]:
+        # A prompt of its own each time: llama-server's prompt cache must not flatter a side.
+        body = {**BODY, "stream": True, "max_tokens": 8, "messages": [
+            {"role": "user", "content": f"request {next(serial)}: " + "the same words " * 20}]}
+        async with aiohttp.ClientSession() as http:
+            began = time.time()
+            async with http.post(url, json=body, headers=headers or {}) as r:
+                await r.content.readline()
+                return began, time.time()
+
+    raw: list[float] = []
+    asyncio.run(first_byte(f"{s.url}/v1/chat/completions"))  # warm
+    for _ in range(runs):
+        s.wait_state(("gpu",), ("READY",), timeout=60)
+        s.post("/spillway/drill/arm", {})
+        began, got = asyncio.run(first_byte(f"{s.url}/v1/chat/completions"))
+        _, events = s.get(f"/spillway/timeline?since={began - 1}")
+        deaths = [e["time"] for e in events["events"]
+                  if e["child"] == "gpu" and e["state"] == "EXITED" and e["time"] >= began]
+        if deaths:
+            raw.append(got - deaths[0])
+    reference = []
+    asyncio.run(first_byte(f"http://127.0.0.1:{cp}/v1/chat/completions"))  # warm
+    for _ in range(runs):
+        began, got = asyncio.run(first_byte(f"http://127.0.0.1:{cp}/v1/chat/completions"))
+        reference.append(got - began)
+    death_to_first = statistics.median(raw) * 1000 if raw else float("nan")
+    cpu_ttft = statistics.median(reference) * 1000
+    return {"death_to_first_byte_ms": round(death_to_first, 2),
+            "cpu_direct_ttft_ms": round(cpu_ttft, 2),
+            "penalty_ms": round(death_to_first - cpu_ttft, 2), "runs": len(raw)}
+
+
+def table(r: dict[str, Any]) -> str:
+    lines = [f"Spillway benchmark, {r['date']}: {r['machine']['cpu']}, {r['machine']['cores']} "
+             f"cores, {r['machine']['memory_gib']} GiB, Python {r['machine']['python']}"
+             f"{' (quick)' if r['quick'] else ''}", ""]
+    for upstream, title in (("instant", "upstream that answers at once"),
+                            ("llama", "real llama-server, tiny model")):
+        data = r[upstream]
+        names = list(data)
+        lines.append(f"{title}:")
+        lines.append("| concurrency | measure | " + " | ".join(names) +
+                     " | Spillway − direct |")
+        lines.append("|---|---|" + "---|" * len(names) + "---|")
+        for c in ("1", "16", "64"):
+            for measure, key, fmt in (("p50 ms", "p50_ms", "{:.3f}"),
+                                      ("p99 ms", "p99_ms", "{:.3f}"),
+                                      ("req/s", "rps", "{:.0f}")):
+                cells = [fmt.format(data[n][c][key]) for n in names]
+                diff = data["spillway"][c][key] - data["direct"][c][key]
+                lines.append(f"| {c} | {measure} | " + " | ".join(cells) +
+                             f" | {fmt.format(diff)} |")
+        lines.append("")
+    s = r["streams"]
+    lines.append(
+        f"streams: time to first token p50 {s['ttft_p50_ms']['direct']:.2f} ms straight, "
+        f"{s['ttft_p50_ms']['spillway']:.2f} ms through Spillway (+"
+        f"{s['ttft_p50_ms']['spillway'] - s['ttft_p50_ms']['direct']:.2f} ms); delay per event "
+        f"p50 {s['event_delay_ms']['direct']['p50']:.3f} / {s['event_delay_ms']['spillway']['p50']:.3f} ms, "
+        f"p99 {s['event_delay_ms']['direct']['p99']:.3f} / {s['event_delay_ms']['spillway']['p99']:.3f} ms "
+        "(straight / through Spillway)")
+    f = r["failover"]
+    lines.append(f"failover penalty: {f['death_to_first_byte_ms']:.1f} ms from the GPU child's "
+                 f"death to the CPU child's first byte, minus {f['cpu_direct_ttft_ms']:.1f} ms "
+                 f"for the same request straight to a CPU llama-server = {f['penalty_ms']:.1f} ms"
+                 f" (median of {f['runs']})")
+    m = r["memory"]
+    lines.append(f"memory: Spillway idle {m['idle_mib']:.0f} MiB, with {m['streams']} open "
+                 f"streams {m['with_streams_mib']:.0f} MiB")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="3 s per figure instead of 10")
+    parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    args = parser.parse_args()
+    result = run(args.quick)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "latest.json").write_text(json.dumps(result, indent=1))
+    text = table(result)
+    (out / "latest.md").write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
