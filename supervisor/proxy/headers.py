@@ -26,12 +26,17 @@ _NOT_DOWNSTREAM = HOP_BY_HOP | frozenset({
 })
 
 
-def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> set[str]:
+_NONE: frozenset[str] = frozenset()
+
+
+def _connection_tokens(headers: CIMultiDictProxy[str] | CIMultiDict[str]) -> frozenset[str]:
     """Fields named in `Connection:` are hop-by-hop too."""
+    if "Connection" not in headers:
+        return _NONE
     tokens: set[str] = set()
     for value in headers.getall("Connection", []):
         tokens.update(t.strip().lower() for t in value.split(",") if t.strip())
-    return tokens
+    return frozenset(tokens)
 
 
 def upstream_headers(client: CIMultiDictProxy[str], request_id: str,
