@@ -172,11 +172,18 @@ def test_logs_carry_journald_priorities_when_stderr_is_the_journal(
     s.env["JOURNAL_STREAM"] = f"{st.st_dev}:{st.st_ino}"
     s.start()
     s.get("/props")
-    lines = s.log_text().splitlines()
-    assert lines and all(line[:3] in ("<3>", "<4>", "<6>", "<7>", "<2>") for line in lines)
-    assert any(line.startswith("<6>spillway.proxy: rid=") for line in lines)
-    assert any(line.startswith("<6>spillway.child: [gpu] fake llama-server") for line in lines)
-    assert any(line.startswith("<4>") for line in lines)  # the "no GPU device" warning
+
+    def wanted() -> list[str] | None:
+        lines = s.log_text().splitlines()
+        found = (any(line.startswith("<6>spillway.proxy: rid=") for line in lines)
+                 and any(line.startswith("<6>spillway.child: [gpu] fake llama-server")
+                         for line in lines)
+                 and any(line.startswith("<4>") for line in lines))  # "no GPU device"
+        return lines if found else None
+
+    lines = eventually(wanted, 10)
+    assert lines, s.log_text()
+    assert all(line[:3] in ("<3>", "<4>", "<6>", "<7>", "<2>") for line in lines)
 
 
 @pytest.mark.asyncio
