@@ -73,3 +73,27 @@ def test_no_driver_means_no_gpu_in_status_and_nothing_else_changes(
     assert status["gpu"] is None
     assert words in status["gpu_note"]
     assert status["children"]["gpu"]["state"] == "READY"
+
+
+def test_the_card_is_chosen_by_its_pci_bus_id_and_the_child_sees_only_it(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    figures = tmp_path / "nvml.json"
+    write_json(figures, total_mib=16384, free_mib=9000, name="Second card", index=1,
+               uuid="GPU-second", pci_bus_id="00000000:41:00.0")
+    cfg = fake_config(fake_server, tiny_model, gpu={"device": "00000000:41:00.0"})
+    s = spillway(cfg, fake_nvml=figures)
+    gpu = s.status()["gpu"]
+    assert gpu["index"] == 1 and gpu["pci_bus_id"] == "00000000:41:00.0"
+    _, props = s.get("/props", {"X-Spillway-Child": "gpu"})
+    assert props["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-second"
+    assert props["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+
+
+def test_a_card_that_is_not_there_is_said_plainly(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    figures = tmp_path / "nvml.json"
+    write_json(figures, total_mib=16384, free_mib=9000)
+    s = spillway(fake_config(fake_server, tiny_model, gpu={"device": 3}), fake_nvml=figures)
+    status = s.status()
+    assert status["gpu"] is None
+    assert "device '3' not found" in status["gpu_note"]
