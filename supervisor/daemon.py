@@ -535,9 +535,12 @@ class Daemon:
         await asyncio.to_thread(self.res.read_model)
         self.res.sample()
         self.gate = Gate(self.res, self.config.queue.max_waiting, self.config.queue.max_wait_s)
+        # No cookie jar: the session is shared by every client, and a cookie one client's
+        # answer set must never ride along with another client's request.
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             auto_decompress=False, skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
         )
         forwarder = Forwarder(self._session, self.forward_settings)
         self.proxy = ProxyHandler(self, self.gate, forwarder, self.proxy_settings,

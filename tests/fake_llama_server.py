@@ -196,9 +196,13 @@ async def slots(request: web.Request) -> web.Response:
 async def echo(request: web.Request) -> web.Response:
     """Anything else: echo what arrived, so tests can see what the proxy forwarded."""
     body = await request.read()
-    return web.json_response({"method": request.method, "path": request.path,
+    response = web.json_response({"method": request.method, "path": request.path,
                               "query": request.query_string, "body": body.decode(errors="replace"),
                               "headers": dict(request.headers)})
+    if request.path == "/set-cookie":
+        for name, value in request.query.items():
+            response.set_cookie(name, value)
+    return response
 
 
 def main() -> None:
