@@ -535,8 +535,10 @@ class Daemon:
         await asyncio.to_thread(self.res.read_model)
         self.res.sample()
         self.gate = Gate(self.res, self.config.queue.max_waiting, self.config.queue.max_wait_s)
-        # No cookie jar: the session is shared by every client, and a cookie one client's
-        # answer set must never ride along with another client's request.
+        # No cookie jar: the session is shared by every client, so a cookie one answer set
+        # must never ride along with another client's request. (aiohttp's own jar already
+        # refuses cookies from an IP address like the children's; this keeps it so, and skips
+        # the jar's work on every request.)
         self._session = aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             auto_decompress=False, skip_auto_headers=("User-Agent",),

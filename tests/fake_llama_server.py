@@ -199,9 +199,6 @@ async def echo(request: web.Request) -> web.Response:
     response = web.json_response({"method": request.method, "path": request.path,
                               "query": request.query_string, "body": body.decode(errors="replace"),
                               "headers": dict(request.headers)})
-    if request.path == "/set-cookie":
-        for name, value in request.query.items():
-            response.set_cookie(name, value)
     return response
 
 

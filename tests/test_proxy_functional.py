@@ -248,13 +248,3 @@ async def test_status_reports_children_as_the_contract_says(
     assert status["gpu"] is None  # no driver on this machine
     assert "NVML" in status["gpu_note"]
 
-
-async def test_a_cookie_one_answer_sets_never_reaches_another_clients_request(
-        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
-    s = spillway(fake_config(fake_server, tiny_model))
-    async with aiohttp.ClientSession() as alice, aiohttp.ClientSession() as bob:
-        async with alice.get(f"{s.url}/set-cookie?session=alice") as r:
-            assert r.status == 200
-        async with bob.get(f"{s.url}/echo") as r:
-            echo = await r.json()
-    assert "Cookie" not in echo["headers"] and "cookie" not in echo["headers"]
