@@ -46,7 +46,7 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from harness import Spillway, fake_server_script, toml_dumps  # noqa: E402
+from harness import Spillway, fake_server_script, free_port  # noqa: E402
 from tinymodel import write_tiny_model  # noqa: E402
 
 from supervisor import bootstrap  # noqa: E402
@@ -62,12 +62,6 @@ CACHE = bootstrap.cache_dir() / "bench"
 
 def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cores() -> int:
@@ -143,6 +137,19 @@ class Stack:
         s.start()
         self.daemons.append(s)
         return s
+
+    def targets(self, upstream: int, spillway: Spillway,
+                **more: int) -> dict[str, str]:
+        """The chat route straight, through Spillway, nginx, the extra ports named, and
+        LiteLLM (when it starts)."""
+        ports = {"direct": upstream, "nginx": self.nginx_proxy(upstream), **more}
+        litellm = self.litellm(upstream)
+        if litellm is not None:
+            ports["litellm"] = litellm
+        out = {name: f"http://127.0.0.1:{port}/v1/chat/completions"
+               for name, port in ports.items()}
+        out["spillway"] = f"{spillway.url}/v1/chat/completions"
+        return {k: out[k] for k in ("direct", "spillway", "nginx", *more, "litellm") if k in out}
 
     def nginx_proxy(self, upstream_port: int) -> int:
         port = free_port()
@@ -250,8 +257,9 @@ def latency_matrix(targets: dict[str, str], seconds: float, lua: Path,
             wrk(url, c, min(2.0, seconds), lua)  # warm up
             r = wrk(url, c, seconds, lua)
             results.setdefault(name, {})[str(c)] = r
+            errors = f"  ({r['non_2xx']} non-2xx)" if r["non_2xx"] else ""
             say(f"  {name:9s} c={c:<3d} p50 {r['p50_ms']:.3f} ms  p99 {r['p99_ms']:.3f} ms  "
-                f"{r['rps']:.0f} req/s{'  (' + str(r['non_2xx']) + ' non-2xx)' if r['non_2xx'] else ''}")
+                f"{r['rps']:.0f} req/s{errors}")
     return results
 
 
@@ -337,13 +345,7 @@ def run(quick: bool) -> dict[str, Any]:
         st.start([sys.executable, str(REPO / "bench" / "bare_proxy.py"),
                   f"http://127.0.0.1:{up}", str(bare)])
         wait_port(bare)
-        targets = {"direct": f"http://127.0.0.1:{up}/v1/chat/completions",
-                   "spillway": f"{sp.url}/v1/chat/completions",
-                   "nginx": f"http://127.0.0.1:{st.nginx_proxy(up)}/v1/chat/completions",
-                   "aiohttp": f"http://127.0.0.1:{bare}/v1/chat/completions"}
-        ll = st.litellm(up)
-        if ll is not None:
-            targets["litellm"] = f"http://127.0.0.1:{ll}/v1/chat/completions"
+        targets = st.targets(up, sp, aiohttp=bare)
         report["instant"] = latency_matrix(targets, seconds, lua, concurrency)
         report["spillway_rss_idle_mib"] = round(rss_mib(sp.proc.pid), 1)  # type: ignore[union-attr]
 
@@ -358,12 +360,7 @@ def run(quick: bool) -> dict[str, Any]:
             "model": {"llama_server": str(llama), "path": str(model), "args": args},
             "gpu": {"args": ["-ngl", "99"]}, "cpu": {"args": ["--device", "none", "-ngl", "0"]},
             "queue": {"max_waiting": 1024, "max_wait_s": 300}})
-        targets = {"direct": f"http://127.0.0.1:{lp}/v1/chat/completions",
-                   "spillway": f"{sp2.url}/v1/chat/completions",
-                   "nginx": f"http://127.0.0.1:{st.nginx_proxy(lp)}/v1/chat/completions"}
-        ll2 = st.litellm(lp)
-        if ll2 is not None:
-            targets["litellm"] = f"http://127.0.0.1:{ll2}/v1/chat/completions"
+        targets = st.targets(lp, sp2)
         report["llama"] = latency_matrix(targets, seconds, lua, concurrency)
 
         # 3. Streams: time to first token and delay per event.
@@ -497,12 +494,13 @@ def table(r: dict[str, Any]) -> str:
                              f" | {fmt.format(diff)} |")
         lines.append("")
     s = r["streams"]
+    delay = s["event_delay_ms"]
     lines.append(
         f"streams: time to first token p50 {s['ttft_p50_ms']['direct']:.2f} ms straight, "
         f"{s['ttft_p50_ms']['spillway']:.2f} ms through Spillway (+"
         f"{s['ttft_p50_ms']['spillway'] - s['ttft_p50_ms']['direct']:.2f} ms); delay per event "
-        f"p50 {s['event_delay_ms']['direct']['p50']:.3f} / {s['event_delay_ms']['spillway']['p50']:.3f} ms, "
-        f"p99 {s['event_delay_ms']['direct']['p99']:.3f} / {s['event_delay_ms']['spillway']['p99']:.3f} ms "
+        f"p50 {delay['direct']['p50']:.3f} / {delay['spillway']['p50']:.3f} ms, "
+        f"p99 {delay['direct']['p99']:.3f} / {delay['spillway']['p99']:.3f} ms "
         "(straight / through Spillway)")
     f = r["failover"]
     lines.append(f"failover penalty: {f['death_to_first_byte_ms']:.1f} ms from the GPU child's "

@@ -162,9 +162,8 @@ class Daemon:
         return {name: str(child.state) for name, child in self.children.items()}
 
     def expected_seconds(self, child: str, ctx: RequestCtx) -> float | None:
-        return estimate.expected_seconds(
-            self.res.throughput[child], estimate.prompt_tokens_bound(len(ctx.body)),
-            estimate.requested_tokens(ctx.payload))
+        return self.res.expected_seconds(child, len(ctx.body),
+                                         estimate.requested_tokens(ctx.payload))
 
     def observe(self, child: str, ctx: RequestCtx) -> None:
         if ctx.timings:

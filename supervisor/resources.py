@@ -168,13 +168,16 @@ class Resources:
             startable = (state is ChildState.STOPPED and self.config.cpu.mode == "on-demand"
                          and name not in self.paused and self.cpu_ram_ok(cold=True))
             ram_ok = self.cpu_ram_ok(cold=not running)
-        expected = estimate.expected_seconds(
-            self.throughput[name], estimate.prompt_tokens_bound(body_size),
-            max_tokens) if with_estimate else None
+        expected = self.expected_seconds(name, body_size, max_tokens) if with_estimate else None
         return ChildView(
             name=name, state=str(state), busy=busy, cap=self.cap(name),
             ctx_per_slot=self.profiles[name].ctx_per_slot, startable=startable, ram_ok=ram_ok,
             expected_s=expected)
+
+    def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
+        """How long a request would take on the child, from its own reported speeds."""
+        return estimate.expected_seconds(self.throughput[name],
+                                         estimate.prompt_tokens_bound(body_size), max_tokens)
 
     def vram_free_mib(self) -> float | None:
         sample = self.monitor.latest

@@ -13,7 +13,6 @@ import asyncio
 import contextlib
 import json
 import os
-import socket
 import statistics
 import subprocess
 import time
@@ -23,6 +22,7 @@ import aiohttp
 import psutil
 
 from .. import gguf_meta, llama_args, tables
+from ..children import pick_port
 from ..client import Target
 from ..config import Config
 from ..gpu import MIB, GpuMonitor
@@ -34,12 +34,6 @@ PROMPTS = [
     ("Summarise: " + "the supervisor replays the request on the CPU child exactly once. " * 30,
      64),
 ]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -71,7 +65,7 @@ async def _one(session: aiohttp.ClientSession, url: str, prompt: str,
 
 async def _measure(name: str, argv: list[str], env: dict[str, str],
                    monitor: GpuMonitor) -> dict[str, Any]:
-    port = _free_port()
+    port = pick_port()
     proc = subprocess.Popen([*argv, "--host", "127.0.0.1", "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"

@@ -19,7 +19,6 @@ import contextlib
 import logging
 import os
 import shutil
-import socket
 import subprocess
 import time
 from typing import Any, Protocol
@@ -27,6 +26,7 @@ from typing import Any, Protocol
 import aiohttp
 
 from .. import gguf_meta
+from ..children import pick_port
 from .client import DrillClient
 
 log = logging.getLogger("spillway.drill")
@@ -118,9 +118,7 @@ class LlamaServerBallast:
                             f"{ctx}-token context")
 
     async def arm(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = pick_port()
         env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
                "CUDA_VISIBLE_DEVICES": str(self.device_index)}
         self.proc = subprocess.Popen(
