@@ -71,12 +71,15 @@ def _die_with_parent(parent_pid: int) -> Callable[[], None]:
     return preexec
 
 
-def pick_port() -> int:
-    """A free loopback port. The child may lose a race for it; it then exits and is restarted
-    with another one."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def pick_port(avoid: int | None = None) -> int:
+    """A free loopback port (never `avoid`). The child may lose a race for it; it then exits
+    and is restarted with another one."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port != avoid:
+            return port
 
 
 @dataclass(frozen=True)
@@ -413,7 +416,8 @@ class Child:
         return env
 
     async def _spawn(self) -> asyncio.subprocess.Process:
-        self.port = pick_port()
+        # Never the last process's port: connections pooled to it must not reach the new one.
+        self.port = pick_port(avoid=self.port)
         self.api_key = secrets.token_urlsafe(24)
         argv = self.cfg.command(self.port, self.api_key)
         argv = argv[:-2]  # the key travels in the environment, not on the command line

@@ -153,3 +153,48 @@ def test_the_gpu_fast_path_answers_as_the_full_decision_does(seed: int) -> None:
         assert (full.action, full.child, full.branch) == (fast.action, fast.child, fast.branch)
     else:
         assert not (full.action is Action.FORWARD and full.child == "gpu")
+
+
+@pytest.mark.asyncio
+async def test_a_child_that_began_to_drain_after_its_reservation_is_not_used() -> None:
+    """A request served from the line resumes a moment after its reservation; if its child
+    began to drain in that moment, the handler goes through admission again."""
+    from types import SimpleNamespace
+
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from supervisor.proxy.forward import RequestCtx
+    from supervisor.proxy.handler import ProxyHandler
+    from supervisor.policy.routes import RouteClass as RC
+
+    source = FakeSource({"gpu": 1, "cpu": 1})
+    gate = Gate(source, max_waiting=4, max_wait_s=30)
+    draining = SimpleNamespace(is_ready=False)  # the drain began after the reservation
+    upstreams = {"gpu": draining, "cpu": SimpleNamespace(is_ready=True)}
+
+    def gpu_now_draining(name: str, busy: int, body: int, tokens: int,
+                         with_estimate: bool = True) -> ChildView:
+        state = "DRAINING" if name == "gpu" and source.caps["gpu"] == 0 else "READY"
+        return ChildView(name, state, busy, 1, ctx_per_slot=None)
+
+    backend = SimpleNamespace(upstreams=lambda: upstreams, states=lambda: {},
+                              ctx_per_slot=lambda _name: None)
+    handler = ProxyHandler.__new__(ProxyHandler)
+    handler.gate, handler.backend = gate, backend  # type: ignore[assignment]
+    released: list[str] = []
+    real_release = gate.release
+
+    def release(child: str) -> None:
+        released.append(child)
+        source.caps["gpu"] = 0  # from now on admission sees the GPU child draining
+        source.child_view = gpu_now_draining  # type: ignore[method-assign]
+        real_release(child)
+
+    gate.release = release  # type: ignore[method-assign]
+    ctx = RequestCtx(request_id="r", method="POST", path="/v1/chat/completions",
+                     path_qs="/v1/chat/completions", route=RC.GENERATION, body=b"{}",
+                     payload={}, stream=False,
+                     client_headers=CIMultiDictProxy(CIMultiDict()))
+    got = await handler._admit(ctx)
+    assert isinstance(got, Admitted) and got.child == "cpu"
+    assert released == ["gpu"] and gate.busy == {"gpu": 0, "cpu": 1}

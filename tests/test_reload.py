@@ -91,6 +91,7 @@ async def test_a_reload_that_changes_a_childs_args_under_traffic_drops_no_reques
     s = spillway(real_config(llama_server, tiny_model))
     gpu_pid, cpu_pid = s.child("gpu")["pid"], s.child("cpu")["pid"]
     results: list[int] = []
+    odd: list[Any] = []
     stop = asyncio.Event()
 
     async def traffic(http: aiohttp.ClientSession, stream: bool) -> None:
@@ -101,6 +102,8 @@ async def test_a_reload_that_changes_a_childs_args_under_traffic_drops_no_reques
                 complete = (r.status == 200 and (not stream or body.rstrip().endswith(
                     b"data: [DONE]")) and (stream or json.loads(body)["choices"]))
                 results.append(r.status if complete else -r.status)
+                if not complete:
+                    odd.append((r.status, stream, dict(r.headers), body[-300:]))
 
     async with aiohttp.ClientSession() as http:
         clients = [asyncio.create_task(traffic(http, i % 2 == 1)) for i in range(4)]
@@ -113,7 +116,7 @@ async def test_a_reload_that_changes_a_childs_args_under_traffic_drops_no_reques
         await eventually_async(lambda: len(results) >= before + 8, 20)
         stop.set()
         await asyncio.gather(*clients)
-    assert results and all(r == 200 for r in results), results
+    assert results and all(r == 200 for r in results), (results, odd)
     gpu = s.child("gpu")
     assert "-b" in gpu["command"] and s.child("cpu")["pid"] == cpu_pid
     assert transitions(s.log_text(), "gpu")[2:6] == [

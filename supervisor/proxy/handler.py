@@ -21,7 +21,7 @@ from aiohttp import web
 from ..idempotency import IdempotencyStore, Outcome, StoredResponse, fingerprint, scope_of
 from ..incidents import Incident, IncidentLog, new_incident_id
 from ..timefmt import rfc3339
-from ..gate import Gate
+from ..gate import Admitted, Gate
 from ..policy import admission, estimate, replay
 from ..policy.routes import RouteClass, classify_route
 from . import errors, tokens
@@ -294,11 +294,7 @@ class ProxyHandler:
                 return await self._after_failure(request, ctx, result, episodes)
             return result
         # Generation: 3 to 7 of the admission order.
-        opted_out = ctx.client_headers.get("X-Spillway-Replay", "").strip().lower() == "never"
-        got = await self.gate.admit(admission.Request(
-            route=ctx.route, prompt_tokens=await self._prompt_tokens(ctx),
-            cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx)),
-            len(ctx.body), estimate.requested_tokens(ctx.payload))
+        got = await self._admit(ctx)
         if isinstance(got, admission.Decision):
             return self._refusal(ctx, got)
         ctx.waited_s = got.waited_s
@@ -309,6 +305,23 @@ class ProxyHandler:
         if isinstance(result, AttemptFailure):
             return await self._after_failure(request, ctx, result, episodes)
         return result
+
+    async def _admit(self, ctx: RequestCtx) -> Admitted | admission.Decision:
+        """Admission (the gate), held to the child's state at the moment of forwarding: a
+        request served from the waiting line resumes a moment after its reservation, and in
+        that moment its child may have begun to drain (a reload, an OOM it survived) and,
+        having nothing in flight, be stopping. Then it goes through admission again."""
+        opted_out = ctx.client_headers.get("X-Spillway-Replay", "").strip().lower() == "never"
+        prompt_tokens = await self._prompt_tokens(ctx)
+        while True:
+            got = await self.gate.admit(admission.Request(
+                route=ctx.route, prompt_tokens=prompt_tokens, cpu_allowed=not opted_out,
+                deadline_s=self._deadline_left(ctx)),
+                len(ctx.body), estimate.requested_tokens(ctx.payload))
+            if isinstance(got, admission.Decision) or \
+                    self.backend.upstreams()[got.child].is_ready:
+                return got  # no await between this check and the attempt's acquire()
+            self.gate.release(got.child)
 
     async def _prompt_tokens(self, ctx: RequestCtx) -> int:
         """The prompt's tokens when they may matter (over a child's context), else the cheap
@@ -378,6 +391,10 @@ class ProxyHandler:
         cpu_start_s: float | None = 0.0
         if decision.replay:
             cpu_start_s = await self.gate.acquire_replay(other, left)
+            while cpu_start_s is not None and not self.backend.upstreams()[other].is_ready:
+                # It began to drain between its reservation and now (see _admit): again.
+                self.gate.release(other)
+                cpu_start_s = await self.gate.acquire_replay(other, self._deadline_left(ctx))
             if cpu_start_s is None:
                 decision = replay.ReplayDecision(False, f"{replay.Refusal.NO_TARGET}: the {other}"
                                                         " child did not become ready in time",
