@@ -38,6 +38,13 @@ async def post(http: aiohttp.ClientSession, s: Spillway, body: dict[str, Any] = 
         return r.status, r.headers, json.loads(data) if data[:1] == b"{" else data
 
 
+async def fill_both(http: aiohttp.ClientSession, s: Spillway) -> list[asyncio.Task[Any]]:
+    """Both children busy with a slow request each, on this loop; the tasks to await."""
+    busy = [asyncio.create_task(post(http, s)) for _ in range(2)]
+    await eventually_async(lambda: s.status()["children"]["cpu"]["busy"] == 1, 10)
+    return busy
+
+
 def occupy_both(s: Spillway) -> threading.Thread:
     """Both children busy with a slow request each, from another thread (the test goes on)."""
     async def occupy() -> None:
@@ -69,8 +76,7 @@ async def test_a_client_that_leaves_the_line_leaves_at_once(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
     s = spillway(one_each(fake_server, tiny_model))
     async with aiohttp.ClientSession() as http:
-        busy = [asyncio.create_task(post(http, s)) for _ in range(2)]
-        await eventually_async(lambda: s.status()["children"]["cpu"]["busy"] == 1, 10)
+        busy = await fill_both(http, s)
         waiting = asyncio.create_task(post(http, s))
         assert await eventually_async(lambda: s.status()["waiting"] == 1, 10)
         waiting.cancel()
@@ -125,8 +131,7 @@ async def test_a_deadline_shorter_than_the_wait_is_refused_at_once(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
     s = spillway(one_each(fake_server, tiny_model))
     async with aiohttp.ClientSession() as http:
-        busy = [asyncio.create_task(post(http, s)) for _ in range(2)]
-        await eventually_async(lambda: s.status()["children"]["cpu"]["busy"] == 1, 10)
+        busy = await fill_both(http, s)
         began = time.monotonic()
         status, headers, body = await post(http, s, **{"X-Spillway-Deadline": "0.5"})
         assert time.monotonic() - began < 0.5
