@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,18 @@ class Stack:
                                 start_new_session=True)
         self.procs.append(proc)
         return proc
+
+    def serve(self, argv: Callable[[int], list[str]], health: str | None = "/health",
+              env: dict[str, str] | None = None, timeout: float = 60) -> int:
+        """Start a server on a free port (``argv`` gets the port) and wait until it answers:
+        at ``health`` over HTTP, or, where it has none, by accepting a connection."""
+        port = free_port()
+        self.start(argv(port), env=env)
+        if health is None:
+            wait_port(port, timeout)
+        elif not wait_http(f"http://127.0.0.1:{port}{health}", timeout):
+            raise RuntimeError(f"{argv(port)[0]} did not answer {health} on port {port}")
+        return port
 
     def spillway(self, name: str, config: dict[str, Any]) -> Spillway:
         """A daemon pinned, with its children, to the server core."""
@@ -333,18 +345,14 @@ def run(quick: bool) -> dict[str, Any]:
         model = write_tiny_model(st.tmp / "tiny.gguf")
         # 1. An upstream that answers at once.
         say("instant upstream: straight, Spillway, nginx, LiteLLM")
-        up = free_port()
-        st.start([str(instant), "--port", str(up)])
-        wait_port(up)
+        up = st.serve(lambda port: [str(instant), "--port", str(port)], health=None)
         sp = st.spillway("instant", {
             "model": {"llama_server": str(instant), "path": str(model), "args": []},
             "gpu": {"args": [], "max_concurrency": 1024},
             "cpu": {"args": [], "max_concurrency": 1024},
             "queue": {"max_waiting": 1024}})
-        bare = free_port()
-        st.start([sys.executable, str(REPO / "bench" / "bare_proxy.py"),
-                  f"http://127.0.0.1:{up}", str(bare)])
-        wait_port(bare)
+        bare = st.serve(lambda port: [sys.executable, str(REPO / "bench" / "bare_proxy.py"),
+                                      f"http://127.0.0.1:{up}", str(port)], health=None)
         targets = st.targets(up, sp, aiohttp=bare)
         report["instant"] = latency_matrix(targets, seconds, lua, concurrency)
         report["spillway_rss_idle_mib"] = round(rss_mib(sp.proc.pid), 1)  # type: ignore[union-attr]
@@ -352,10 +360,8 @@ def run(quick: bool) -> dict[str, Any]:
         # 2. The real llama-server with the tiny model.
         say("real llama-server (tiny model): straight, Spillway, nginx, LiteLLM")
         args = ["-c", "4096", "-np", "4", "-t", "1", "-tb", "1"]
-        lp = free_port()
-        st.start([str(llama), "-m", str(model), *args, "--host", "127.0.0.1", "--port",
-                  str(lp)])
-        wait_http(f"http://127.0.0.1:{lp}/health", 60)
+        lp = st.serve(lambda port: [str(llama), "-m", str(model), *args, "--host", "127.0.0.1",
+                                    "--port", str(port)])
         sp2 = st.spillway("llama", {
             "model": {"llama_server": str(llama), "path": str(model), "args": args},
             "gpu": {"args": ["-ngl", "99"]}, "cpu": {"args": ["--device", "none", "-ngl", "0"]},
@@ -366,9 +372,7 @@ def run(quick: bool) -> dict[str, Any]:
         # 3. Streams: time to first token and delay per event.
         say("streams: straight and through Spillway")
         env = {"FAKE_TOKEN_DELAY_S": "0.002", "FAKE_TOKENS": "64"}
-        fp = free_port()
-        st.start([str(fake), "--port", str(fp)], env=env)
-        wait_http(f"http://127.0.0.1:{fp}/health", 30)
+        fp = st.serve(lambda port: [str(fake), "--port", str(port)], env=env)
         sp3 = st.spillway("streams", {
             "model": {"llama_server": str(fake), "path": str(model), "args": []},
             "gpu": {"args": [], "env": env}, "cpu": {"args": [], "env": env}})
@@ -432,10 +436,8 @@ def failover_penalty(st: Stack, llama: Path, model: Path, runs: int) -> dict[str
         "model": {"llama_server": str(llama), "path": str(model), "args": args},
         "gpu": {"args": ["-ngl", "99"]}, "cpu": {"args": ["--device", "none", "-ngl", "0"]},
         "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 1.0}})
-    cp = free_port()
-    st.start([str(llama), "-m", str(model), *args, "--device", "none", "-ngl", "0",
-              "--host", "127.0.0.1", "--port", str(cp)])
-    wait_http(f"http://127.0.0.1:{cp}/health", 60)
+    cp = st.serve(lambda port: [str(llama), "-m", str(model), *args, "--device", "none", "-ngl",
+                                "0", "--host", "127.0.0.1", "--port", str(port)])
     import itertools
     serial = itertools.count()
 
