@@ -275,6 +275,13 @@ class Child:
         except TimeoutError:
             return None
 
+    def running(self, generation: int) -> bool:
+        """Process `generation` is this child's current one and has not exited (as far as the
+        event loop has heard)."""
+        fut = self._exits.get(generation)
+        return generation == self.generation and fut is not None and not fut.done() \
+            and self.pid is not None
+
     def arm(self, sig: int | None) -> None:
         """The drill without a GPU: send `sig` to the process group as soon as the next task
         launches (during its prompt processing), standing in for a GPU that runs out of

@@ -36,6 +36,7 @@ from .policy.lifecycle import ChildState
 from .policy.routes import RouteClass, route_label
 from .proxy.app import build_app, json_response
 from .proxy.auth import AuthSettings
+from .proxy.connections import TrackingConnector
 from .proxy.forward import AttemptFailure, Forwarder, ForwardSettings, RequestCtx, Upstream
 from .proxy.handler import ProxyHandler, ProxySettings
 from .reload import Reloader
@@ -92,6 +93,7 @@ class Daemon:
         self._devices_listed = False
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
+        self._fresh_session: aiohttp.ClientSession | None = None
         self.listening: list[str] = []
 
     @property
@@ -182,6 +184,9 @@ class Daemon:
             # The child lives but its memory state is unknown: no new work, let its other
             # requests finish, then restart it.
             self.children[failure.child].drain(f"OOM survived: {failure.verdict.evidence}")
+
+    def _stale_connection(self, child: str) -> None:
+        self.metrics.stale_connection_resends.labels(child).inc()
 
     def back_in_s(self, child: str) -> float:
         """A Retry-After for a failed child: its backoff left plus its last start time."""
@@ -539,11 +544,19 @@ class Daemon:
         # refuses cookies from an IP address like the children's; this keeps it so, and skips
         # the jar's work on every request.)
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            connector=TrackingConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             auto_decompress=False, skip_auto_headers=("User-Agent",),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        forwarder = Forwarder(self._session, self.forward_settings)
+        # A new connection per request: only for the one resend after a pooled connection
+        # turned out closed (see proxy/connections.py).
+        self._fresh_session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            auto_decompress=False, skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        forwarder = Forwarder(self._session, self.forward_settings, fresh=self._fresh_session,
+                              on_resend=self._stale_connection)
         self.proxy = ProxyHandler(self, self.gate, forwarder, self.proxy_settings,
                                   self.incidents, self.idempotency)
         app = build_app(self.proxy, self.auth, self.own_routes())
@@ -629,8 +642,9 @@ class Daemon:
         grace = 1.0 if self._stop_signals >= 2 else None
         await asyncio.gather(*(c.close(grace) for c in self.children.values()),
                              return_exceptions=True)
-        if self._session is not None:
-            await self._session.close()
+        for session in (self._session, self._fresh_session):
+            if session is not None:
+                await session.close()
         await self.monitor.close()
         log.info("stopped")
 

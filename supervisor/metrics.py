@@ -45,6 +45,11 @@ class Metrics:
         self.failovers = Counter(
             "spillway_failovers", "Failures of a child caught while serving a request, by kind.",
             ["child", "kind"], registry=r)
+        self.stale_connection_resends = Counter(
+            "spillway_upstream_stale_connection_resends", "Requests sent once more to the same "
+            "child on a new connection because a reused keep-alive connection closed before "
+            "any answer while the child kept running (not a replay, not a child failure).",
+            ["child"], registry=r)
         self.replays = Counter(
             "spillway_replays", "Replays on the other child, by result (completed, failed).",
             ["result"], registry=r)
@@ -81,6 +86,7 @@ class Metrics:
         self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         for child in ("gpu", "cpu"):
             self.set_state(child, ChildState.STOPPED)
+            self.stale_connection_resends.labels(child)  # 0 from the start, not absent
 
     def count_request(self, route: str, child: str, outcome: str, seconds: float) -> None:
         """On every request: the labelled series are looked up once and kept."""

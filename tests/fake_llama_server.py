@@ -20,6 +20,9 @@ Switches come from environment variables (a child's `env` table in the Spillway 
   FAKE_N_CTX=N             per-slot context reported by /props (default 4096)
   FAKE_SLOTS=N             number of slots (default 2)
   FAKE_STATE_FILE=PATH     append one JSON line per request seen (method, path, headers)
+  FAKE_DROP_REUSED=1       close a keep-alive connection, with no answer, when another request
+                           arrives on it (cpp-httplib closing an idle connection just as the
+                           proxy reuses it); /health and /props are exempt
 
 Every request needs `Authorization: Bearer $LLAMA_API_KEY` (or X-Api-Key), like the real
 server started with --api-key; /health is open. One `launch_slot_` line goes to stderr per
@@ -60,6 +63,8 @@ LOAD_OOM = [
 ]
 
 state = {"generation_requests": 0, "task": 0}
+# Requests seen per connection (the protocol object is kept so that its id stays unique).
+connections: dict[int, tuple[object, int]] = {}
 
 
 def log(line: str) -> None:
@@ -81,9 +86,24 @@ def error(status: int, message: str, type_: str) -> web.Response:
                              status=status)
 
 
+def dropped_on_reuse(request: web.Request) -> bool:
+    if ENV.get("FAKE_DROP_REUSED") != "1" or request.path in ("/health", "/v1/health", "/props"):
+        return False
+    proto = request.protocol
+    _, seen = connections.get(id(proto), (proto, 0))
+    connections[id(proto)] = (proto, seen + 1)
+    if seen == 0 or request.transport is None:
+        return False
+    log(f"fake: dropping a request on a reused connection ({seen + 1} on it)")
+    request.transport.close()
+    return True
+
+
 @web.middleware
 async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
     record(request)
+    if dropped_on_reuse(request):
+        return web.Response(status=500)  # never reaches the client: the connection is closed
     freeze = float(ENV.get("FAKE_FREEZE_AFTER_S", "0"))
     if freeze and time.monotonic() - START > freeze:
         await asyncio.sleep(3600)

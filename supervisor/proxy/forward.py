@@ -20,8 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -32,8 +33,16 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from ..policy import evidence as ev
 from ..policy.routes import ANTHROPIC_ROUTES, RouteClass
 from . import sse
+from .connections import CURRENT_USE, ConnectionUse
 from .errors import sse_error_event
 from .headers import downstream_headers, upstream_headers
+
+log = logging.getLogger("spillway.proxy")
+
+# Methods that change nothing on the server (RFC 9110, 9.2.1): safe to send again. (aiohttp
+# itself already sends an idempotent request once more when a connection fails under it; this
+# covers the case where that second try met a stale connection too.)
+_SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 # How long to wait, after a connection closed with no answer, for the child's exit record: the
 # exit status is the best evidence and usually arrives within milliseconds.
@@ -64,6 +73,8 @@ class Upstream(Protocol):
 
     @property
     def is_ready(self) -> bool: ...
+
+    def running(self, generation: int) -> bool: ...
 
     def acquire(self) -> None: ...
 
@@ -152,8 +163,16 @@ def _answer_figures(payload: Any) -> tuple[dict[str, Any] | None, int | None]:
 
 
 class Forwarder:
-    def __init__(self, session: aiohttp.ClientSession, settings: ForwardSettings) -> None:
+    """Attempts. `session` pools keep-alive connections to the children; `fresh` opens a new
+    connection for every request, for the one resend after a reused connection failed;
+    `on_resend(child)` counts those resends."""
+
+    def __init__(self, session: aiohttp.ClientSession, settings: ForwardSettings,
+                 fresh: aiohttp.ClientSession | None = None,
+                 on_resend: Callable[[str], None] | None = None) -> None:
         self.session = session
+        self.fresh = fresh
+        self.on_resend = on_resend
         self.settings = settings
         self._timeout_key: tuple[float, float] | None = None
         self._timeout_value = aiohttp.ClientTimeout()
@@ -180,18 +199,12 @@ class Forwarder:
         headers = upstream_headers(ctx.client_headers, ctx.request_id,
                                    child.api_key if ctx.trusted else None)
         child.acquire()
+        use = ConnectionUse()
         try:
-            try:
-                upstream = await self.session.request(
-                    ctx.method, url, data=ctx.body or None, headers=headers,
-                    timeout=self._timeout(), allow_redirects=False, auto_decompress=False,
-                )
-            except aiohttp.ClientConnectorError:
-                return await self._failure(child, generation, connect_failed=True)
-            except TimeoutError:
-                return self._silent(child, generation)
-            except (aiohttp.ClientError, OSError):
-                return await self._failure(child, generation, closed=True)
+            sent = await self._send(ctx, child, generation, url, headers, use)
+            if isinstance(sent, AttemptFailure):
+                return sent
+            upstream = sent
             try:
                 if ctx.route is not RouteClass.GENERATION:
                     return await self._pipe(request, ctx, upstream, own_headers)
@@ -202,7 +215,64 @@ class Forwarder:
             finally:
                 upstream.close()  # frees the child's slot if the client went away
         finally:
+            use.done(time.monotonic())
             child.release()
+
+    async def _send(self, ctx: RequestCtx, child: Upstream, generation: int, url: str,
+                    headers: CIMultiDict[str],
+                    use: ConnectionUse) -> aiohttp.ClientResponse | AttemptFailure:
+        """The request, up to the child's status line. A request that got no byte back on a
+        *reused* keep-alive connection, while its child is still running, most likely met a
+        connection the child had just closed (cpp-httplib closes idle ones after 5 s): it is
+        sent once more to the same child on a new connection when sending it twice is safe.
+        That is neither a replay nor evidence about the child; only a failure on the new
+        connection is."""
+        token = CURRENT_USE.set(use)
+        try:
+            return await self._request(self.session, ctx, url, headers)
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            if not self._may_resend(ctx, child, generation, use, e):
+                return await self._send_failed(child, generation, e)
+        finally:
+            CURRENT_USE.reset(token)
+        assert self.fresh is not None
+        if self.on_resend is not None:
+            self.on_resend(child.name)
+        try:
+            return await self._request(self.fresh, ctx, url, headers)
+        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            return await self._send_failed(child, generation, e)
+
+    async def _request(self, session: aiohttp.ClientSession, ctx: RequestCtx, url: str,
+                       headers: CIMultiDict[str]) -> aiohttp.ClientResponse:
+        return await session.request(
+            ctx.method, url, data=ctx.body or None, headers=headers, timeout=self._timeout(),
+            allow_redirects=False, auto_decompress=False)
+
+    def _may_resend(self, ctx: RequestCtx, child: Upstream, generation: int,
+                    use: ConnectionUse, error: BaseException) -> bool:
+        if isinstance(error, (aiohttp.ClientConnectorError, TimeoutError)):
+            return False  # nothing listening, or silence: both say something about the child
+        # Safe to send twice: a generation route (the replay rule's route condition), a
+        # method that changes nothing, or a request that never left (aiohttp could not write
+        # it to a transport that was already closing).
+        unwritten = isinstance(error, aiohttp.ClientConnectionResetError)
+        safe = ctx.route is RouteClass.GENERATION or ctx.method in _SAFE_METHODS or unwritten
+        resend = (use.reused and safe and self.fresh is not None
+                  and child.running(generation))
+        log.warning("rid=%s %s child: %s (%s) before a response on %s; %s", ctx.request_id,
+                    child.name, type(error).__name__, error, use.describe(),
+                    "the child is running: sending it again on a new connection" if resend
+                    else "taken as evidence about the child")
+        return resend
+
+    async def _send_failed(self, child: Upstream, generation: int,
+                           error: BaseException) -> AttemptFailure:
+        if isinstance(error, aiohttp.ClientConnectorError):
+            return await self._failure(child, generation, connect_failed=True)
+        if isinstance(error, TimeoutError):
+            return self._silent(child, generation)
+        return await self._failure(child, generation, closed=True)
 
     async def _failure(self, child: Upstream, generation: int, *, connect_failed: bool = False,
                        closed: bool = False, stream_started: bool = False,
