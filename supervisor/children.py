@@ -36,6 +36,7 @@ from typing import Any
 
 import aiohttp
 
+from .clock import Clock, MonotonicClock
 from .config import ChildConfig, RestartConfig
 from .policy import lifecycle
 from .systemd import OWN_VARIABLES
@@ -135,6 +136,7 @@ class Child:
         vram_short_mib: float = 512.0,
         extra_env: dict[str, str] | None = None,
         rng: Callable[[], float] = random.random,
+        clock: Clock | None = None,
     ) -> None:
         self.name = cfg.name
         self.cfg = cfg
@@ -145,6 +147,7 @@ class Child:
         self.vram_short_mib = vram_short_mib
         self.extra_env = dict(extra_env or {})
         self._rng = rng
+        self._clock: Clock = clock or MonotonicClock()  # the back-off's waits
 
         self.state = ChildState.STOPPED
         self.state_since = time.monotonic()
@@ -155,6 +158,8 @@ class Child:
         self.generation = 0
         self.restarts = 0
         self.quick_failures = 0
+        self.fatal_tries = 0  # tries from FATAL since the last good run (or operator restart)
+        self.next_try_at: float | None = None  # clock time of the next start, in BACKOFF|FATAL
         self.last_exit: ExitRecord | None = None
         self.started_at: float | None = None  # monotonic, of the current process
         self.ready_at: float | None = None
@@ -198,6 +203,7 @@ class Child:
             "port": self.port,
             "restarts": self.restarts,
             "quick_failures": self.quick_failures,
+            "next_try_in_s": self.next_try_in_s(),
             "last_exit": self.last_exit.to_json() if self.last_exit else None,
             "uptime_s": round(now - self.started_at, 3) if self.started_at is not None else None,
             "last_start_s": round(self.last_start_s, 3) if self.last_start_s is not None else None,
@@ -205,6 +211,20 @@ class Child:
             "tasks_started": self.tasks_started,
             "command": self.cfg.command(self.port or 0, "")[:-2],
         }
+
+    def next_try_in_s(self) -> float | None:
+        """Seconds to the next start, in BACKOFF or FATAL; None in other states."""
+        if self.next_try_at is None or self.state not in (ChildState.BACKOFF,
+                                                          ChildState.FATAL):
+            return None
+        return round(max(0.0, self.next_try_at - self._clock.now()), 1)
+
+    def backoff_policy(self) -> lifecycle.BackoffPolicy:
+        r = self.restart_cfg  # read each time: a reload may replace it
+        return lifecycle.BackoffPolicy(
+            initial_s=r.backoff_initial_s, max_s=r.backoff_max_s,
+            quick_failure_s=r.quick_failure_s, max_quick_failures=r.max_quick_failures,
+            fatal_retry_max_s=r.fatal_retry_max_s)
 
     # --- asking for changes -----------------------------------------------------------------------
 
@@ -338,9 +358,7 @@ class Child:
 
     async def _wait_wake(self, timeout: float | None = None) -> bool:
         """Wait for a command; True if one came, False on timeout."""
-        try:
-            await asyncio.wait_for(self._wake.wait(), timeout)
-        except TimeoutError:
+        if not await self._clock.wait(self._wake, timeout):
             return False
         self._wake.clear()
         return True
@@ -359,11 +377,22 @@ class Child:
                     continue
                 if self.state is ChildState.FATAL:
                     cmd, reason = self._take_command()
-                    if cmd != "restart":
-                        await self._wait_wake()
-                        continue
-                    self.quick_failures = 0
-                    start_reason = reason
+                    if cmd == "restart":  # an operator, a reload, or the card's memory freed
+                        self.quick_failures = 0
+                        self.fatal_tries = 0
+                        start_reason = reason
+                    else:
+                        left = (self.next_try_at or 0.0) - self._clock.now()
+                        if left > 0:
+                            await self._wait_wake(left)
+                            continue
+                        # The crash-loop back-off's next try: one more quick failure is FATAL
+                        # again, with a longer wait.
+                        self.fatal_tries += 1
+                        self.quick_failures = lifecycle.quick_failures_after_fatal_try(
+                            self.backoff_policy())
+                        start_reason = (f"try {self.fatal_tries} from FATAL (crash-loop "
+                                        "back-off)")
                 else:
                     cmd, reason = self._take_command()  # a restart before the start is moot
                     if cmd == "restart":
@@ -371,37 +400,37 @@ class Child:
                 if self.generation > 0:
                     self.restarts += 1
                 # STOPPED|BACKOFF|FATAL -> STARTING
+                self.next_try_at = None
                 self._to(ChildState.STARTING, start_reason)
                 record = await self._run_process()
                 start_reason = "restart after stop"
                 if record is None or record.planned:
                     continue
                 self.last_exit = record
-                decision = lifecycle.after_exit(
-                    lifecycle.BackoffPolicy(
-                        initial_s=self.restart_cfg.backoff_initial_s,
-                        max_s=self.restart_cfg.backoff_max_s,
-                        quick_failure_s=self.restart_cfg.quick_failure_s,
-                        max_quick_failures=self.restart_cfg.max_quick_failures,
-                    ),
-                    self.quick_failures, record.run_s, self._rng(), served=record.served,
-                )
+                policy = self.backoff_policy()
+                decision = lifecycle.after_exit(policy, self.quick_failures, record.run_s,
+                                                self._rng(), served=record.served)
                 self.quick_failures = decision.quick_failures
+                if decision.quick_failures == 0:
+                    self.fatal_tries = 0  # a good run: the crash loop is over
                 if not self._want_running:
                     self._to(ChildState.STOPPED, "exited while stopping")  # EXITED -> STOPPED
                     continue
                 if decision.fatal:
+                    wait = lifecycle.fatal_retry_s(policy, self.fatal_tries)
+                    self.next_try_at = self._clock.now() + wait
                     # EXITED -> BACKOFF -> FATAL
                     self._to(ChildState.BACKOFF, f"{record.kind}: {record.evidence}")
                     self._to(ChildState.FATAL, f"{self.quick_failures} quick failures in a row; "
-                                               f"last: {record.kind}: {record.evidence}")
+                                               f"last: {record.kind}: {record.evidence}; "
+                                               f"next try in {wait:.0f} s")
                     continue
                 # EXITED -> BACKOFF; then BACKOFF -> STARTING at the top of the loop
                 self._to(ChildState.BACKOFF, f"restart in {decision.delay_s:.1f} s after "
                                              f"{record.kind}: {record.evidence}")
                 start_reason = "backoff over"
-                until = time.monotonic() + decision.delay_s
-                while (left := until - time.monotonic()) > 0 and self._want_running:
+                until = self.next_try_at = self._clock.now() + decision.delay_s
+                while (left := until - self._clock.now()) > 0 and self._want_running:
                     if await self._wait_wake(left) and self._command == "restart":
                         start_reason = self._command_reason or "restart asked for"
                         break

@@ -125,6 +125,7 @@ class RestartConfig:
     quick_failure_s: float
     max_quick_failures: int
     hang_timeout_s: float
+    fatal_retry_max_s: float
 
 
 @dataclass(frozen=True)
@@ -200,6 +201,10 @@ def _non_negative(v: Any) -> str | None:
     return None if v >= 0 else "must be 0 or more"
 
 
+def _at_least_one(v: Any) -> str | None:
+    return None if v >= 1 else "must be at least 1"
+
+
 def _one_of(*choices: str) -> Check:
     def check(v: Any) -> str | None:
         return None if v in choices else f"must be one of {', '.join(map(repr, choices))}"
@@ -253,6 +258,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "quick_failure_s": Key("number", 10.0, check=_non_negative),
         "max_quick_failures": Key("int", 5, check=_positive),
         "hang_timeout_s": Key("number", 120.0, check=_non_negative),
+        "fatal_retry_max_s": Key("number", 300.0, check=_at_least_one),
     },
     "failover": {
         "replay": Key("bool", True),
@@ -555,6 +561,7 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
             quick_failure_s=float(r["quick_failure_s"]),
             max_quick_failures=int(r["max_quick_failures"]),
             hang_timeout_s=float(r["hang_timeout_s"]),
+            fatal_retry_max_s=float(r["fatal_retry_max_s"]),
         ),
         monitor=GpuMonitorConfig(sample_interval_s=float(values["monitor"]["sample_interval_s"])),
         failover=FailoverConfig(

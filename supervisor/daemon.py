@@ -95,6 +95,9 @@ class Daemon:
         self._session: aiohttp.ClientSession | None = None
         self._fresh_session: aiohttp.ClientSession | None = None
         self.listening: list[str] = []
+        # The card's free memory when the GPU child went FATAL: memory freed since then (by a
+        # game or another model quitting) is a reason to try it again at once.
+        self._gpu_free_at_fatal: int | None = None
 
     @property
     def res(self) -> Resources:
@@ -136,6 +139,9 @@ class Daemon:
         self.timeline.append({"time": time.time(), "child": child.name, "state": str(new),
                               "reason": reason})
         self.metrics.set_state(child.name, new)
+        if child.name == "gpu" and new is ChildState.FATAL:
+            sample = self.monitor.latest
+            self._gpu_free_at_fatal = sample.free_bytes if sample is not None else None
         if new is ChildState.STARTING and child.generation > 0:
             last = child.last_exit
             cause = last.kind if last is not None and not last.planned else "requested"
@@ -259,15 +265,27 @@ class Daemon:
             self.metrics.gpu_total.set(sample.total_bytes)
         self.metrics.waiting.set(len(self.gate.line) if self.gate else 0)
 
+    def _freed_bytes(self) -> int:
+        """How much more free memory counts as "freed by another process": the headroom, and
+        never less than 256 MiB (NVML's figure moves a little on its own)."""
+        return max(256, self.config.gpu.vram_headroom_mib) * MIB
+
     def _recover_gpu(self) -> None:
+        """A FATAL GPU child is tried again at once when the card's memory was freed by
+        another process since it went FATAL, and the card now has room for it. Both are
+        needed: free memory alone, if the estimate of the need is low, would restart it on
+        every tick into the same failure."""
         gpu = self.children["gpu"]
         sample = self.monitor.latest
-        last = gpu.last_exit
-        if (sample is not None and gpu.state is ChildState.FATAL and not self.gpu_paused
-                and last is not None and last.kind == str(FailureKind.LOAD_OOM)
-                and sample.free_bytes >= self.res.gpu_need_bytes()):
+        if sample is None or gpu.state is not ChildState.FATAL or self.gpu_paused:
+            return
+        need = self.res.gpu_need_bytes()
+        before = self._gpu_free_at_fatal
+        freed = None if before is None else sample.free_bytes - before
+        if sample.free_bytes >= need and (freed is None or freed >= self._freed_bytes()):
+            since = f"; {freed // MIB} MiB freed since it went FATAL" if freed else ""
             gpu.restart(f"the GPU has {sample.free_bytes // MIB} MiB free again (needs "
-                        f"about {self.res.gpu_need_bytes() // MIB} MiB)")
+                        f"about {need // MIB} MiB{since})")
 
     async def _stop_idle_cpu(self) -> None:
         cpu = self.children["cpu"]
@@ -324,15 +342,16 @@ class Daemon:
                                    "CPU: this llama-server lists no GPU device "
                                    "(--list-devices), so the GPU child runs CPU-only")
                 info["paused"] = self.gpu_paused
-                if child.state is ChildState.FATAL and child.last_exit is not None and \
-                        child.last_exit.kind == str(FailureKind.LOAD_OOM):
-                    info["why"] = ("the GPU child cannot load (out of memory); serving from the "
-                                   "CPU child. It is tried again when the GPU has about "
-                                   f"{self.res.gpu_need_bytes() // MIB} MiB free, or at once on "
-                                   "`spillway gpu restart`")
+                if child.state is ChildState.FATAL:
+                    info["why"] = self._why_gpu_fatal(child)
             else:
                 info["runs_on"] = "CPU"
                 info["mode"] = self.config.cpu.mode
+                if child.state is ChildState.FATAL:
+                    info["why"] = (f"the CPU child failed {child.quick_failures} times in a "
+                                   f"row ({child.reason}); it is tried again in "
+                                   f"{child.next_try_in_s() or 0:.0f} s (the wait doubles up to "
+                                   "restart.fatal_retry_max_s)")
             children[name] = info
         ready = [n for n, c in self.children.items() if c.state is ChildState.READY]
         on_demand = self.config.cpu.mode == "on-demand" and \
@@ -361,6 +380,18 @@ class Daemon:
             "config": {"path": self.config.path, "error": self.config_error,
                        "restart_needed": self.restart_notes},
         }
+
+    def _why_gpu_fatal(self, child: Child) -> str:
+        last = child.last_exit
+        cause = ("cannot load (out of memory)" if last is not None and
+                 last.kind == str(FailureKind.LOAD_OOM) else
+                 f"failed {child.quick_failures} times in a row" +
+                 (f" (last: {last.kind}: {last.evidence})" if last is not None else ""))
+        return (f"the GPU child {cause}; serving from the CPU child. It is tried again in "
+                f"{child.next_try_in_s() or 0:.0f} s (the wait doubles up to "
+                f"restart.fatal_retry_max_s = {self.config.restart.fatal_retry_max_s:.0f} s), "
+                f"at once when the card's memory is freed and it has about "
+                f"{self.res.gpu_need_bytes() // MIB} MiB free, or on `spillway gpu restart`")
 
     def own_routes(self) -> dict[tuple[str, str], Any]:
         async def health(request: web.Request) -> web.StreamResponse:

@@ -9,6 +9,9 @@ Switches come from environment variables (a child's `env` table in the Spillway 
   FAKE_HANG_START=1        never become ready (the start timeout must fire)
   FAKE_EXIT_AT_START=CODE  print the captured load-OOM lines and exit with CODE at start
   FAKE_EXIT_AT_START_FILE=PATH  the same, only while PATH exists
+  FAKE_FAIL_STARTS=N       the first N starts abort (SIGABRT) while loading, after the terse
+                           CUDA error line (a driver fault, or another process racing it for
+                           the VRAM); counted in FAKE_FAIL_STARTS_FILE=PATH
   FAKE_CRASH_AFTER=N       abort (SIGABRT) during the Nth generation request, before answering
   FAKE_CRASH_LINES=terse|full|none  what to print before that abort (default: full CUDA lines)
   FAKE_HANG_AFTER=N        generation requests after the Nth never answer
@@ -238,6 +241,17 @@ def main() -> None:
     code = ENV.get("FAKE_EXIT_AT_START")
     if ENV.get("FAKE_EXIT_AT_START_FILE") and os.path.exists(ENV["FAKE_EXIT_AT_START_FILE"]):
         code = "1"
+    fail_starts = int(ENV.get("FAKE_FAIL_STARTS", "0"))
+    if fail_starts:
+        with open(ENV["FAKE_FAIL_STARTS_FILE"], "a+") as f:
+            f.write("start\n")
+            f.seek(0)
+            starts = len(f.read().splitlines())
+        if starts <= fail_starts:
+            log("llama_model_load_from_file_impl: using device CUDA0")
+            for line in CUDA_TERSE:
+                log(line)
+            os.abort()
     if code:
         for line in LOAD_OOM:
             log(line)

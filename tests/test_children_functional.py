@@ -51,7 +51,8 @@ async def test_start_timeout_backs_off_and_goes_fatal_and_the_daemon_stays_up(
                            "stop_grace_s": 0.5},
                       cpu={"env": {"FAKE_HANG_START": "1"}, "start_timeout_s": 0.5,
                            "stop_grace_s": 0.5},
-                      restart={"backoff_initial_s": 0.05, "backoff_max_s": 0.1,
+                      # backoff_max_s: the first try from FATAL is that far away.
+                      restart={"backoff_initial_s": 0.05, "backoff_max_s": 60,
                                "max_quick_failures": 3})
     s = spillway(cfg, wait_ready=False)
     status = s.wait_state(("gpu", "cpu"), ("FATAL",), timeout=30)

@@ -109,7 +109,10 @@ def test_after_load_ooms_the_gpu_child_returns_when_the_card_has_room(
     cfg = fake_config(fake_server, tiny_model,
                       gpu={"env": {"FAKE_EXIT_AT_START_FILE": str(no_room)},
                            "vram_headroom_mib": 512},
-                      restart={"max_quick_failures": 2}, monitor={"sample_interval_s": 0.1})
+                      # The crash-loop back-off's first try is 30 s away: only the card's
+                      # memory can bring the child back within this test.
+                      restart={"max_quick_failures": 2, "backoff_max_s": 30},
+                      monitor={"sample_interval_s": 0.1})
     s = spillway(cfg, fake_nvml=nvml, wait_ready=False)
     gpu = s.wait_state(("gpu",), ("FATAL",), timeout=20)["children"]["gpu"]
     assert gpu["last_exit"]["kind"] == "load_oom"
@@ -124,3 +127,49 @@ def test_after_load_ooms_the_gpu_child_returns_when_the_card_has_room(
     s.wait_state(("gpu",), ("READY",), timeout=20)
     assert "free again" in s.log_text()
     assert chat_child(s) == "gpu"
+
+
+def test_a_gpu_child_that_crash_loops_at_start_heals_itself_and_says_when(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    # A CUDA abort during the load, three starts in a row; then the card works again.
+    cfg = fake_config(fake_server, tiny_model,
+                      gpu={"env": {"FAKE_FAIL_STARTS": "3",
+                                   "FAKE_FAIL_STARTS_FILE": str(tmp_path / "starts")}},
+                      restart={"backoff_initial_s": 0.05, "backoff_max_s": 1.5,
+                               "max_quick_failures": 2, "fatal_retry_max_s": 3})
+    s = spillway(cfg, wait_ready=False)
+    status = s.wait_state(("gpu",), ("FATAL",), timeout=20)
+    gpu = status["children"]["gpu"]
+    assert gpu["last_exit"]["kind"] == "cuda_error"
+    assert 0 < gpu["next_try_in_s"] <= 1.5
+    assert "tried again in" in gpu["why"] and "serving from the CPU child" in gpu["why"]
+    table = spillway_cli("status", "--config", str(s.config_path))
+    assert "tried again in" in table.stdout
+    # Nobody does anything: the back-off tries again (once more FATAL, then READY).
+    s.wait_state(("gpu",), ("READY",), timeout=30)
+    assert "try 2 from FATAL (crash-loop back-off)" in s.log_text()
+    assert s.child("gpu")["next_try_in_s"] is None
+    assert chat_child(s) == "gpu"
+
+
+def test_a_fatal_gpu_child_is_tried_at_once_when_another_process_frees_the_card(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    nvml = tmp_path / "nvml.json"
+    write_json(nvml, total_mib=24576, free_mib=12000)
+    cfg = fake_config(fake_server, tiny_model,
+                      gpu={"env": {"FAKE_FAIL_STARTS": "2",
+                                   "FAKE_FAIL_STARTS_FILE": str(tmp_path / "starts")},
+                           "vram_headroom_mib": 512},
+                      restart={"backoff_initial_s": 0.05, "backoff_max_s": 300,
+                               "max_quick_failures": 2},
+                      monitor={"sample_interval_s": 0.1})
+    s = spillway(cfg, fake_nvml=nvml, wait_ready=False)
+    gpu = s.wait_state(("gpu",), ("FATAL",), timeout=20)["children"]["gpu"]
+    assert gpu["next_try_in_s"] > 200  # the back-off alone would wait minutes
+    # The card has room, but nothing was freed since it went FATAL: no retry on every tick.
+    time.sleep(1.0)
+    assert s.child("gpu")["state"] == "FATAL"
+    # Another process (a game, another model) quits and frees 8 GiB: tried at once.
+    write_json(nvml, total_mib=24576, free_mib=20000)
+    s.wait_state(("gpu",), ("READY",), timeout=20)
+    assert "MiB freed since it went FATAL" in s.log_text()

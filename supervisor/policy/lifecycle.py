@@ -5,7 +5,12 @@ asks this module whether a transition is legal and how long to back off.
 
     STOPPED -> STARTING -> READY -> DRAINING -> STOPPING -> STOPPED
     STARTING|READY|DRAINING -> EXITED -> BACKOFF -> STARTING
-    BACKOFF -> FATAL (too many quick failures) -> STARTING (operator, or memory freed)
+    BACKOFF -> FATAL (too many quick failures) -> STARTING (the crash-loop back-off's next
+    try, an operator, or memory freed)
+
+FATAL means "stop hammering", not "never again": a home server is unattended. From FATAL the
+child is tried again after a capped, growing interval (Kubernetes' crash-loop back-off): first
+after min(backoff_max_s, fatal_retry_max_s), doubling up to fatal_retry_max_s.
 """
 
 from __future__ import annotations
@@ -51,7 +56,8 @@ TRANSITIONS: dict[ChildState, frozenset[ChildState]] = {
     # BACKOFF -> FATAL: too many quick failures in a row
     # BACKOFF -> STOPPED: stop asked for while waiting
     S.BACKOFF: frozenset({S.STARTING, S.FATAL, S.STOPPED}),
-    # FATAL -> STARTING: operator restart, a reload, or (GPU) enough free memory again
+    # FATAL -> STARTING: the crash-loop back-off's next try, operator restart, a reload, or
+    # (GPU) the card's memory freed by another process
     # FATAL -> STOPPED: stop asked for
     S.FATAL: frozenset({S.STARTING, S.STOPPED}),
 }
@@ -75,6 +81,7 @@ class BackoffPolicy:
     max_s: float
     quick_failure_s: float  # a run shorter than this counts as a quick failure
     max_quick_failures: int  # this many quick failures in a row -> FATAL
+    fatal_retry_max_s: float  # the longest wait between two tries from FATAL
 
 
 @dataclass(frozen=True)
@@ -103,3 +110,17 @@ def after_exit(policy: BackoffPolicy, quick_failures: int, run_s: float,
     # +-25% jitter, so two children (or two hosts) that failed together do not retry in lockstep.
     delay = base * (0.75 + 0.5 * jitter)
     return ExitDecision(fatal=False, delay_s=delay, quick_failures=count)
+
+
+def fatal_retry_s(policy: BackoffPolicy, tries: int) -> float:
+    """How long a FATAL child waits before its next try, after `tries` tries from FATAL that
+    failed: min(backoff_max_s, fatal_retry_max_s), doubling up to fatal_retry_max_s. No
+    jitter: the intervals are long, and the operator reads the next try in the status."""
+    first = min(policy.max_s, policy.fatal_retry_max_s)
+    return min(policy.fatal_retry_max_s, first * 2.0 ** min(tries, 64))
+
+
+def quick_failures_after_fatal_try(policy: BackoffPolicy) -> int:
+    """The quick-failure count a try from FATAL starts with: one more quick failure is FATAL
+    again (with a longer wait), instead of another round of max_quick_failures fast starts."""
+    return max(policy.max_quick_failures - 1, 0)
