@@ -47,6 +47,10 @@ class Admitted:
     decision: Decision
     waited_s: float = 0.0
     cpu_start_s: float = 0.0
+    # The wait this request was told to expect when it joined the line (the same estimate a
+    # 503 gives in Retry-After); None when it did not wait.
+    estimated_wait_s: float | None = None
+    estimate_basis: str = "measured"  # see waitline.service_estimate
 
 
 @dataclass
@@ -67,9 +71,17 @@ class Gate:
         self.busy = {"gpu": 0, "cpu": 0}
         self._waiters: dict[int, _Waiter] = {}
         self._replays: deque[tuple[str, asyncio.Future[None]]] = deque()
+        # When the first request was let through while none had been timed (a lower bound of
+        # the service time until one finishes).
+        self._first_unmeasured: float | None = None
         self.on_change = on_change
 
     # --- capacity -----------------------------------------------------------------------------
+
+    def service_estimate(self) -> tuple[float, str]:
+        running = (None if self._first_unmeasured is None
+                   else time.monotonic() - self._first_unmeasured)
+        return waitline.service_estimate(self.source.service_s(), running)
 
     def capacity(self, waiting: int, body_size: int, max_tokens: int,
                  with_estimate: bool = True) -> Capacity:
@@ -84,12 +96,14 @@ class Gate:
             vram_headroom_mib=self.source.vram_headroom_mib(),
             waiting=waiting,
             max_waiting=self.line.max_waiting,
-            wait_s=waitline.estimated_wait(waiting + 1, self.source.service_s(), servers),
+            wait_s=waitline.estimated_wait(waiting + 1, self.service_estimate()[0], servers),
             max_wait_s=self.max_wait_s,
         )
 
     def reserve(self, child: str) -> None:
         self.busy[child] += 1
+        if self._first_unmeasured is None and self.source.service_s() is None:
+            self._first_unmeasured = time.monotonic()
 
     def release(self, child: str) -> None:
         self.busy[child] = max(0, self.busy[child] - 1)
@@ -100,6 +114,8 @@ class Gate:
     async def admit(self, req: Request, body_size: int, max_tokens: int) -> Admitted | Decision:
         """Admitted (holding a reservation on its child), or a REJECT/TOO_LONG decision."""
         began = time.monotonic()
+        estimate: float | None = None
+        basis = "measured"
         if not self.line:
             fast = self._gpu_fast_path(req)
             if fast is not None:
@@ -122,6 +138,8 @@ class Gate:
             assert decision.child is not None
             self.reserve(decision.child)  # in the same step as the decision: no race
         elif decision.action is Action.WAIT:
+            estimate = decision.retry_after_s
+            basis = self.service_estimate()[1]
             decision = await self._wait(req, decision, body_size, max_tokens)
             if decision.action is not Action.FORWARD:
                 return decision  # dispatch reserved nothing for these
@@ -129,7 +147,8 @@ class Gate:
             return decision
         child = decision.child
         assert child is not None
-        admitted = Admitted(child, decision, waited_s=time.monotonic() - began)
+        admitted = Admitted(child, decision, waited_s=time.monotonic() - began,
+                            estimated_wait_s=estimate, estimate_basis=basis)
         if decision.start_child:
             self.source.start_child(child)
             within = self.max_wait_s if req.deadline_s is None else req.deadline_s
@@ -233,8 +252,8 @@ class Gate:
         if view.ready and not view.has_room:
             # Busy: wait only if the estimated wait fits; a replay that would sit out the
             # whole limit is better answered now, with a Retry-After.
-            expected = waitline.estimated_wait(len(self._replays) + 1, self.source.service_s(),
-                                               view.cap)
+            expected = waitline.estimated_wait(len(self._replays) + 1,
+                                               self.service_estimate()[0], view.cap)
             if expected > limit:
                 log.info("replay on the %s child refused: it is busy and the wait would be "
                          "about %.0f s", child, expected)

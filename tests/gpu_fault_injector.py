@@ -21,8 +21,9 @@ lines are written and the process dies with SIGABRT, taking the real server with
   FAULT_MODE=survive    answer HTTP 500 "Compute error." and log a Vulkan OOM line; stay alive
   FAULT_LINES=full      the whole CUDA out-of-memory message before the abort (default)
   FAULT_LINES=terse     only `ggml-cuda.cu:109: CUDA error`, as seen on a real H200
-  FAULT_EVERY_S=S       abort S seconds after starting, whatever it is doing (chaos: the
-                        restarted child dies again S seconds later)
+  FAULT_EVERY_S=S       abort S seconds after the real server became ready (answered
+                        /health), whatever it is doing: only a READY child dies (chaos: the
+                        restarted child dies again S seconds after it is back)
 """
 
 from __future__ import annotations
@@ -186,6 +187,23 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             task.cancel()
 
 
+def die_after_ready(port: int, seconds: float) -> None:
+    """Wait until the real server answers /health with 200, then die `seconds` later."""
+    import time
+    import urllib.error
+    import urllib.request
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                if r.status == 200:
+                    break
+        except (OSError, urllib.error.URLError):
+            pass
+        time.sleep(0.05)
+    time.sleep(seconds)
+    die()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -217,9 +235,8 @@ def main() -> None:
     signal.signal(signal.SIGTERM, on_term)
     every = float(ENV.get("FAULT_EVERY_S", "0"))
     if every > 0:
-        timer = threading.Timer(every, die)
-        timer.daemon = True
-        timer.start()
+        threading.Thread(target=die_after_ready, args=(state.real_port, every),
+                         daemon=True).start()
 
     async def serve() -> None:
         state.loop = asyncio.get_running_loop()

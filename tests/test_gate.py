@@ -198,3 +198,32 @@ async def test_a_child_that_began_to_drain_after_its_reservation_is_not_used() -
     got = await handler._admit(ctx)
     assert isinstance(got, Admitted) and got.child == "cpu"
     assert released == ["gpu"] and gate.busy == {"gpu": 0, "cpu": 1}
+
+
+class UntimedSource(FakeSource):
+    """No request has finished yet: the daemon has no service time to give."""
+
+    def service_s(self) -> float | None:
+        return None
+
+
+@pytest.mark.asyncio
+async def test_a_burst_before_any_request_finished_is_not_told_a_made_up_wait() -> None:
+    # 30 clients at once on a fresh daemon: 2 go, the rest wait or are refused. No request has
+    # been timed, so the estimate rests on how long the first has been running (a lower bound),
+    # not on a fixed guess (5 s a request: waits of a minute told to a burst that was served in
+    # half a second, in the chaos run).
+    gate = Gate(UntimedSource({"gpu": 1, "cpu": 1}), max_waiting=20, max_wait_s=60)
+    for _ in range(2):
+        assert isinstance(await gate.admit(REQ, 1, 1), Admitted)
+    waiting = [asyncio.create_task(gate.admit(REQ, 1, 1)) for _ in range(20)]
+    await asyncio.sleep(0)
+    refused = await gate.admit(REQ, 1, 1)
+    assert isinstance(refused, Decision) and refused.action is Action.REJECT
+    assert refused.retry_after_s is not None and refused.retry_after_s <= 2.0
+    assert gate.service_estimate()[1] == "running"
+    for _ in range(22):  # let them all through
+        gate.release("gpu")
+    got = await asyncio.gather(*waiting)
+    assert all(isinstance(g, Admitted) and g.estimate_basis == "running" for g in got)
+    assert max(g.estimated_wait_s or 0 for g in got if isinstance(g, Admitted)) <= 2.0

@@ -19,7 +19,13 @@ from supervisor.policy.admission import (
     passthrough,
 )
 from supervisor.policy.routes import RouteClass
-from supervisor.policy.waitline import WaitLine, estimated_wait
+from supervisor.policy.waitline import (
+    DEFAULT_SERVICE_S,
+    MIN_SERVICE_S,
+    WaitLine,
+    estimated_wait,
+    service_estimate,
+)
 
 GPU = ChildView("gpu", "READY", busy=0, cap=2, ctx_per_slot=4096)
 CPU = ChildView("cpu", "READY", busy=0, cap=1, ctx_per_slot=8192, expected_s=20.0)
@@ -191,3 +197,11 @@ class WaitLineMachine(RuleBasedStateMachine):
 
 TestWaitLine = WaitLineMachine.TestCase
 TestWaitLine.settings = settings(max_examples=60, stateful_step_count=60)
+
+
+def test_the_service_estimate_says_what_it_rests_on() -> None:
+    assert service_estimate(2.5, 10.0) == (2.5, "measured")
+    # None finished yet: at least as long as the first has been running (and a floor).
+    assert service_estimate(None, 3.0) == (3.0, "running")
+    assert service_estimate(None, 0.0) == (MIN_SERVICE_S, "running")
+    assert service_estimate(None, None) == (DEFAULT_SERVICE_S, "default")

@@ -10,8 +10,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-# Until requests have been timed, a request is assumed to take this long.
+# Until requests have been timed, and with none running, a request is assumed to take this long.
 DEFAULT_SERVICE_S = 5.0
+# The least a request is assumed to take while the first ones run and none has been timed.
+MIN_SERVICE_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,21 @@ class WaitLine:
 
     def tickets(self) -> list[Ticket]:
         return list(self._line.values())
+
+
+def service_estimate(measured_s: float | None,
+                     running_s: float | None) -> tuple[float, str]:
+    """Seconds one request takes, and the basis of that figure:
+    - "measured": the moving average of requests that finished;
+    - "running": none has finished yet, but the first one has been running `running_s`: a
+      request takes at least that long (so a burst at start-up is not told a made-up wait:
+      a fixed guess was 50 times too long for a small model, seen in the chaos run);
+    - "default": nothing measured and nothing running (nobody waits then anyway)."""
+    if measured_s is not None and measured_s > 0:
+        return measured_s, "measured"
+    if running_s is not None:
+        return max(MIN_SERVICE_S, running_s), "running"
+    return DEFAULT_SERVICE_S, "default"
 
 
 def estimated_wait(position: int, service_s: float | None, servers: int) -> float:

@@ -120,6 +120,8 @@ class RequestCtx:
     first_byte_s: float | None = None
     attempt_started: float | None = None  # monotonic, of the latest attempt
     waited_s: float | None = None  # time spent in the waiting line, when admitted
+    wait_estimate_s: float | None = None  # the wait it was told to expect, when it waited
+    wait_estimate_basis: str = "measured"  # see policy/waitline.service_estimate
     status: int | None = None  # the status the client got
     timings: dict[str, Any] | None = None  # llama-server's own timings of the answer
     tokens: int | None = None  # completion tokens, when the answer said

@@ -298,6 +298,8 @@ class ProxyHandler:
         if isinstance(got, admission.Decision):
             return self._refusal(ctx, got)
         ctx.waited_s = got.waited_s
+        ctx.wait_estimate_s = got.estimated_wait_s
+        ctx.wait_estimate_basis = got.estimate_basis
         try:
             result = await self._attempt(request, ctx, self.backend.upstreams()[got.child])
         finally:
@@ -360,6 +362,13 @@ class ProxyHandler:
                ("X-Spillway-Attempts", str(ctx.attempts))]
         if ctx.failover_kind:
             own.append(("X-Spillway-Failover", ctx.failover_kind))
+        if ctx.wait_estimate_s is not None and ctx.waited_s is not None:
+            # W3C Server-Timing (browsers' dev tools show it): the time this request spent in
+            # the waiting line, and the estimate it was given on joining, which is what a 503's
+            # Retry-After says; so a client can see how well that promise is kept.
+            own.append(("Server-Timing", f"queue;dur={ctx.waited_s * 1000:.1f}, "
+                                         f"queue-estimate;dur={ctx.wait_estimate_s * 1000:.1f};"
+                                         f'desc="{ctx.wait_estimate_basis}"'))
         result = await self.forwarder.attempt(request, ctx, child, own)
         if isinstance(result, AttemptFailure):
             self.backend.attempt_failed(result)
