@@ -89,14 +89,17 @@ class Gate:
                                      with_estimate)
         cpu = self.source.child_view("cpu", self.busy["cpu"], body_size, max_tokens,
                                      with_estimate)
-        servers = sum(c.cap for c in (gpu, cpu) if c.ready) or 1
+        servers = sum(c.cap for c in (gpu, cpu) if c.ready)
+        returning = [(c.back_in_s, c.cap) for c in (gpu, cpu)
+                     if not c.ready and c.back_in_s is not None]
         return Capacity(
             gpu=gpu, cpu=cpu,
             vram_free_mib=self.source.vram_free_mib(),
             vram_headroom_mib=self.source.vram_headroom_mib(),
             waiting=waiting,
             max_waiting=self.line.max_waiting,
-            wait_s=waitline.estimated_wait(waiting + 1, self.service_estimate()[0], servers),
+            wait_s=waitline.estimated_wait(waiting + 1, self.service_estimate()[0], servers,
+                                           returning),
             max_wait_s=self.max_wait_s,
         )
 

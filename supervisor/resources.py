@@ -172,7 +172,23 @@ class Resources:
         return ChildView(
             name=name, state=str(state), busy=busy, cap=self.cap(name),
             ctx_per_slot=self.profiles[name].ctx_per_slot, startable=startable, ram_ok=ram_ok,
-            expected_s=expected)
+            expected_s=expected, back_in_s=self.back_in_s(name))
+
+    def back_in_s(self, name: str) -> float | None:
+        """Seconds until a child whose restart is under way serves again: what is left of its
+        back-off, plus its last start time (how long its start takes). None for a ready child,
+        or one that is not coming back by itself."""
+        child = self.children[name]
+        state = child.state
+        if name in self.paused or child.last_start_s is None:
+            return None
+        if state is ChildState.BACKOFF:
+            return (child.next_try_in_s() or 0.0) + child.last_start_s
+        if state is ChildState.STARTING:
+            return max(0.0, child.last_start_s - (time.monotonic() - child.state_since))
+        if state is ChildState.EXITED:
+            return child.last_start_s
+        return None
 
     def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
         """How long a request would take on the child, from its own reported speeds."""

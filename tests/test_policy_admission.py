@@ -205,3 +205,26 @@ def test_the_service_estimate_says_what_it_rests_on() -> None:
     assert service_estimate(None, 3.0) == (3.0, "running")
     assert service_estimate(None, 0.0) == (MIN_SERVICE_S, "running")
     assert service_estimate(None, None) == (DEFAULT_SERVICE_S, "default")
+
+
+def test_a_child_on_its_way_back_shortens_the_estimated_wait() -> None:
+    # One slot ready (1 s a request); the GPU child's two slots are back in 2 s.
+    assert estimated_wait(2, 1.0, 1, [(2.0, 2)]) == 2.0  # served before it returns
+    # Position 5: 2 served in the first 2 s, then 3 slots: 3 more in 1 s.
+    assert estimated_wait(5, 1.0, 1, [(2.0, 2)]) == 3.0
+    assert estimated_wait(5, 1.0, 1) == 5.0  # counting only the ready child
+    # Nothing ready: nothing is served until it returns.
+    assert estimated_wait(4, 1.0, 0, [(3.0, 2)]) == 5.0
+    assert estimated_wait(4, 1.0, 0) == 4.0  # as before: one server assumed
+
+
+@given(st.integers(1, 200), st.floats(0.01, 30), st.integers(0, 4), st.floats(0, 60),
+       st.integers(1, 4))
+def test_a_returning_child_never_makes_the_wait_longer(position: int, service: float,
+                                                       servers: int, back_in: float,
+                                                       cap: int) -> None:
+    alone = estimated_wait(position, service, servers)
+    with_it = estimated_wait(position, service, servers, [(back_in, cap)])
+    if servers > 0:
+        assert with_it <= alone + 1e-9
+    assert with_it >= position * service / (servers + cap) - 1e-9  # never beyond all of them

@@ -43,6 +43,9 @@ class ChildView:
     startable: bool = False  # stopped, may be started now (on-demand CPU child)
     ram_ok: bool = True  # enough RAM for it (the CPU guard)
     expected_s: float | None = None  # how long this request would take on it
+    # Not ready: seconds until it is expected to serve again on its own (a restart under way);
+    # None when it is not coming back by itself (FATAL, stopped, paused) or nothing is known.
+    back_in_s: float | None = None
 
     @property
     def ready(self) -> bool:

@@ -8,6 +8,7 @@ a later one takes the capacity it needs (no starvation); positions only fall.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 # Until requests have been timed, and with none running, a request is assumed to take this long.
@@ -80,10 +81,24 @@ def service_estimate(measured_s: float | None,
     return DEFAULT_SERVICE_S, "default"
 
 
-def estimated_wait(position: int, service_s: float | None, servers: int) -> float:
+def estimated_wait(position: int, service_s: float | None, servers: int,
+                   returning: Sequence[tuple[float, int]] = ()) -> float:
     """Seconds until the request at `position` (1 = next) is served, when `servers` requests
-    run at once and each takes about `service_s`."""
+    run at once and each takes about `service_s`, and each (in_s, cap) of `returning` adds
+    `cap` more from `in_s` seconds on (a child whose restart is under way: counting only the
+    ready ones told waits more than twice too long while the GPU child restarted, in the chaos
+    run)."""
     if position <= 0:
         return 0.0
     per = service_s if service_s and service_s > 0 else DEFAULT_SERVICE_S
-    return position * per / max(1, servers)
+    left = float(position)
+    now = 0.0
+    for at, cap in sorted((max(0.0, at), cap) for at, cap in returning if cap > 0):
+        if servers > 0:
+            served = (at - now) * servers / per  # requests served before this one returns
+            if left <= served:
+                return now + left * per / servers
+            left -= served
+        now = max(now, at)
+        servers += cap
+    return now + left * per / max(1, servers)
