@@ -111,7 +111,7 @@ def test_a_full_line_gives_the_controlled_503_through_the_openai_client(
 def test_the_openai_clients_retry_honours_retry_after(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
     s = spillway(one_each(fake_server, tiny_model, queue={"max_waiting": 0}))
-    oa = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=1)
+    oa = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=2)  # the SDK's default
     t = occupy_both(s)
     began = time.monotonic()
     raw = oa.chat.completions.with_raw_response.create(
@@ -119,11 +119,13 @@ def test_the_openai_clients_retry_honours_retry_after(
     elapsed = time.monotonic() - began
     t.join()
     assert raw.http_response.status_code == 200
-    refusal = [line for line in s.log_text().splitlines()
-               if "POST /v1/chat/completions -> - 503" in line]
-    assert len(refusal) == 1
+    refusals = [line for line in s.log_text().splitlines()
+                if "POST /v1/chat/completions -> - 503" in line]
+    # No request had finished yet, so the first estimate is a lower bound (how long the two
+    # running have run): the client may come back once too soon, and is told more then.
+    assert 1 <= len(refusals) <= 2
     # The SDK slept the Retry-After Spillway gave (whole seconds from the estimated wait).
-    assert elapsed >= 1.0
+    assert elapsed >= 1.0 * len(refusals)
 
 
 @pytest.mark.asyncio
@@ -131,6 +133,9 @@ async def test_a_deadline_shorter_than_the_wait_is_refused_at_once(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
     s = spillway(one_each(fake_server, tiny_model))
     async with aiohttp.ClientSession() as http:
+        # One request timed first: before any finished, the wait is only known to be at least
+        # as long as the first has been running, and a request may wait up to its deadline.
+        assert (await post(http, s))[0] == 200
         busy = await fill_both(http, s)
         began = time.monotonic()
         status, headers, body = await post(http, s, **{"X-Spillway-Deadline": "0.5"})
