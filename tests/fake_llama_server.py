@@ -23,6 +23,8 @@ Switches come from environment variables (a child's `env` table in the Spillway 
   FAKE_N_CTX=N             per-slot context reported by /props (default 4096)
   FAKE_SLOTS=N             number of slots (default 2)
   FAKE_STATE_FILE=PATH     append one JSON line per request seen (method, path, headers)
+  FAKE_CLOSE_AFTER_STREAM=1  close the connection right after a streamed answer (as the real
+                           llama-server does, though it says Keep-Alive)
   FAKE_DROP_REUSED=1       close a keep-alive connection, with no answer, when another request
                            arrives on it (cpp-httplib closing an idle connection just as the
                            proxy reuses it); /health and /props are exempt
@@ -198,6 +200,8 @@ async def chat(request: web.Request) -> web.StreamResponse:
              "object": "chat.completion.chunk", "model": "fake", "timings": timings(count)}
     await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
     await resp.write_eof()
+    if ENV.get("FAKE_CLOSE_AFTER_STREAM") == "1":
+        resp.force_close()
     return resp
 
 

@@ -52,8 +52,9 @@ async def test_a_reused_connection_closed_under_a_request_is_resent_on_a_new_one
         dropping: Any) -> None:
     s, state = dropping
     async with aiohttp.ClientSession() as http:
-        # Each pair: the first opens a connection, the second reuses it and is dropped.
-        for stream in (False, False, True, True, False, False):
+        # Each pair: the first opens a connection, the second reuses it and is dropped. (A
+        # stream asks for its connection to be closed after it: it only ever reuses one.)
+        for stream in (False, True, False, False, False, True):
             async with http.post(f"{s.url}/v1/chat/completions",
                                  json={**CHAT, "stream": stream}) as r:
                 body = await r.read()
@@ -98,3 +99,22 @@ async def test_a_post_outside_the_generation_routes_is_never_sent_twice(
     assert statuses == [200, 502]
     assert len(seen(state, "/tools")) == 2
     assert "taken as evidence about the child" in s.log_text()
+
+
+async def test_a_stream_asks_for_its_connection_to_close_since_llama_server_closes_it(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path,
+        tmp_path: Path) -> None:
+    # The real llama-server closes the connection after every streamed answer while saying
+    # `Keep-Alive: timeout=5, max=100`; the next request that took it from the pool failed.
+    state = tmp_path / "gpu-requests.jsonl"
+    s = spillway(fake_config(fake_server, tiny_model, gpu={"env": {
+        "FAKE_CLOSE_AFTER_STREAM": "1", "FAKE_STATE_FILE": str(state)}}))
+    async with aiohttp.ClientSession() as http:
+        for stream in (True, False, True, False):
+            async with http.post(f"{s.url}/v1/chat/completions",
+                                 json={**CHAT, "stream": stream}) as r:
+                assert r.status == 200
+                await r.read()
+    sent = [{k.lower(): v for k, v in r["headers"].items()}
+            for r in seen(state, "/v1/chat/completions")]
+    assert [h.get("connection") for h in sent] == ["close", None, "close", None]

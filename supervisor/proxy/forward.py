@@ -200,6 +200,12 @@ class Forwarder:
         url = f"{child.base_url}{ctx.path_qs}"
         headers = upstream_headers(ctx.client_headers, ctx.request_id,
                                    child.api_key if ctx.trusted else None)
+        if ctx.stream:
+            # llama-server closes the connection right after every streamed answer, though it
+            # says `Keep-Alive: timeout=5, max=100`; pooled, such a connection fails the next
+            # request that takes it before its close is read (most of the stale connections in
+            # the chaos run). Said up front, the connection is never pooled.
+            headers["Connection"] = "close"
         child.acquire()
         use = ConnectionUse()
         try:
