@@ -13,7 +13,12 @@ run (so ratios hold on a noisy machine):
   it was sent; its arrival is compared straight and through Spillway);
 - the failover penalty: from the GPU child's death to the first byte from the CPU child, minus
   the same request sent straight to a CPU llama-server, the CPU child hot;
-- Spillway's resident memory idle and with 256 open streams.
+- Spillway's resident memory idle and with 256 open streams;
+- keyed throughput: every request with a fresh Idempotency-Key (32 connections, the instant
+  upstream), the key store empty and full at idempotency.max_keys (3,000 and the default
+  10,000), as a ratio. `--baseline REV` measures the same against the
+  `supervisor` package of a git revision too, in the same run (`--only idempotency` runs just
+  this part and writes bench/results/idempotency.{json,md}).
 
 Needs root (or the tools already installed) for `apt-get install nginx wrk`. Writes
 bench/results/latest.json and prints the table (the README carries the latest one).
@@ -143,9 +148,13 @@ class Stack:
             raise RuntimeError(f"{argv(port)[0]} did not answer {health} on port {port}")
         return port
 
-    def spillway(self, name: str, config: dict[str, Any]) -> Spillway:
-        """A daemon pinned, with its children, to the server core."""
+    def spillway(self, name: str, config: dict[str, Any],
+                 code: Path | None = None) -> Spillway:
+        """A daemon pinned, with its children, to the server core; `code`: a folder holding
+        another `supervisor` package to run instead of this tree's."""
         s = Spillway(self.tmp / name, config, command_prefix=pin(SERVER_CORE))
+        if code is not None:
+            s.env["PYTHONPATH"] = str(code)
         s.start()
         self.daemons.append(s)
         return s
@@ -246,19 +255,26 @@ def _ms(value: str) -> float:
     return n / 1000 if unit == "us" else n if unit == "ms" else n * 1000
 
 
-def wrk(url: str, connections: int, seconds: float, lua: Path) -> dict[str, float]:
+def wrk(url: str, connections: int, seconds: float, lua: Path,
+        args: tuple[str, ...] = ()) -> dict[str, float]:
+    """`args` go to the script's init()."""
     threads = max(1, min(connections, 2))
     out = subprocess.run([*pin(LOAD_CORE), "wrk", "-t", str(threads), "-c", str(connections),
-                          "-d", f"{max(1, round(seconds))}s", "--latency", "-s", str(lua), url],
+                          "-d", f"{max(1, round(seconds))}s", "--latency", "-s", str(lua), url,
+                          *(("--", *args) if args else ())],
                          capture_output=True, text=True, timeout=seconds + 60).stdout
     p50 = re.search(r"^\s+50%\s+(\S+)", out, re.M)
     p99 = re.search(r"^\s+99%\s+(\S+)", out, re.M)
     rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
     errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    done = re.search(r"(\d+) requests in ([\d.]+)(us|ms|s|m)\b", out)
     return {"p50_ms": _ms(p50.group(1)) if p50 else float("nan"),
             "p99_ms": _ms(p99.group(1)) if p99 else float("nan"),
             "rps": float(rps.group(1)) if rps else 0.0,
-            "non_2xx": int(errors.group(1)) if errors else 0}
+            "non_2xx": int(errors.group(1)) if errors else 0,
+            "requests": int(done.group(1)) if done else 0,
+            "elapsed_s": (float(done.group(2)) * {"us": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0}
+                          [done.group(3)]) if done else 0.0}
 
 
 def latency_matrix(targets: dict[str, str], seconds: float, lua: Path,
@@ -332,15 +348,147 @@ def lua_body(body: dict[str, Any]) -> Iterator[Path]:
         os.unlink(f.name)
 
 
-def run(quick: bool) -> dict[str, Any]:
+@contextlib.contextmanager
+def lua_keyed(body: dict[str, Any]) -> Iterator[Path]:
+    """Every request with an Idempotency-Key of its own: the run's name (init's argument), the
+    thread and a counter."""
+    with lua_body(body) as plain, tempfile.NamedTemporaryFile(
+            "w", suffix=".lua", delete=False) as f:
+        f.write(plain.read_text())
+        f.write("""
+local threads = 0
+function setup(thread)
+  threads = threads + 1
+  thread:set("tid", threads)
+end
+local run, n = "run", 0
+function init(args)
+  run = args[1] or run
+end
+function request()
+  n = n + 1
+  wrk.headers["Idempotency-Key"] = run .. "-" .. tostring(tid) .. "-" .. tostring(n)
+  return wrk.format()
+end
+""")
+    try:
+        yield Path(f.name)
+    finally:
+        os.unlink(f.name)
+
+
+IDEMPOTENCY_CLIENTS = 32
+
+
+def settle(pid: int, timeout: float = 60) -> None:
+    """Wait until a daemon is idle: the requests it read before wrk left are answered, so that
+    they do not slow the next run (of the other daemon, on the same core)."""
+    proc = psutil.Process(pid)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        before = sum(proc.cpu_times()[:2])
+        time.sleep(0.2)
+        if sum(proc.cpu_times()[:2]) - before < 0.01:
+            return
+
+
+def keyed_throughput(empty: Spillway, full: Spillway, max_keys: int, rounds: int, plain: Path,
+                     keyed: Path) -> dict[str, Any]:
+    """Fresh keys against two daemons alike but for their stores: one whose keys expire at
+    once (ttl_s 1 ms), so that its store stays empty, and one whose store is first filled to
+    max_keys, so that each new key evicts one. Runs of 1 s alternate between the two (a noisy
+    machine slows both alike), each once the other is idle; each side's figure is its best run
+    (other work on the machine only ever lowers a run), its median kept beside it."""
+    assert empty.proc is not None and full.proc is not None
+    names = (f"k{i}" for i in range(1_000_000))
+    empty_url, full_url = (f"{d.url}/v1/chat/completions" for d in (empty, full))
+    pids = {empty_url: empty.proc.pid, full_url: full.proc.pid}
+    for url in (empty_url, full_url):
+        wrk(url, IDEMPOTENCY_CLIENTS, 1, plain)  # warm, no key: the stores stay empty
+    stored = 0  # keys sent to the full one with a 2xx answer: stored, until it is full
+    rate = 500.0
+    while stored <= max_keys:
+        r = wrk(full_url, IDEMPOTENCY_CLIENTS, max(1, round((max_keys - stored) / rate + 0.5)),
+                keyed, (next(names),))
+        stored += int(r["requests"] - r["non_2xx"])
+        rate = max(r["rps"], 50.0)
+    settle(pids[full_url])
+    samples: dict[str, list[float]] = {"empty": [], "full": []}
+    non_2xx = 0
+    for _ in range(rounds):
+        for side, url in (("empty", empty_url), ("full", full_url)):
+            r = wrk(url, IDEMPOTENCY_CLIENTS, 1, keyed, (next(names),))
+            samples[side].append(r["requests"] / r["elapsed_s"] if r["elapsed_s"] else 0.0)
+            non_2xx += int(r["non_2xx"])
+            settle(pids[url])
+    empty_rps, full_rps = max(samples["empty"]), max(samples["full"])
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    return {"empty_rps": round(empty_rps, 1), "full_rps": round(full_rps, 1),
+            "ratio": round(full_rps / empty_rps, 3) if empty_rps else float("nan"),
+            "median_ratio": round(medians["full"] / medians["empty"], 3) if medians["empty"]
+            else float("nan"),
+            "samples": {k: [round(v) for v in vs] for k, vs in samples.items()},
+            "non_2xx": non_2xx}
+
+
+def baseline_code(rev: str) -> Path:
+    """The `supervisor` package of a git revision, in a folder of its own."""
+    folder = Path(tempfile.mkdtemp(prefix="spillway-bench-baseline-"))
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "supervisor"],
+                             capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    return folder
+
+
+def idempotency_section(st: Stack, model: Path, seconds: float,
+                        baseline: str | None) -> dict[str, Any]:
+    instant = REPO / "bench" / "instant-upstream.sh"
+    codes: dict[str, Path | None] = {"current": None}
+    if baseline:
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", baseline],
+                                capture_output=True, text=True, check=True).stdout.strip()
+        codes = {f"baseline {commit}": baseline_code(baseline), **codes}
+    out: dict[str, Any] = {"clients": IDEMPOTENCY_CLIENTS}
+    rounds = max(5, round(seconds))
+    with lua_body(BODY) as plain, lua_keyed(BODY) as keyed:
+        for max_keys in (3000, 10000):
+            for label, code in codes.items():
+                daemons = [st.spillway(f"keys-{max_keys}-{label.split()[0]}-{ttl:g}", {
+                    "model": {"llama_server": str(instant), "path": str(model), "args": []},
+                    "gpu": {"args": [], "max_concurrency": 1024},
+                    "cpu": {"args": [], "max_concurrency": 1024},
+                    "queue": {"max_waiting": 1024},
+                    "idempotency": {"max_keys": max_keys, "ttl_s": ttl}}, code=code)
+                    for ttl in (0.001, 86400.0)]
+                r = keyed_throughput(*daemons, max_keys=max_keys, rounds=rounds, plain=plain,
+                                     keyed=keyed)
+                for d in daemons:
+                    d.stop()
+                    st.daemons.remove(d)
+                out.setdefault(label, {})[str(max_keys)] = r
+                say(f"  {label:>16s} max_keys={max_keys:<5d} empty {r['empty_rps']:.0f} req/s, "
+                    f"full {r['full_rps']:.0f} req/s, full/empty {r['ratio']:.2f}")
+    return out
+
+
+def run(quick: bool, only: str | None = None, baseline: str | None = None) -> dict[str, Any]:
     ensure_tools()
     seconds = 3.0 if quick else 10.0
+    if only == "idempotency":
+        report: dict[str, Any] = {
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+            "quick": quick, "seconds": seconds}
+        with Stack() as st:
+            model = write_tiny_model(st.tmp / "tiny.gguf")
+            say("keyed throughput: a fresh Idempotency-Key per request, store empty and full")
+            report["idempotency"] = idempotency_section(st, model, seconds, baseline)
+        return report
     concurrency = (1, 16, 64)
     llama = bootstrap.ensure_llama_server()
     fake = fake_server_script(Path(tempfile.mkdtemp(prefix="spillway-bench-fake-")))
     instant = REPO / "bench" / "instant-upstream.sh"
-    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                              "machine": machine(), "quick": quick, "seconds": seconds}
+    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+              "machine": machine(), "quick": quick, "seconds": seconds}
     with Stack() as st, lua_body(BODY) as lua:
         model = write_tiny_model(st.tmp / "tiny.gguf")
         # 1. An upstream that answers at once.
@@ -399,6 +547,10 @@ def run(quick: bool) -> dict[str, Any]:
         # 5. The failover penalty.
         say("failover penalty")
         report["failover"] = failover_penalty(st, llama, model, 3 if quick else 7)
+
+        # 6. Keyed throughput, the Idempotency-Key store empty and full.
+        say("keyed throughput: a fresh Idempotency-Key per request, store empty and full")
+        report["idempotency"] = idempotency_section(st, model, seconds, baseline)
     return report
 
 
@@ -480,6 +632,8 @@ def table(r: dict[str, Any]) -> str:
              f"{' (quick)' if r['quick'] else ''}", ""]
     for upstream, title in (("instant", "upstream that answers at once"),
                             ("llama", "real llama-server, tiny model")):
+        if upstream not in r:
+            continue
         data = r[upstream]
         names = list(data)
         lines.append(f"{title}:")
@@ -495,6 +649,30 @@ def table(r: dict[str, Any]) -> str:
                 lines.append(f"| {c} | {measure} | " + " | ".join(cells) +
                              f" | {fmt.format(diff)} |")
         lines.append("")
+    if "streams" in r:
+        lines.extend(_other_lines(r))
+    if "idempotency" in r:
+        lines.extend(_idempotency_lines(r["idempotency"]))
+    return "\n".join(lines)
+
+
+def _idempotency_lines(d: dict[str, Any]) -> list[str]:
+    lines = [f"keyed throughput ({d['clients']} clients, a fresh Idempotency-Key per request, "
+             "instant upstream; req/s: each side's best 1-s run, alternating):",
+             "| code | max_keys | empty store req/s | full store req/s | full / empty | "
+             "full / empty, medians |",
+             "|---|---|---|---|---|---|"]
+    for label, by_keys in d.items():
+        if label == "clients":
+            continue
+        for max_keys, m in by_keys.items():
+            lines.append(f"| {label} | {max_keys} | {m['empty_rps']:.0f} | "
+                         f"{m['full_rps']:.0f} | {m['ratio']:.2f} | {m['median_ratio']:.2f} |")
+    return lines
+
+
+def _other_lines(r: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     s = r["streams"]
     delay = s["event_delay_ms"]
     lines.append(
@@ -512,7 +690,7 @@ def table(r: dict[str, Any]) -> str:
     m = r["memory"]
     lines.append(f"memory: Spillway idle {m['idle_mib']:.0f} MiB, with {m['streams']} open "
                  f"streams {m['with_streams_mib']:.0f} MiB")
-    return "\n".join(lines)
+    return lines
 
 
 def main() -> None:
@@ -520,13 +698,18 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 s per figure instead of 10")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
+    parser.add_argument("--only", choices=("idempotency",),
+                        help="just this part (written to <out>/<part>.json and .md)")
+    parser.add_argument("--baseline", metavar="REV",
+                        help="also measure keyed throughput with this git revision's code")
     args = parser.parse_args()
-    result = run(args.quick)
+    result = run(args.quick, args.only, args.baseline)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "latest.json").write_text(json.dumps(result, indent=1))
+    name = args.only or "latest"
+    (out / f"{name}.json").write_text(json.dumps(result, indent=1))
     text = table(result)
-    (out / "latest.md").write_text(text + "\n")
+    (out / f"{name}.md").write_text(text + "\n")
     print(text)
 
 

@@ -159,6 +159,7 @@ class IdempotencyConfig:
     ttl_s: float
     max_keys: int
     max_response_bytes: int
+    max_total_bytes: int
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,7 @@ SCHEMA: dict[str, dict[str, Key]] = {
         "ttl_s": Key("number", 86400.0, check=_positive),
         "max_keys": Key("int", 10000, check=_positive),
         "max_response_mib": Key("number", 8, check=_non_negative),
+        "max_total_mib": Key("number", 256, check=_non_negative),
     },
     "monitor": {
         "sample_interval_s": Key("number", 1.0, check=_positive),
@@ -584,6 +586,7 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
             ttl_s=float(values["idempotency"]["ttl_s"]),
             max_keys=int(values["idempotency"]["max_keys"]),
             max_response_bytes=_mib(values["idempotency"]["max_response_mib"]),
+            max_total_bytes=_mib(values["idempotency"]["max_total_mib"]),
         ),
     )
 

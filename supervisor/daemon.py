@@ -77,7 +77,8 @@ class Daemon:
         self.incidents = IncidentLog(path, config.incidents.max_bytes, config.incidents.backups)
         self.idempotency = IdempotencyStore(
             max_entries=config.idempotency.max_keys, ttl_s=config.idempotency.ttl_s,
-            max_response_bytes=config.idempotency.max_response_bytes)
+            max_response_bytes=config.idempotency.max_response_bytes,
+            max_total_bytes=config.idempotency.max_total_bytes)
         self.resources: Resources | None = None
         self.gate: Gate | None = None
         self.proxy: ProxyHandler | None = None
@@ -519,9 +520,10 @@ class Daemon:
         if self.gate is not None:
             self.gate.max_wait_s = new.queue.max_wait_s
             self.gate.line.max_waiting = new.queue.max_waiting
-        self.idempotency.ttl_s = new.idempotency.ttl_s
-        self.idempotency.max_entries = new.idempotency.max_keys
-        self.idempotency.max_response_bytes = new.idempotency.max_response_bytes
+        self.idempotency.configure(
+            max_entries=new.idempotency.max_keys, ttl_s=new.idempotency.ttl_s,
+            max_response_bytes=new.idempotency.max_response_bytes,
+            max_total_bytes=new.idempotency.max_total_bytes)
         self.incidents.path = Path(new.incidents.path) if new.incidents.path else default_path()
         self.incidents.max_bytes = new.incidents.max_bytes
         self.incidents.backups = new.incidents.backups

@@ -102,3 +102,22 @@ async def test_past_the_hold_limit_headers_and_a_comment_flow_and_replay_is_give
     assert len(data) == 1 and b'"error"' in data[0]  # the crash came after bytes: no replay
     [record] = s.wait_incidents(1)
     assert record["decision"] == "passed_on"
+
+
+async def test_an_answer_larger_than_the_whole_store_budget_is_not_stored(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    state = tmp_path / "seen.jsonl"
+    env = {"FAKE_STATE_FILE": str(state), "FAKE_TOKENS": "200"}
+    s = spillway(fake_config(fake_server, tiny_model, gpu={"env": env},
+                             idempotency={"max_total_mib": 4 / 1024}))  # 4 KiB in all
+    long = {**CHAT, "stream": True, "max_tokens": 200}  # far more than 4 KiB of events
+    async with aiohttp.ClientSession() as http:
+        status, _, small = await post(http, s.url, CHAT, "small")
+        assert status == 200 and len(small) < 1024
+        status, _, streamed = await post(http, s.url, long, "long")
+        assert status == 200 and len(streamed) > 4096
+        status, headers, again = await post(http, s.url, long, "long")
+        assert status == 200 and "Idempotent-Replayed" not in headers  # released: ran anew
+        _, headers, _ = await post(http, s.url, CHAT, "small")
+        assert headers["Idempotent-Replayed"] == "true"  # and it evicted nothing to try
+    assert executions(state) == 3
