@@ -229,7 +229,9 @@ class ProxyHandler:
             return self._early(ctx, request, rid, None, web.Response(
                 status=stored.status, body=stored.body, headers=replayed))
         ctx.capture = bytearray()
-        ctx.capture_limit = self.idempotency.max_response_bytes
+        # What could never be stored is not collected either.
+        ctx.capture_limit = min(self.idempotency.max_response_bytes,
+                                self.idempotency.max_total_bytes)
         stored_ok = False
         try:
             response = await self._serve_and_record(request, ctx)
