@@ -201,7 +201,12 @@ class Daemon:
         start = c.last_start_s if c.last_start_s is not None else 5.0
         if c.state is ChildState.READY:
             return 1.0
-        if c.state is ChildState.FATAL or child in self.res.paused:
+        if child in self.res.paused:
+            return 60.0
+        next_try = c.next_try_in_s()  # in BACKOFF and FATAL: when it is started again
+        if next_try is not None:
+            return min(60.0, next_try + start)
+        if c.state is ChildState.FATAL:
             return 60.0
         return 1.0 + start
 
