@@ -37,7 +37,14 @@ from .policy.routes import RouteClass, route_label
 from .proxy.app import build_app, json_response
 from .proxy.auth import AuthSettings
 from .proxy.connections import TrackingConnector
-from .proxy.forward import AttemptFailure, Forwarder, ForwardSettings, RequestCtx, Upstream
+from .proxy.forward import (
+    Attempt,
+    AttemptFailure,
+    Forwarder,
+    ForwardSettings,
+    RequestCtx,
+    Upstream,
+)
 from .proxy.handler import ProxyHandler, ProxySettings
 from .reload import Reloader
 from .resources import Resources
@@ -174,9 +181,9 @@ class Daemon:
         return self.res.expected_seconds(child, len(ctx.body),
                                          estimate.requested_tokens(ctx.payload))
 
-    def observe(self, child: str, ctx: RequestCtx) -> None:
-        if ctx.timings:
-            self.res.observe_timings(child, ctx.timings)
+    def observe(self, child: str, attempt: Attempt) -> None:
+        if attempt.timings:
+            self.res.observe_timings(child, attempt.timings)
 
     def ctx_per_slot(self, child: str) -> int | None:
         return self.res.profiles[child].ctx_per_slot
@@ -213,31 +220,33 @@ class Daemon:
     def episode_id(self, child: str, generation: int) -> str:
         return f"{child}-{self.boot}-{generation}"
 
-    def finished(self, ctx: RequestCtx, status: int, child: str | None) -> None:
+    def finished(self, ctx: RequestCtx, status: int, broken: bool) -> None:
         now = time.monotonic()
+        last = ctx.last
+        child = last.child if last is not None else None
         if child == "cpu":
             self.cpu_last_used = now
-        if (ctx.route is RouteClass.GENERATION and status == 200 and ctx.broken is None
-                and ctx.attempt_started is not None):
-            self.res.observe_duration(now - ctx.attempt_started)
+        if (ctx.route is RouteClass.GENERATION and status == 200 and not broken
+                and last is not None):
+            self.res.observe_duration(now - last.started)
         route = route_label(ctx.path)
         if status == 499:
             outcome = "client_closed"
-        elif ctx.broken is not None:
+        elif broken:
             outcome = "failed"
         elif status < 400:
             outcome = "success"
-        elif ctx.attempts == 0:
+        elif not ctx.attempts:
             outcome = "rejected"
         elif status < 500:
             outcome = "client_error"
         else:
             outcome = "failed"
         self.metrics.count_request(route, child or "none", outcome, now - ctx.received)
-        if ctx.stream and ctx.first_byte_s is not None and status == 200:
-            self.metrics.ttft.labels(route).observe(ctx.first_byte_s)
-        if ctx.attempts == 2:
-            self.metrics.replays.labels("completed" if status == 200 and ctx.broken is None
+        if ctx.stream and last is not None and last.first_byte_s is not None and status == 200:
+            self.metrics.ttft.labels(route).observe(last.first_byte_s)
+        if len(ctx.attempts) == 2:
+            self.metrics.replays.labels("completed" if status == 200 and not broken
                                         else "failed").inc()
         if ctx.waited_s is not None:
             self.metrics.wait.observe(ctx.waited_s)

@@ -1,8 +1,11 @@
 """One attempt: forward a request to one child and bring its answer back.
 
-An attempt either *commits* (a response is on its way to the client, or already sent) or fails
-before any byte reached the client, returning an `AttemptFailure` with the evidence, so that the
-caller can still replay the request on the other child or answer with a controlled error.
+An attempt ends in one of three values: `Answered` (a response is on its way to the client, or
+already sent), `AttemptFailure` (failed before any byte reached the client, with the evidence,
+so that the caller can still replay the request on the other child or answer with a controlled
+error) or `Broken` (failed after bytes reached the client: the stream was ended with one error
+event). What the attempt delivered (first byte, events, llama-server's timings) is on its
+`Attempt`; the `RequestCtx` describes the request alone.
 
 - Non-streaming generation answers are read whole before the client sees anything: llama-server
   sends them in one piece at the end anyway, and a child that dies mid-answer is still
@@ -98,6 +101,36 @@ class AttemptFailure:
 
 
 @dataclass
+class Attempt:
+    """One forwarding of a request to one child: what it delivered, as it goes."""
+
+    child: str
+    number: int  # 1; 2 for the replay
+    started: float = field(default_factory=time.monotonic)
+    first_byte_s: float | None = None  # from the request's arrival to its first byte out
+    events: int = 0  # SSE data events delivered (a token count for streams)
+    timings: dict[str, Any] | None = None  # llama-server's own timings of the answer
+    tokens: int | None = None  # completion tokens, when the answer said
+
+
+@dataclass(frozen=True)
+class Answered:
+    response: web.StreamResponse
+
+
+@dataclass(frozen=True)
+class Broken:
+    """Failed after bytes reached the client: the stream was ended with one error event and no
+    [DONE]; never a final answer."""
+
+    response: web.StreamResponse
+    failure: AttemptFailure
+
+
+AttemptResult = Answered | Broken | AttemptFailure
+
+
+@dataclass
 class RequestCtx:
     """What Spillway knows of one client request, shared by its attempts."""
 
@@ -112,22 +145,18 @@ class RequestCtx:
     client_headers: CIMultiDictProxy[str]
     received: float = field(default_factory=time.monotonic)
     trusted: bool = True  # passed Spillway's key check: the child's key goes along
-    attempts: int = 0
-    children: list[str] = field(default_factory=list)
-    failover_kind: str | None = None
-    committed: bool = False  # some byte of a response reached (or is reaching) the client
-    events: int = 0  # SSE data events delivered (a token count for streams)
-    first_byte_s: float | None = None
-    attempt_started: float | None = None  # monotonic, of the latest attempt
+    attempts: list[Attempt] = field(default_factory=list)
+    failover_kind: str | None = None  # the failure its replay answers, once replayed
     waited_s: float | None = None  # time spent in the waiting line, when admitted
     wait_estimate_s: float | None = None  # the wait it was told to expect, when it waited
     wait_estimate_basis: str = "measured"  # see policy/waitline.service_estimate
     status: int | None = None  # the status the client got
-    timings: dict[str, Any] | None = None  # llama-server's own timings of the answer
-    tokens: int | None = None  # completion tokens, when the answer said
-    broken: AttemptFailure | None = None  # a stream that failed after bytes reached the client
     capture: bytearray | None = None  # the bytes sent, when an Idempotency-Key wants them
     capture_limit: int = 0
+
+    @property
+    def last(self) -> Attempt | None:
+        return self.attempts[-1] if self.attempts else None
 
     def captured(self, data: bytes) -> None:
         if self.capture is not None:
@@ -194,8 +223,8 @@ class Forwarder:
             ev.FailureKind.CRASH, f"no byte in {self.settings.read_timeout_s:.0f} s "
                                   "(server.read_timeout_s)"), timed_out=True, **kw)
 
-    async def attempt(self, request: web.Request, ctx: RequestCtx, child: Upstream,
-                      own_headers: list[tuple[str, str]]) -> web.StreamResponse | AttemptFailure:
+    async def attempt(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
+                      child: Upstream, own_headers: list[tuple[str, str]]) -> AttemptResult:
         generation = child.generation
         url = f"{child.base_url}{ctx.path_qs}"
         headers = upstream_headers(ctx.client_headers, ctx.request_id,
@@ -215,11 +244,11 @@ class Forwarder:
             upstream = sent
             try:
                 if ctx.route is not RouteClass.GENERATION:
-                    return await self._pipe(request, ctx, upstream, own_headers)
+                    return await self._pipe(request, ctx, attempt, upstream, own_headers)
                 if upstream.status == 200 and _is_sse(upstream):
-                    return await self._stream(request, ctx, child, generation, upstream,
+                    return await self._stream(request, ctx, attempt, child, generation, upstream,
                                               own_headers)
-                return await self._whole(ctx, child, generation, upstream, own_headers)
+                return await self._whole(ctx, attempt, child, generation, upstream, own_headers)
             finally:
                 upstream.close()  # frees the child's slot if the client went away
         finally:
@@ -295,9 +324,9 @@ class Forwarder:
         return AttemptFailure(child.name, generation, verdict, stream_started=stream_started,
                               after_bytes=after_bytes)
 
-    async def _whole(self, ctx: RequestCtx, child: Upstream, generation: int,
+    async def _whole(self, ctx: RequestCtx, attempt: Attempt, child: Upstream, generation: int,
                      upstream: aiohttp.ClientResponse,
-                     own_headers: list[tuple[str, str]]) -> web.StreamResponse | AttemptFailure:
+                     own_headers: list[tuple[str, str]]) -> Answered | AttemptFailure:
         try:
             body = await upstream.read()
         except TimeoutError:
@@ -311,24 +340,22 @@ class Forwarder:
                                       body=body)
         elif upstream.status == 200 and body[:1] == b"{":
             with contextlib.suppress(ValueError):
-                ctx.timings, ctx.tokens = _answer_figures(json.loads(body))
-        ctx.committed = True
-        ctx.first_byte_s = time.monotonic() - ctx.received
+                attempt.timings, attempt.tokens = _answer_figures(json.loads(body))
+        attempt.first_byte_s = time.monotonic() - ctx.received
         ctx.captured(body)
-        return web.Response(status=upstream.status, body=body,
-                            headers=downstream_headers(upstream.headers, own_headers))
+        return Answered(web.Response(status=upstream.status, body=body,
+                                     headers=downstream_headers(upstream.headers, own_headers)))
 
-    async def _pipe(self, request: web.Request, ctx: RequestCtx,
+    async def _pipe(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
                     upstream: aiohttp.ClientResponse,
-                    own_headers: list[tuple[str, str]]) -> web.StreamResponse:
+                    own_headers: list[tuple[str, str]]) -> Answered:
         resp = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                   headers=downstream_headers(upstream.headers, own_headers))
         length = upstream.headers.get("Content-Length")
         if length is not None and length.isdigit():
             resp.content_length = int(length)
-        ctx.committed = True
         await resp.prepare(request)
-        ctx.first_byte_s = time.monotonic() - ctx.received
+        attempt.first_byte_s = time.monotonic() - ctx.received
         while True:
             try:
                 chunk = await upstream.content.readany()
@@ -338,17 +365,17 @@ class Forwarder:
                 ctx.capture = None
                 if request.transport is not None:
                     request.transport.close()
-                return resp
+                return Answered(resp)
             if not chunk:
                 break
             ctx.captured(chunk)
             await resp.write(chunk)
         await resp.write_eof()
-        return resp
+        return Answered(resp)
 
-    async def _stream(self, request: web.Request, ctx: RequestCtx, child: Upstream,
-                      generation: int, upstream: aiohttp.ClientResponse,
-                      own_headers: list[tuple[str, str]]) -> web.StreamResponse | AttemptFailure:
+    async def _stream(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
+                      child: Upstream, generation: int, upstream: aiohttp.ClientResponse,
+                      own_headers: list[tuple[str, str]]) -> AttemptResult:
         headers = downstream_headers(upstream.headers, own_headers)
         anthropic = ctx.path in ANTHROPIC_ROUTES
         buffer = b""
@@ -361,7 +388,7 @@ class Forwarder:
                 # Past the hold limit: let the headers and a comment out so the client's
                 # first-byte timer is satisfied; this request gives up its replay.
                 if resp is None:
-                    resp = await self._commit(request, ctx, headers)
+                    resp = await self._commit(request, ctx, attempt, headers)
                 await resp.write(b": spillway: waiting for the first token\n\n")
                 deadline = time.monotonic() + HOLD_COMMENT_EVERY_S
                 continue
@@ -388,7 +415,7 @@ class Forwarder:
                 return AttemptFailure(child.name, generation, verdict, status=200, body=block,
                                       stream_started=True)
         if resp is None:
-            resp = await self._commit(request, ctx, headers)
+            resp = await self._commit(request, ctx, attempt, headers)
         # 2. Whole events flow as they come. Reads and writes fail apart: a read error is the
         # child's failure, a write error is the client leaving (it propagates).
         whole, pending = sse.split_complete(buffer)
@@ -397,7 +424,7 @@ class Forwarder:
             if whole:
                 await resp.write(whole)
                 ctx.captured(whole)
-                ctx.events += sse.count_data_events(whole)
+                attempt.events += sse.count_data_events(whole)
                 last = whole
             try:
                 chunk = await upstream.content.readany()
@@ -412,12 +439,12 @@ class Forwarder:
         if pending:
             await resp.write(pending)
             ctx.captured(pending)
-        self._final_figures(ctx, last + pending)
+        self._final_figures(attempt, last + pending)
         await resp.write_eof()
-        return resp
+        return Answered(resp)
 
     @staticmethod
-    def _final_figures(ctx: RequestCtx, tail: bytes) -> None:
+    def _final_figures(attempt: Attempt, tail: bytes) -> None:
         """The last events carry llama-server's timings (and usage, when asked for)."""
         if b'"timings"' not in tail and b'"usage"' not in tail:
             return
@@ -427,20 +454,19 @@ class Forwarder:
                 with contextlib.suppress(ValueError):
                     timings, tokens = _answer_figures(json.loads(data))
                     if timings is not None or tokens is not None:
-                        ctx.timings, ctx.tokens = timings, tokens
+                        attempt.timings, attempt.tokens = timings, tokens
                         return
 
-    async def _commit(self, request: web.Request, ctx: RequestCtx,
+    async def _commit(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
                       headers: CIMultiDict[str]) -> web.StreamResponse:
         resp = web.StreamResponse(status=200, headers=headers)
-        ctx.committed = True
         await resp.prepare(request)
-        ctx.first_byte_s = time.monotonic() - ctx.received
+        attempt.first_byte_s = time.monotonic() - ctx.received
         return resp
 
     async def _stream_broke(self, ctx: RequestCtx, child: Upstream, generation: int,
                             resp: web.StreamResponse | None, anthropic: bool,
-                            timed_out: bool = False) -> web.StreamResponse | AttemptFailure:
+                            timed_out: bool = False) -> Broken | AttemptFailure:
         """The child failed mid-stream. Before any byte reached the client this is an ordinary
         failure (replayable); after, the stream ends with one error event and no [DONE]."""
         after = resp is not None
@@ -451,7 +477,6 @@ class Forwarder:
                                           after_bytes=after)
         if resp is None:
             return failure
-        ctx.broken = failure
         ctx.capture = None  # not a final answer: never stored for a retry
         message = (f"the {child.name} child failed during the stream "
                    f"({failure.verdict.kind}: {failure.verdict.evidence}); the answer is "
@@ -461,4 +486,4 @@ class Forwarder:
                                              anthropic=anthropic,
                                              kind=str(failure.verdict.kind)))
             await resp.write_eof()
-        return resp
+        return Broken(resp, failure)

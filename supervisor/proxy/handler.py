@@ -26,7 +26,16 @@ from ..policy import admission, estimate, replay
 from ..policy.routes import RouteClass, classify_route
 from . import errors, tokens
 from .auth import AUTHENTICATED, presented_key
-from .forward import AttemptFailure, Forwarder, RequestCtx, Upstream
+from .forward import (
+    Answered,
+    Attempt,
+    AttemptFailure,
+    AttemptResult,
+    Broken,
+    Forwarder,
+    RequestCtx,
+    Upstream,
+)
 from .identity import request_id_of
 
 log = logging.getLogger("spillway.proxy")
@@ -109,7 +118,7 @@ class Backend(Protocol):
 
     def expected_seconds(self, child: str, ctx: RequestCtx) -> float | None: ...
 
-    def observe(self, child: str, ctx: RequestCtx) -> None: ...
+    def observe(self, child: str, attempt: Attempt) -> None: ...
 
     def can_take_replay(self, child: str) -> bool: ...
 
@@ -121,7 +130,7 @@ class Backend(Protocol):
 
     def ctx_per_slot(self, child: str) -> int | None: ...
 
-    def finished(self, ctx: RequestCtx, status: int, child: str | None) -> None: ...
+    def finished(self, ctx: RequestCtx, status: int, broken: bool) -> None: ...
 
     def rejected(self, cause: str, path: str) -> None: ...
 
@@ -198,7 +207,7 @@ class ProxyHandler:
         idem_key = request.headers.get("Idempotency-Key")
         if idem_key is not None and request.method == "POST":
             return await self._with_idempotency(request, ctx, idem_key)
-        return await self._serve_and_record(request, ctx)
+        return (await self._serve_and_record(request, ctx)).response
 
     # --- Idempotency-Key ----------------------------------------------------------------------
 
@@ -234,8 +243,9 @@ class ProxyHandler:
                                 self.idempotency.max_total_bytes)
         stored_ok = False
         try:
-            response = await self._serve_and_record(request, ctx)
-            final = (ctx.capture is not None and ctx.broken is None and ctx.attempts > 0
+            served = await self._serve_and_record(request, ctx)
+            response = served.response
+            final = (ctx.capture is not None and isinstance(served, Answered) and ctx.attempts
                      and (200 <= response.status < 300 or
                           (400 <= response.status < 500 and response.status not in
                            (408, 409, 429))))
@@ -252,12 +262,13 @@ class ProxyHandler:
     # --- serving ------------------------------------------------------------------------------
 
     async def _serve_and_record(self, request: web.Request,
-                                ctx: RequestCtx) -> web.StreamResponse:
+                                ctx: RequestCtx) -> Answered | Broken:
         episodes: list[_Episode] = []
         connected = True
-        response: web.StreamResponse | None = None
+        served: Answered | Broken | None = None
         try:
-            response = await self._serve(request, ctx, episodes)
+            served = await self._serve(request, ctx, episodes)
+            response = served.response
             if episodes and not response.prepared:
                 # Send it here, so the incident knows whether the client was still there.
                 try:
@@ -265,32 +276,34 @@ class ProxyHandler:
                     await response.write_eof()
                 except (ConnectionError, RuntimeError):
                     connected = False
-            return response
+            return served
         except (asyncio.CancelledError, ConnectionError):
             connected = False  # the client went away
             raise
         finally:
-            status = response.status if response is not None and connected else CLIENT_CLOSED
-            if ctx.broken is not None and not any(e.failure is ctx.broken for e in episodes):
-                episodes.append(_Episode(ctx.broken, "passed_on",
+            status = served.response.status if served is not None and connected \
+                else CLIENT_CLOSED
+            broken = isinstance(served, Broken)
+            if isinstance(served, Broken):
+                episodes.append(_Episode(served.failure, "passed_on",
                                          "the stream had started: bytes already reached the "
                                          "client; it ended with an SSE error event"))
             for episode in episodes:
                 self._record(ctx, episode, status, connected)
-            self._finish(ctx, request, ctx.request_id, status)
+            self._finish(ctx, request, ctx.request_id, status, broken)
 
     def _deadline_left(self, ctx: RequestCtx) -> float | None:
         deadline = client_deadline(ctx.client_headers)
         return None if deadline is None else deadline - (time.monotonic() - ctx.received)
 
     async def _serve(self, request: web.Request, ctx: RequestCtx,
-                     episodes: list[_Episode]) -> web.StreamResponse:
+                     episodes: list[_Episode]) -> Answered | Broken:
         if ctx.route is not RouteClass.GENERATION:
             # Outside the caps: the GPU child when ready, else the CPU child, or the pinned one.
             pin = request.headers.get("X-Spillway-Child", "").strip().lower() or None
             decision = admission.passthrough(self.backend.states(), pin)
             if decision.child is None:
-                return self._refusal(ctx, decision)
+                return Answered(self._refusal(ctx, decision))
             result = await self._attempt(request, ctx, self.backend.upstreams()[decision.child])
             if isinstance(result, AttemptFailure):
                 return await self._after_failure(request, ctx, result, episodes)
@@ -298,7 +311,7 @@ class ProxyHandler:
         # Generation: 3 to 7 of the admission order.
         got = await self._admit(ctx)
         if isinstance(got, admission.Decision):
-            return self._refusal(ctx, got)
+            return Answered(self._refusal(ctx, got))
         ctx.waited_s = got.waited_s
         ctx.wait_estimate_s = got.estimated_wait_s
         ctx.wait_estimate_basis = got.estimate_basis
@@ -356,12 +369,11 @@ class ProxyHandler:
                                   queue_position=decision.queue_position)
 
     async def _attempt(self, request: web.Request, ctx: RequestCtx,
-                       child: Upstream) -> web.StreamResponse | AttemptFailure:
-        ctx.attempts += 1
-        ctx.children.append(child.name)
-        ctx.attempt_started = time.monotonic()
+                       child: Upstream) -> AttemptResult:
+        attempt = Attempt(child.name, len(ctx.attempts) + 1)
+        ctx.attempts.append(attempt)
         own = [("X-Request-Id", ctx.request_id), ("X-Spillway-Child", child.name),
-               ("X-Spillway-Attempts", str(ctx.attempts))]
+               ("X-Spillway-Attempts", str(attempt.number))]
         if ctx.failover_kind:
             own.append(("X-Spillway-Failover", ctx.failover_kind))
         if ctx.wait_estimate_s is not None and ctx.waited_s is not None:
@@ -371,18 +383,18 @@ class ProxyHandler:
             own.append(("Server-Timing", f"queue;dur={ctx.waited_s * 1000:.1f}, "
                                          f"queue-estimate;dur={ctx.wait_estimate_s * 1000:.1f};"
                                          f'desc="{ctx.wait_estimate_basis}"'))
-        result = await self.forwarder.attempt(request, ctx, child, own)
+        result = await self.forwarder.attempt(request, ctx, attempt, child, own)
         if isinstance(result, AttemptFailure):
             self.backend.attempt_failed(result)
         else:
-            if ctx.broken is not None:
-                self.backend.attempt_failed(ctx.broken)
-            self.backend.observe(child.name, ctx)
+            if isinstance(result, Broken):
+                self.backend.attempt_failed(result.failure)
+            self.backend.observe(child.name, attempt)
         return result
 
     async def _after_failure(self, request: web.Request, ctx: RequestCtx,
                              failure: AttemptFailure,
-                             episodes: list[_Episode]) -> web.StreamResponse:
+                             episodes: list[_Episode]) -> Answered | Broken:
         other = "cpu" if failure.child == "gpu" else "gpu"
         left = self._deadline_left(ctx)
         opted_out = ctx.client_headers.get("X-Spillway-Replay", "").strip().lower() == "never"
@@ -391,10 +403,10 @@ class ProxyHandler:
             route=ctx.route,
             body_replayable=(self.settings.replay and ctx.payload is not None
                              and len(ctx.body) <= self.settings.max_replay_body_bytes),
-            bytes_sent=ctx.committed,
+            bytes_sent=False,  # a failure before any byte: after bytes it is Broken
             timed_out=failure.timed_out,
             opted_out=opted_out,
-            attempts=ctx.attempts,
+            attempts=len(ctx.attempts),
             deadline_left_s=left,
             target_expected_s=self.backend.expected_seconds(other, ctx),
             target_available=self.backend.can_take_replay(other),
@@ -412,7 +424,7 @@ class ProxyHandler:
                                                  replay.Refusal.NO_TARGET)
         if not decision.replay:
             episodes.append(_Episode(failure, "rejected", decision.reason))
-            return self._controlled_error(ctx, failure, decision)
+            return Answered(self._controlled_error(ctx, failure, decision))
         episode = _Episode(failure, "replayed", decision.reason, cpu_start_s or 0.0, other)
         episodes.append(episode)
         ctx.failover_kind = str(failure.verdict.kind)
@@ -426,8 +438,8 @@ class ProxyHandler:
         if isinstance(second, AttemptFailure):
             # No third attempt: the client gets a controlled error naming both failures.
             episodes.append(_Episode(second, "rejected", str(replay.Refusal.ALREADY_REPLAYED)))
-            return self._controlled_error(ctx, second, replay.ReplayDecision(
-                False, str(replay.Refusal.ALREADY_REPLAYED), replay.Refusal.ALREADY_REPLAYED))
+            return Answered(self._controlled_error(ctx, second, replay.ReplayDecision(
+                False, str(replay.Refusal.ALREADY_REPLAYED), replay.Refusal.ALREADY_REPLAYED)))
         return second
 
     def _controlled_error(self, ctx: RequestCtx, failure: AttemptFailure,
@@ -464,12 +476,12 @@ class ProxyHandler:
             reason=episode.reason,
             cpu_start_s=round(episode.cpu_start_s, 3),
             status=status,
-            tokens=ctx.tokens if ctx.tokens is not None else ctx.events,
+            tokens=_tokens(ctx.last),
             latency_s=round(time.monotonic() - ctx.received, 3),
             client_connected=connected,
             route=ctx.path,
             replay_child=episode.replay_child,
-            attempts=ctx.attempts,
+            attempts=len(ctx.attempts),
             stream=ctx.stream,
         ))
 
@@ -479,18 +491,19 @@ class ProxyHandler:
         if cause is not None:
             self.backend.rejected(cause, request.path)
         if ctx is not None:
-            self._finish(ctx, request, rid, response.status)
+            self._finish(ctx, request, rid, response.status, broken=False)
         else:
             self._log_line(request, rid, "-", response.status, 0.0, 0)
         return response
 
-    def _finish(self, ctx: RequestCtx, request: web.Request, rid: str, status: int) -> None:
+    def _finish(self, ctx: RequestCtx, request: web.Request, rid: str, status: int,
+                broken: bool) -> None:
         """One log line per request, with its id; and the backend's accounting."""
-        child = ctx.children[-1] if ctx.children else None
-        self._log_line(request, rid, child or "-", status, time.monotonic() - ctx.received,
-                       ctx.attempts)
+        last = ctx.last
+        self._log_line(request, rid, last.child if last else "-", status,
+                       time.monotonic() - ctx.received, len(ctx.attempts))
         ctx.status = status
-        self.backend.finished(ctx, status, child)
+        self.backend.finished(ctx, status, broken)
 
     def _log_line(self, request: web.Request, rid: str, child: str, status: int,
                   elapsed: float, attempts: int) -> None:
@@ -498,6 +511,13 @@ class ProxyHandler:
             return  # only the lines that say something went differently
         log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method, request.path,
                  child, status, elapsed, attempts)
+
+
+def _tokens(attempt: Attempt | None) -> int:
+    """Completion tokens of the last attempt: as the answer said, else the events delivered."""
+    if attempt is None:
+        return 0
+    return attempt.tokens if attempt.tokens is not None else attempt.events
 
 
 def _parse_json_object(body: bytes) -> tuple[str | None, dict[str, Any] | None]:
