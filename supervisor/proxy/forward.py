@@ -166,6 +166,16 @@ class RequestCtx:
                 self.capture += data
 
 
+@dataclass(frozen=True)
+class _Held:
+    """A stream held until its first event: what was read, that event, and the response if
+    the hold limit already let the headers out."""
+
+    buffer: bytes
+    first_event: bytes
+    resp: web.StreamResponse | None
+
+
 @dataclass
 class ForwardSettings:
     read_timeout_s: float
@@ -378,15 +388,37 @@ class Forwarder:
                       own_headers: list[tuple[str, str]]) -> AttemptResult:
         headers = downstream_headers(upstream.headers, own_headers)
         anthropic = ctx.path in ANTHROPIC_ROUTES
+        # 1. Hold the client's status and headers until the first event arrives.
+        held = await self._hold(request, ctx, attempt, child, generation, upstream, headers,
+                                anthropic)
+        if not isinstance(held, _Held):
+            return held
+        error = sse.error_of(held.first_event)
+        if error is not None and held.resp is None:
+            code = error.get("code")
+            verdict = ev.classify_response(code if isinstance(code, int) else 500,
+                                           json.dumps(error))
+            if verdict.child_failed:
+                return AttemptFailure(child.name, generation, verdict, status=200,
+                                      body=held.first_event, stream_started=True)
+        resp = held.resp or await self._commit(request, ctx, attempt, headers)
+        # 2. Whole events flow as they come.
+        return await self._relay(ctx, attempt, child, generation, upstream, resp, held.buffer,
+                                 anthropic)
+
+    async def _hold(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
+                    child: Upstream, generation: int, upstream: aiohttp.ClientResponse,
+                    headers: CIMultiDict[str], anthropic: bool) -> _Held | Broken | AttemptFailure:
+        """Read until the first SSE event, holding the client's status and headers; past the
+        hold limit, let them out with a comment line (the request then gives up its replay)."""
         buffer = b""
         deadline = time.monotonic() + self.settings.stream_hold_s
         resp: web.StreamResponse | None = None
-        # 1. Hold the client's status and headers until the first event arrives.
         while (found := sse.first_data_event(buffer)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 # Past the hold limit: let the headers and a comment out so the client's
-                # first-byte timer is satisfied; this request gives up its replay.
+                # first-byte timer is satisfied.
                 if resp is None:
                     resp = await self._commit(request, ctx, attempt, headers)
                 await resp.write(b": spillway: waiting for the first token\n\n")
@@ -405,19 +437,13 @@ class Forwarder:
             if not chunk:
                 return await self._stream_broke(ctx, child, generation, resp, anthropic)
             buffer += chunk
-        block, _ = found
-        error = sse.error_of(block)
-        if error is not None and resp is None:
-            code = error.get("code")
-            verdict = ev.classify_response(code if isinstance(code, int) else 500,
-                                           json.dumps(error))
-            if verdict.child_failed:
-                return AttemptFailure(child.name, generation, verdict, status=200, body=block,
-                                      stream_started=True)
-        if resp is None:
-            resp = await self._commit(request, ctx, attempt, headers)
-        # 2. Whole events flow as they come. Reads and writes fail apart: a read error is the
-        # child's failure, a write error is the client leaving (it propagates).
+        return _Held(buffer, found[0], resp)
+
+    async def _relay(self, ctx: RequestCtx, attempt: Attempt, child: Upstream, generation: int,
+                     upstream: aiohttp.ClientResponse, resp: web.StreamResponse, buffer: bytes,
+                     anthropic: bool) -> Answered | Broken | AttemptFailure:
+        """Whole events, as they come. Reads and writes fail apart: a read error is the child's
+        failure, a write error is the client leaving (it propagates)."""
         whole, pending = sse.split_complete(buffer)
         last = b""
         while True:
