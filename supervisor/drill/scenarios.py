@@ -210,56 +210,76 @@ class Drill:
         return None
 
 
+def _identity(s: Sent) -> list[str]:
+    """The request's identity survived: its id kept, its incident its own."""
+    problems = []
+    if s.status is not None and not s.request_id_kept:
+        problems.append(f"{s.request_id}: X-Request-Id not kept")
+    if s.incident is not None and s.incident.get("request_id") != s.request_id:
+        problems.append(f"{s.request_id}: the incident names another request")
+    return problems
+
+
+def _judge_failover(r: ScenarioResult) -> list[str]:
+    """Scenarios 1 and 2: completed on the CPU child after a failover, recorded as replayed."""
+    s = r.requests[0]
+    problems = _identity(s)
+    if not (s.complete and s.attempts == 2 and s.child == "cpu"):
+        problems.append(f"not completed on the CPU child after a failover: status "
+                        f"{s.status}, attempts {s.attempts}, {s.note}")
+    if s.error_event:
+        problems.append("the stream ended with an error event")
+    if s.incident is None or s.incident.get("decision") != "replayed":
+        problems.append("no incident recording the replay")
+    if r.number == 1 and r.executions and sum(r.executions.values()) != 2:
+        problems.append(f"executed {sum(r.executions.values())} times (GPU then CPU: 2)")
+    return problems
+
+
+def _judge_cancellation(r: ScenarioResult) -> list[str]:
+    """Scenario 3: the client left during the failover, and the incident says so."""
+    s = r.requests[0]
+    problems = _identity(s)
+    if not s.client_left:
+        problems.append("the client did not get to leave during the failover")
+    inc = s.incident
+    if inc is None:
+        problems.append("no incident for the cancelled request")
+    elif inc.get("client_connected") is not False:
+        problems.append("the incident says the client was still there")
+    return problems + r.notes
+
+
+def _judge_concurrent(r: ScenarioResult) -> list[str]:
+    """Scenario 4: every request completed or got a controlled error; some were caught."""
+    problems = []
+    for s in r.requests:
+        problems += _identity(s)
+        if not (s.complete or s.controlled or s.error_event):
+            problems.append(f"{s.request_id}: neither completed nor a controlled error "
+                            f"({s.status}, {s.note})")
+    if not any(s.incident for s in r.requests):
+        problems.append("no request was caught in the failure")
+    return problems
+
+
+def _judge_agent(r: ScenarioResult) -> list[str]:
+    """Scenario 5: each tool ran exactly once, and the failure hit the call after a tool."""
+    problems = [p for s in r.requests for p in _identity(s)]
+    effects = r.tool_effects or {}
+    if any(count != 1 for count in effects.values()) or len(effects) < 4:
+        problems.append(f"tool side effects {effects}: each must run exactly once")
+    if not any(s.incident for s in r.requests):
+        problems.append("the failure did not hit the model call after the tool")
+    return problems + r.notes
+
+
+_JUDGES = {1: _judge_failover, 2: _judge_failover, 3: _judge_cancellation,
+           4: _judge_concurrent, 5: _judge_agent}
+
+
 def judge(r: ScenarioResult) -> None:
     """Did the scenario meet its bar? Sets passed and verdict."""
-    reqs = r.requests
-    problems: list[str] = []
-
-    def identity(s: Sent) -> None:
-        if s.status is not None and not s.request_id_kept:
-            problems.append(f"{s.request_id}: X-Request-Id not kept")
-        if s.incident is not None and s.incident.get("request_id") != s.request_id:
-            problems.append(f"{s.request_id}: the incident names another request")
-
-    if r.number in (1, 2):
-        s = reqs[0]
-        identity(s)
-        if not (s.complete and s.attempts == 2 and s.child == "cpu"):
-            problems.append(f"not completed on the CPU child after a failover: status "
-                            f"{s.status}, attempts {s.attempts}, {s.note}")
-        if s.error_event:
-            problems.append("the stream ended with an error event")
-        if s.incident is None or s.incident.get("decision") != "replayed":
-            problems.append("no incident recording the replay")
-        if r.number == 1 and r.executions and sum(r.executions.values()) != 2:
-            problems.append(f"executed {sum(r.executions.values())} times (GPU then CPU: 2)")
-    elif r.number == 3:
-        s = reqs[0]
-        identity(s)
-        if not s.client_left:
-            problems.append("the client did not get to leave during the failover")
-        inc = s.incident
-        if inc is None:
-            problems.append("no incident for the cancelled request")
-        elif inc.get("client_connected") is not False:
-            problems.append("the incident says the client was still there")
-        problems.extend(r.notes)
-    elif r.number == 4:
-        for s in reqs:
-            identity(s)
-            if not (s.complete or s.controlled or s.error_event):
-                problems.append(f"{s.request_id}: neither completed nor a controlled error "
-                                f"({s.status}, {s.note})")
-        if not any(s.incident for s in reqs):
-            problems.append("no request was caught in the failure")
-    elif r.number == 5:
-        for s in reqs:
-            identity(s)
-        effects = r.tool_effects or {}
-        if any(count != 1 for count in effects.values()) or len(effects) < 4:
-            problems.append(f"tool side effects {effects}: each must run exactly once")
-        if not any(s.incident for s in reqs):
-            problems.append("the failure did not hit the model call after the tool")
-        problems.extend(r.notes)
+    problems = _JUDGES[r.number](r)
     r.passed = not problems
     r.verdict = "meets the bar" if r.passed else "; ".join(problems)
