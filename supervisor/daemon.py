@@ -174,8 +174,8 @@ class Daemon:
     def upstreams(self) -> Mapping[str, Upstream]:
         return self.children
 
-    def states(self) -> dict[str, str]:
-        return {name: str(child.state) for name, child in self.children.items()}
+    def states(self) -> dict[str, ChildState]:
+        return {name: child.state for name, child in self.children.items()}
 
     def expected_seconds(self, child: str, ctx: RequestCtx) -> float | None:
         return self.res.expected_seconds(child, len(ctx.body),
@@ -190,7 +190,7 @@ class Daemon:
 
     def can_take_replay(self, child: str) -> bool:
         view = self.res.child_view(child, 0, 0, 0)
-        return view.state in ("READY", "STARTING") or view.startable
+        return view.state in (ChildState.READY, ChildState.STARTING) or view.startable
 
     def attempt_failed(self, failure: AttemptFailure) -> None:
         self.metrics.failovers.labels(failure.child, str(failure.verdict.kind)).inc()

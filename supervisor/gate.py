@@ -20,6 +20,7 @@ from typing import Protocol
 
 from .policy import admission, waitline
 from .policy.admission import Action, Capacity, ChildView, Decision, Request
+from .policy.lifecycle import ChildState
 
 log = logging.getLogger("spillway.gate")
 
@@ -264,7 +265,7 @@ class Gate:
         if not view.ready:
             if view.startable:
                 self.source.start_child(child)
-            elif view.state not in ("STARTING",):
+            elif view.state != ChildState.STARTING:
                 return None
             waited = await self.source.wait_ready(child, limit)
             if waited is None:

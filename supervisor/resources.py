@@ -170,7 +170,7 @@ class Resources:
             ram_ok = self.cpu_ram_ok(cold=not running)
         expected = self.expected_seconds(name, body_size, max_tokens) if with_estimate else None
         return ChildView(
-            name=name, state=str(state), busy=busy, cap=self.cap(name),
+            name=name, state=state, busy=busy, cap=self.cap(name),
             ctx_per_slot=self.profiles[name].ctx_per_slot, startable=startable, ram_ok=ram_ok,
             expected_s=expected, back_in_s=self.back_in_s(name))
 

@@ -21,6 +21,7 @@ import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from .lifecycle import ChildState
 from .routes import RouteClass
 
 CHILD_ORDER = ("gpu", "cpu")
@@ -36,7 +37,7 @@ class Action(enum.StrEnum):
 @dataclass(frozen=True)
 class ChildView:
     name: str
-    state: str  # the lifecycle state, e.g. "READY"
+    state: ChildState
     busy: int  # generation requests it is working on
     cap: int  # at most this many at once
     ctx_per_slot: int | None  # from its /props; None until known
@@ -49,7 +50,7 @@ class ChildView:
 
     @property
     def ready(self) -> bool:
-        return self.state == "READY"
+        return self.state == ChildState.READY
 
     @property
     def has_room(self) -> bool:
@@ -96,7 +97,8 @@ class Decision:
 
 
 # States from which a child serves again without anyone's help.
-_COMING = frozenset({"READY", "STARTING", "BACKOFF", "EXITED", "DRAINING", "STOPPING"})
+_COMING = frozenset({ChildState.READY, ChildState.STARTING, ChildState.BACKOFF,
+                     ChildState.EXITED, ChildState.DRAINING, ChildState.STOPPING})
 
 
 def _may_serve(child: ChildView) -> bool:
@@ -112,9 +114,9 @@ def _retry_after(cap: Capacity) -> float:
     if cap.wait_s > 0:
         return cap.wait_s
     states = {cap.gpu.state, cap.cpu.state}
-    if states & {"STARTING", "DRAINING", "STOPPING"}:
+    if states & {ChildState.STARTING, ChildState.DRAINING, ChildState.STOPPING}:
         return 2.0
-    if states & {"BACKOFF", "EXITED"}:
+    if states & {ChildState.BACKOFF, ChildState.EXITED}:
         return 5.0
     return 30.0
 
@@ -134,16 +136,16 @@ def _why(cap: Capacity) -> str:
     return ", ".join(parts)
 
 
-def passthrough(states: Mapping[str, str], pin: str | None) -> Decision:
+def passthrough(states: Mapping[str, ChildState], pin: str | None) -> Decision:
     """Routes outside generation: outside the caps, never replayed."""
     if pin in CHILD_ORDER:
-        if states.get(pin) == "READY":
+        if states.get(pin) == ChildState.READY:
             return Decision(Action.FORWARD, 4, "pinned by X-Spillway-Child", child=pin)
         return Decision(Action.REJECT, 7, f"the {pin} child (pinned by X-Spillway-Child) is "
                                           f"{states.get(pin)}", retry_after_s=5.0,
                         cause="no_child")
     for name in CHILD_ORDER:
-        if states.get(name) == "READY":
+        if states.get(name) == ChildState.READY:
             return Decision(Action.FORWARD, 4, f"{name} child ready", child=name)
     return Decision(Action.REJECT, 7, "no child is ready (" + ", ".join(
         f"{n} is {s}" for n, s in states.items()) + ")", retry_after_s=5.0, cause="no_child")

@@ -23,6 +23,7 @@ from ..incidents import Incident, IncidentLog, new_incident_id
 from ..timefmt import rfc3339
 from ..gate import Admitted, Gate
 from ..policy import admission, estimate, replay
+from ..policy.lifecycle import ChildState
 from ..policy.routes import RouteClass, classify_route
 from . import errors, tokens
 from .auth import AUTHENTICATED, presented_key
@@ -114,7 +115,7 @@ class Backend(Protocol):
 
     def upstreams(self) -> Mapping[str, Upstream]: ...
 
-    def states(self) -> Mapping[str, str]: ...
+    def states(self) -> Mapping[str, ChildState]: ...
 
     def expected_seconds(self, child: str, ctx: RequestCtx) -> float | None: ...
 
@@ -348,8 +349,8 @@ class ProxyHandler:
         if limit is None or bound <= limit or ctx.payload is None:
             return bound if limit is not None else 0
         states = self.backend.states()
-        name = "gpu" if states.get("gpu") == "READY" else "cpu"
-        if states.get(name) != "READY":
+        name = "gpu" if states.get("gpu") == ChildState.READY else "cpu"
+        if states.get(name) != ChildState.READY:
             return 0
         counted = await tokens.count(self.forwarder.session, self.backend.upstreams()[name],
                                      ctx.path, ctx.payload)
