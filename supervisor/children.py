@@ -14,30 +14,34 @@ Every child:
 - has each stdout/stderr line logged with a `[name]` prefix, the last 200 kept as evidence;
 - is stopped with SIGTERM to its group, a grace period, then SIGKILL (llama-server does not exit
   while a client is connected).
+
+The effects go through two seams, so that this state machine is unit tested without processes
+or sleeping (tests/test_child_lifecycle.py): the launcher (launcher.py: spawning, signalling,
+reading output, the health probe) and the clock (clock.py: the lifecycle's waits, i.e. health
+and liveness polls, back-off, drain, grace, and the times that decide the start timeout, the
+hang timeout and quick failures). Only the callers' own timeouts (`wait_state`, `exit_of`) and
+the last-resort reaping after a cancellation take real time.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import logging
 import os
 import random
 import secrets
 import signal
-import socket
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
-
 from .clock import Clock, MonotonicClock
 from .config import ChildConfig, RestartConfig
+from .launcher import Launcher, Process, SubprocessLauncher
+from .launcher import pick_port as pick_port  # the drill's import
 from .policy import lifecycle
 from .systemd import OWN_VARIABLES
 from .timefmt import rfc3339
@@ -50,37 +54,12 @@ STDERR_TAIL_LINES = 200
 HEALTH_POLL_S = 0.1  # while starting
 LIVENESS_POLL_S = 2.0  # while ready
 LIVENESS_TIMEOUT_S = 10.0
-_PR_SET_PDEATHSIG = 1
+HUNG_GRACE_S = 1.0  # SIGTERM to SIGKILL for a child that stopped answering /health
 
 # Environment variables llama-server reads as settings that Spillway owns, and systemd's, which
 # are for the daemon alone (a child must not answer systemd's notify socket in its place).
 _OWNED_ENV = ("LLAMA_ARG_HOST", "LLAMA_ARG_PORT", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE",
               "LLAMA_ARG_MODEL", *OWN_VARIABLES)
-
-
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A preexec function: the child gets SIGKILL when the daemon (its parent) dies."""
-    libc_name = ctypes.util.find_library("c")
-
-    def preexec() -> None:
-        if libc_name is not None:
-            libc = ctypes.CDLL(libc_name, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
-
-
-def pick_port(avoid: int | None = None) -> int:
-    """A free loopback port (never `avoid`). The child may lose a race for it; it then exits
-    and is restarted with another one."""
-    while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port != avoid:
-            return port
 
 
 @dataclass(frozen=True)
@@ -137,6 +116,7 @@ class Child:
         extra_env: dict[str, str] | None = None,
         rng: Callable[[], float] = random.random,
         clock: Clock | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
         self.name = cfg.name
         self.cfg = cfg
@@ -147,7 +127,12 @@ class Child:
         self.vram_short_mib = vram_short_mib
         self.extra_env = dict(extra_env or {})
         self._rng = rng
-        self._clock: Clock = clock or MonotonicClock()  # the back-off's waits
+        self._clock: Clock = clock or MonotonicClock()  # every timed wait
+        # The processes and the health probe; a launcher made here is closed by `close`.
+        self._own_launcher: SubprocessLauncher | None = None
+        if launcher is None:
+            launcher = self._own_launcher = SubprocessLauncher()
+        self._launcher: Launcher = launcher
 
         self.state = ChildState.STOPPED
         self.state_since = time.monotonic()
@@ -181,7 +166,6 @@ class Child:
         self._owner: asyncio.Task[None] | None = None
         self._closed = False
         self._grace_override: float | None = None
-        self._session: aiohttp.ClientSession | None = None
 
     # --- reading ----------------------------------------------------------------------------------
 
@@ -271,8 +255,8 @@ class Child:
         if self._owner is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._owner
-        if self._session is not None:
-            await self._session.close()
+        if self._own_launcher is not None:
+            await self._own_launcher.close()
 
     async def wait_state(self, *states: ChildState, timeout: float | None = None) -> bool:
         """Wait until the child is in one of `states`; False on timeout."""
@@ -308,18 +292,14 @@ class Child:
         memory. None disarms."""
         self.armed_signal = sig
 
-    def _fire_armed(self, proc: asyncio.subprocess.Process) -> None:
+    def _fire_armed(self, proc: Process) -> None:
         sig = self.armed_signal
         self.armed_signal = None
         if sig is None:
             return
         log.warning("[%s] drill: sending %s as a task launches", self.name,
                     signal.Signals(sig).name)
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(sig)
+        proc.signal_group(sig)
 
     def acquire(self) -> None:
         self.in_flight += 1
@@ -368,31 +348,14 @@ class Child:
         try:
             while not self._closed:
                 if not self._want_running:
-                    self._take_command()
-                    if self.state in (ChildState.BACKOFF, ChildState.FATAL, ChildState.EXITED):
-                        # BACKOFF|FATAL|EXITED -> STOPPED
-                        self._to(ChildState.STOPPED, "stop asked for")
-                    await self._wait_wake()
+                    await self._while_stopped()
                     start_reason = "start asked for"
                     continue
                 if self.state is ChildState.FATAL:
-                    cmd, reason = self._take_command()
-                    if cmd == "restart":  # an operator, a reload, or the card's memory freed
-                        self.quick_failures = 0
-                        self.fatal_tries = 0
-                        start_reason = reason
-                    else:
-                        left = (self.next_try_at or 0.0) - self._clock.now()
-                        if left > 0:
-                            await self._wait_wake(left)
-                            continue
-                        # The crash-loop back-off's next try: one more quick failure is FATAL
-                        # again, with a longer wait.
-                        self.fatal_tries += 1
-                        self.quick_failures = lifecycle.quick_failures_after_fatal_try(
-                            self.backoff_policy())
-                        start_reason = (f"try {self.fatal_tries} from FATAL (crash-loop "
-                                        "back-off)")
+                    fatal_reason = await self._from_fatal()
+                    if fatal_reason is None:
+                        continue
+                    start_reason = fatal_reason
                 else:
                     cmd, reason = self._take_command()  # a restart before the start is moot
                     if cmd == "restart":
@@ -404,38 +367,70 @@ class Child:
                 self._to(ChildState.STARTING, start_reason)
                 record = await self._run_process()
                 start_reason = "restart after stop"
-                if record is None or record.planned:
-                    continue
-                self.last_exit = record
-                policy = self.backoff_policy()
-                decision = lifecycle.after_exit(policy, self.quick_failures, record.run_s,
-                                                self._rng(), served=record.served)
-                self.quick_failures = decision.quick_failures
-                if decision.quick_failures == 0:
-                    self.fatal_tries = 0  # a good run: the crash loop is over
-                if not self._want_running:
-                    self._to(ChildState.STOPPED, "exited while stopping")  # EXITED -> STOPPED
-                    continue
-                if decision.fatal:
-                    wait = lifecycle.fatal_retry_s(policy, self.fatal_tries)
-                    self.next_try_at = self._clock.now() + wait
-                    # EXITED -> BACKOFF -> FATAL
-                    self._to(ChildState.BACKOFF, f"{record.kind}: {record.evidence}")
-                    self._to(ChildState.FATAL, f"{self.quick_failures} quick failures in a row; "
-                                               f"last: {record.kind}: {record.evidence}; "
-                                               f"next try in {wait:.0f} s")
-                    continue
-                # EXITED -> BACKOFF; then BACKOFF -> STARTING at the top of the loop
-                self._to(ChildState.BACKOFF, f"restart in {decision.delay_s:.1f} s after "
-                                             f"{record.kind}: {record.evidence}")
-                start_reason = "backoff over"
-                until = self.next_try_at = self._clock.now() + decision.delay_s
-                while (left := until - self._clock.now()) > 0 and self._want_running:
-                    if await self._wait_wake(left) and self._command == "restart":
-                        start_reason = self._command_reason or "restart asked for"
-                        break
+                if record is not None and not record.planned:
+                    start_reason = await self._after_exit(record)
         finally:
             self._fail_pending_exits()
+
+    async def _while_stopped(self) -> None:
+        """Not wanted running: BACKOFF|FATAL|EXITED -> STOPPED, then wait for a command."""
+        self._take_command()
+        if self.state in (ChildState.BACKOFF, ChildState.FATAL, ChildState.EXITED):
+            self._to(ChildState.STOPPED, "stop asked for")
+        await self._wait_wake()
+
+    async def _from_fatal(self) -> str | None:
+        """In FATAL: the reason for the next start, or None after waiting (look again)."""
+        cmd, reason = self._take_command()
+        if cmd == "restart":  # an operator, a reload, or the card's memory freed
+            self.quick_failures = 0
+            self.fatal_tries = 0
+            return reason
+        left = (self.next_try_at or 0.0) - self._clock.now()
+        if left > 0:
+            await self._wait_wake(left)
+            return None
+        # The crash-loop back-off's next try: one more quick failure is FATAL again, with a
+        # longer wait.
+        self.fatal_tries += 1
+        self.quick_failures = lifecycle.quick_failures_after_fatal_try(self.backoff_policy())
+        return f"try {self.fatal_tries} from FATAL (crash-loop back-off)"
+
+    async def _after_exit(self, record: ExitRecord) -> str:
+        """After an unplanned exit: EXITED -> STOPPED | BACKOFF (and its wait) | BACKOFF ->
+        FATAL. The reason for the next start."""
+        self.last_exit = record
+        policy = self.backoff_policy()
+        decision = lifecycle.after_exit(policy, self.quick_failures, record.run_s,
+                                        self._rng(), served=record.served)
+        self.quick_failures = decision.quick_failures
+        if decision.quick_failures == 0:
+            self.fatal_tries = 0  # a good run: the crash loop is over
+        if not self._want_running:
+            self._to(ChildState.STOPPED, "exited while stopping")  # EXITED -> STOPPED
+            return "restart after stop"
+        if decision.fatal:
+            wait = lifecycle.fatal_retry_s(policy, self.fatal_tries)
+            self.next_try_at = self._clock.now() + wait
+            # EXITED -> BACKOFF -> FATAL
+            self._to(ChildState.BACKOFF, f"{record.kind}: {record.evidence}")
+            self._to(ChildState.FATAL, f"{self.quick_failures} quick failures in a row; "
+                                       f"last: {record.kind}: {record.evidence}; "
+                                       f"next try in {wait:.0f} s")
+            return "restart after stop"
+        # EXITED -> BACKOFF; then BACKOFF -> STARTING at the top of the loop
+        self._to(ChildState.BACKOFF, f"restart in {decision.delay_s:.1f} s after "
+                                     f"{record.kind}: {record.evidence}")
+        return await self._back_off(decision.delay_s)
+
+    async def _back_off(self, delay_s: float) -> str:
+        """Wait out the back-off (cut short by a stop or a restart); the reason for the next
+        start."""
+        until = self.next_try_at = self._clock.now() + delay_s
+        while (left := until - self._clock.now()) > 0 and self._want_running:
+            if await self._wait_wake(left) and self._command == "restart":
+                return self._command_reason or "restart asked for"
+        return "backoff over"
 
     def _fail_pending_exits(self) -> None:
         for fut in self._exits.values():
@@ -451,23 +446,14 @@ class Child:
         env["LLAMA_API_KEY"] = api_key
         return env
 
-    async def _spawn(self) -> asyncio.subprocess.Process:
+    async def _spawn(self) -> Process:
         # Never the last process's port: connections pooled to it must not reach the new one.
         self.port = pick_port(avoid=self.port)
         self.api_key = secrets.token_urlsafe(24)
         argv = self.cfg.command(self.port, self.api_key)
         argv = argv[:-2]  # the key travels in the environment, not on the command line
         log.info("[%s] starting: %s", self.name, " ".join(argv))
-        return await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=self._environment(self.api_key),
-            start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
-            limit=1 << 20,
-        )
+        return await self._launcher.spawn(argv, self._environment(self.api_key))
 
     async def _run_process(self) -> ExitRecord | None:
         """One process from spawn to exit. Returns its exit record (planned or not)."""
@@ -477,7 +463,8 @@ class Child:
         exit_future: asyncio.Future[ExitRecord] = loop.create_future()
         self._exits = {g: f for g, f in self._exits.items() if g >= generation - 4}
         self._exits[generation] = exit_future
-        spawned = time.monotonic()
+        spawned_at = time.monotonic()
+        spawned = self._clock.now()
         try:
             proc = await self._spawn()
         except OSError as e:
@@ -488,47 +475,78 @@ class Child:
             self._to(ChildState.EXITED, record.evidence)
             return record
         self.pid = proc.pid
-        self.started_at = spawned
+        self.started_at = spawned_at
         self.ready_at = None
         self.stderr_tail.clear()
         reader = asyncio.create_task(self._read_output(proc), name=f"child-{self.name}-output")
         waiter = asyncio.create_task(proc.wait(), name=f"child-{self.name}-wait")
-        planned = False
-        note = ""
         tasks_before = self.tasks_started
         try:
-            outcome = await self._until_ready(waiter)
-            if outcome == "ready":
-                self.ready_at = time.monotonic()
-                self.last_start_s = self.ready_at - spawned
-                self._to(ChildState.READY, f"ready in {self.last_start_s:.2f} s")
-                outcome = await self._while_ready(waiter)
-            if outcome == "command":
-                cmd, reason = self._take_command()
-                if cmd == "drain" and self.state is ChildState.READY:
-                    self._to(ChildState.DRAINING, reason)
-                    outcome = await self._while_draining(waiter)
-                    if outcome == "command":
-                        cmd2, reason2 = self._take_command()
-                        reason = reason2 or reason
-                if outcome != "exited":
-                    planned = True
-                    self._to(ChildState.STOPPING, reason)
-                    await self._terminate(proc, waiter)
-            elif outcome == "timeout":
-                note = f"not ready after {self.cfg.start_timeout_s:.0f} s (start timeout)"
-                await self._terminate(proc, waiter)
-            elif outcome == "hung":
-                note = f"/health unanswered for {self.hang_timeout_s:.0f} s"
-                await self._terminate(proc, waiter, grace_s=1.0)
+            planned, note = await self._supervise(proc, waiter, spawned)
         finally:
-            if not waiter.done():  # cancelled: never leave a process behind
-                await self._kill_group(proc, signal.SIGKILL)
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(asyncio.shield(waiter), 5)
-            with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(reader, 2.0)  # the last lines are the evidence
-            reader.cancel()
+            await self._reap(proc, waiter, reader)
+        record = self._exit_record(generation, proc, spawned, planned, note,
+                                   served=self.tasks_started > tasks_before)
+        exit_future.set_result(record)
+        self.pid = None
+        self.started_at = None
+        if planned:
+            self._to(ChildState.STOPPED, f"stopped ({describe_exit(record.returncode)})")
+        else:
+            log.warning("[%s] exited: %s (%s)", self.name, record.kind, record.evidence)
+            self._to(ChildState.EXITED, f"{record.kind}: {record.evidence}")
+        return record
+
+    async def _supervise(self, proc: Process, waiter: asyncio.Task[int],
+                         spawned: float) -> tuple[bool, str]:
+        """STARTING, READY, DRAINING and STOPPING of one process, until it is gone (or stopping
+        it is over): (planned, a note on why Spillway ended it unplanned)."""
+        outcome = await self._until_ready(waiter)
+        if outcome == "ready":
+            self.ready_at = time.monotonic()
+            self.last_start_s = self._clock.now() - spawned
+            self._to(ChildState.READY, f"ready in {self.last_start_s:.2f} s")
+            outcome = await self._while_ready(waiter)
+        if outcome == "command":
+            return await self._on_command(proc, waiter), ""
+        if outcome == "timeout":
+            await self._terminate(proc, waiter)
+            return False, f"not ready after {self.cfg.start_timeout_s:.0f} s (start timeout)"
+        if outcome == "hung":
+            await self._terminate(proc, waiter, grace_s=HUNG_GRACE_S)
+            return False, f"/health unanswered for {self.hang_timeout_s:.0f} s"
+        return False, ""
+
+    async def _on_command(self, proc: Process, waiter: asyncio.Task[int]) -> bool:
+        """A command while starting or ready: drain first if asked to, then STOPPING. True if
+        Spillway stopped the process, False if it exited first."""
+        cmd, reason = self._take_command()
+        outcome = "command"
+        if cmd == "drain" and self.state is ChildState.READY:
+            self._to(ChildState.DRAINING, reason)
+            outcome = await self._while_draining(waiter)
+            if outcome == "command":
+                _, reason2 = self._take_command()
+                reason = reason2 or reason
+        if outcome == "exited":
+            return False
+        self._to(ChildState.STOPPING, reason)
+        await self._terminate(proc, waiter)
+        return True
+
+    async def _reap(self, proc: Process, waiter: asyncio.Task[int],
+                    reader: asyncio.Task[None]) -> None:
+        """The process gone (SIGKILL if cancelled while it runs) and its last lines read."""
+        if not waiter.done():  # cancelled: never leave a process behind
+            proc.signal_group(signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(waiter), 5)
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(reader, 2.0)  # the last lines are the evidence
+        reader.cancel()
+
+    def _exit_record(self, generation: int, proc: Process, spawned: float, planned: bool,
+                     note: str, served: bool) -> ExitRecord:
         returncode = proc.returncode if proc.returncode is not None else -9
         died = time.monotonic()
         vram = self.vram_probe(died) if self.vram_probe is not None else None
@@ -536,28 +554,18 @@ class Child:
                                 vram_short_mib=self.vram_short_mib)
         evidence = f"{note} ({describe_exit(returncode)})" if note else verdict.evidence
         kind = "crash" if note else str(verdict.kind)
-        record = ExitRecord(generation, proc.pid, returncode, kind, evidence, time.time(), died,
-                            died - spawned, planned=planned,
-                            served=self.tasks_started > tasks_before)
-        exit_future.set_result(record)
-        self.pid = None
-        self.started_at = None
-        if planned:
-            self._to(ChildState.STOPPED, f"stopped ({describe_exit(returncode)})")
-        else:
-            log.warning("[%s] exited: %s (%s)", self.name, record.kind, record.evidence)
-            self._to(ChildState.EXITED, f"{record.kind}: {record.evidence}")
-        return record
+        return ExitRecord(generation, proc.pid, returncode, kind, evidence, time.time(), died,
+                          self._clock.now() - spawned, planned=planned, served=served)
 
     async def _until_ready(self, waiter: asyncio.Task[int]) -> str:
         """'ready' | 'exited' | 'timeout' | 'command'."""
-        deadline = time.monotonic() + self.cfg.start_timeout_s
+        deadline = self._clock.now() + self.cfg.start_timeout_s
         while True:
             if waiter.done():
                 return "exited"
             if self._command in ("stop", "restart"):
                 return "command"
-            if time.monotonic() > deadline:
+            if self._clock.now() > deadline:
                 return "timeout"
             if await self._health_ok(timeout=2.0):
                 return "ready"
@@ -565,7 +573,7 @@ class Child:
 
     async def _while_ready(self, waiter: asyncio.Task[int]) -> str:
         """'exited' | 'command' | 'hung'."""
-        last_ok = time.monotonic()
+        last_ok = self._clock.now()
         while True:
             if waiter.done():
                 return "exited"
@@ -576,8 +584,8 @@ class Child:
                 continue
             limit = min(LIVENESS_TIMEOUT_S, self.hang_timeout_s or LIVENESS_TIMEOUT_S)
             if await self._health_ok(timeout=limit):
-                last_ok = time.monotonic()
-            elif self.hang_timeout_s > 0 and time.monotonic() - last_ok > self.hang_timeout_s:
+                last_ok = self._clock.now()
+            elif self.hang_timeout_s > 0 and self._clock.now() - last_ok > self.hang_timeout_s:
                 return "hung"
 
     async def _while_draining(self, waiter: asyncio.Task[int]) -> str:
@@ -585,8 +593,7 @@ class Child:
         idle = asyncio.create_task(self._idle.wait())
         wake = asyncio.create_task(self._wake.wait())
         try:
-            done, _ = await asyncio.wait({waiter, idle, wake}, timeout=self.drain_timeout_s,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done = await self._clock.wait_any({waiter, idle, wake}, self.drain_timeout_s)
         finally:
             idle.cancel()
             wake.cancel()
@@ -602,8 +609,7 @@ class Child:
         """Sleep, cut short by the process exiting or a command. True if a command came."""
         wake = asyncio.create_task(self._wake.wait())
         try:
-            done, _ = await asyncio.wait({waiter, wake}, timeout=seconds,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done = await self._clock.wait_any({waiter, wake}, seconds)
         finally:
             wake.cancel()
         if wake in done:
@@ -612,50 +618,26 @@ class Child:
         return False
 
     async def _health_ok(self, timeout: float) -> bool:
-        if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=4, force_close=True))
-        try:
-            async with self._session.get(
-                f"{self.base_url}/health", timeout=aiohttp.ClientTimeout(total=timeout),
-            ) as resp:
-                await resp.read()
-                return resp.status == 200
-        except (aiohttp.ClientError, TimeoutError, OSError):
+        if self.port is None:
             return False
+        return await self._launcher.health(self.port, timeout)
 
-    async def _terminate(self, proc: asyncio.subprocess.Process, waiter: asyncio.Task[int],
+    async def _terminate(self, proc: Process, waiter: asyncio.Task[int],
                          grace_s: float | None = None) -> None:
         """SIGTERM to the group, a grace period, then SIGKILL."""
         if grace_s is None:
             grace_s = self._grace_override
         grace = self.cfg.stop_grace_s if grace_s is None else grace_s
-        await self._kill_group(proc, signal.SIGTERM)
-        done, _ = await asyncio.wait({waiter}, timeout=grace)
-        if not done:
+        proc.signal_group(signal.SIGTERM)
+        if not await self._clock.wait_any({waiter}, grace):
             log.warning("[%s] still running %.0f s after SIGTERM; sending SIGKILL",
                         self.name, grace)
-            await self._kill_group(proc, signal.SIGKILL)
-            await asyncio.wait({waiter}, timeout=10)
+            proc.signal_group(signal.SIGKILL)
+            await self._clock.wait_any({waiter}, 10)
 
-    async def _kill_group(self, proc: asyncio.subprocess.Process, sig: int) -> None:
-        """Signal the child's process group once (llama-server reads a second SIGTERM as
-        "terminate immediately")."""
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(sig)
-
-    async def _read_output(self, proc: asyncio.subprocess.Process) -> None:
-        stream = proc.stdout
-        assert stream is not None
+    async def _read_output(self, proc: Process) -> None:
         while True:
-            try:
-                raw = await stream.readline()
-            except ValueError:  # a line over the limit: take what is there
-                raw = await stream.read(1 << 20)
+            raw = await proc.readline()
             if not raw:
                 return
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")

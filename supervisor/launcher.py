@@ -1,0 +1,164 @@
+"""The process seam: what a child's owner task asks of the operating system, behind a small
+interface, so that the lifecycle (children.py) runs unchanged on a fake (tests/fake_launcher.py).
+
+A `Launcher` starts a process (`spawn`) and asks a child's port whether it is healthy
+(`health`); a `Process` is one started process: its pid and exit status, waiting for its exit,
+signalling its process group, reading its output a line at a time. `SubprocessLauncher` is the
+real one:
+
+- each process runs in its own session and process group, with the kernel told to kill it when
+  the daemon dies (PR_SET_PDEATHSIG), so none outlives the daemon even when it gets SIGKILL;
+- stdout and stderr are one pipe, read a line at a time (a line over 1 MiB is cut there);
+- a signal goes to the whole group once, falling back to the process itself;
+- healthy means `GET /health` on the loopback port answers 200 (503 `Loading model` is "still
+  starting"; a refused connection or a timeout is "not healthy").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import ctypes.util
+import os
+import signal
+import socket
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+import aiohttp
+
+LINE_LIMIT = 1 << 20  # the longest output line read as one; a longer one is cut
+_PR_SET_PDEATHSIG = 1
+
+
+class Process(Protocol):
+    """One started process."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None:
+        """None while it runs (as far as the event loop has heard); -N: killed by signal N."""
+        ...
+
+    async def wait(self) -> int:
+        """Wait for the exit; the exit status."""
+        ...
+
+    def signal_group(self, sig: int) -> None:
+        """Send `sig` to the process group, once; nothing if the process is gone."""
+        ...
+
+    async def readline(self) -> bytes:
+        """The next line of output (stdout and stderr together), b"" at the end."""
+        ...
+
+
+class Launcher(Protocol):
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> Process:
+        """Start `argv` with exactly `env`; OSError if it cannot be started."""
+        ...
+
+    async def health(self, port: int, timeout: float) -> bool:
+        """Whether the child listening on the loopback `port` says it is ready, within
+        `timeout` seconds."""
+        ...
+
+
+def pick_port(avoid: int | None = None) -> int:
+    """A free loopback port (never `avoid`). The child may lose a race for it; it then exits
+    and is restarted with another one."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port != avoid:
+            return port
+
+
+def _die_with_parent(parent_pid: int) -> Callable[[], None]:
+    """A preexec function: the child gets SIGKILL when the daemon (its parent) dies."""
+    libc_name = ctypes.util.find_library("c")
+
+    def preexec() -> None:
+        if libc_name is not None:
+            libc = ctypes.CDLL(libc_name, use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent_pid:  # the parent died before prctl took effect
+            os._exit(1)
+
+    return preexec
+
+
+class SubprocessProcess:
+    """A real process, started by `SubprocessLauncher`."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self._proc = proc
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.returncode
+
+    async def wait(self) -> int:
+        return await self._proc.wait()
+
+    def signal_group(self, sig: int) -> None:
+        # Once: llama-server reads a second SIGTERM as "terminate immediately".
+        try:
+            os.killpg(self._proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            if self._proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    self._proc.send_signal(sig)
+
+    async def readline(self) -> bytes:
+        stream = self._proc.stdout
+        assert stream is not None
+        try:
+            return await stream.readline()
+        except ValueError:  # a line over the limit: take what is there
+            return await stream.read(LINE_LIMIT)
+
+
+class SubprocessLauncher:
+    """Real processes, and `/health` over HTTP. `close` ends the probe's HTTP session."""
+
+    def __init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> SubprocessProcess:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+            env=dict(env),
+            start_new_session=True,
+            preexec_fn=_die_with_parent(os.getpid()),
+            limit=LINE_LIMIT,
+        )
+        return SubprocessProcess(proc)
+
+    async def health(self, port: int, timeout: float) -> bool:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=4, force_close=True))
+        try:
+            async with self._session.get(
+                f"http://127.0.0.1:{port}/health", timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                await resp.read()
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
