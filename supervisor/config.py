@@ -4,6 +4,13 @@ Every problem is collected (not just the first) and names its key path, e.g. `gp
 that `spillway check-config` and a refused reload can list them all. Unknown keys are errors
 that suggest the nearest known key: a typo must never be silently ignored in a file people edit
 by hand.
+
+Each TOML key is declared once, on the dataclass field it fills: `field(metadata=key(...))`
+gives its kind, default, check, TOML name (when it differs, e.g. `max_body_mib` filling
+`max_body_bytes`) and conversion. The sections are `Config`'s fields in order; `SCHEMA` (what
+is read and checked) and the construction of each section (`_make`) are derived from those
+declarations. A field marked `derived(...)` is worked out by `build` itself from its keys and
+others (the listen addresses, the API key, a child's merged args and binary).
 """
 
 from __future__ import annotations
@@ -14,10 +21,11 @@ import ipaddress
 import os
 import shutil
 import sys
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import llama_args
 
@@ -25,6 +33,9 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - the package requires 3.11, tomli is the documented fallback
     import tomli as tomllib
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 CHILD_NAMES = ("gpu", "cpu")
 CPU_MODES = ("hot", "on-demand")
@@ -48,150 +59,41 @@ class ConfigError(Exception):
         super().__init__(f"{source}: " + "; ".join(str(p) for p in problems))
 
 
-@dataclass(frozen=True)
-class ListenAddress:
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-    @property
-    def is_loopback(self) -> bool:
-        if self.host == "localhost":
-            return True
-        try:
-            return ipaddress.ip_address(self.host).is_loopback
-        except ValueError:
-            return False
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    listen: tuple[ListenAddress, ...]
-    api_key: str | None
-    max_body_bytes: int
-    read_timeout_s: float
-    connect_timeout_s: float
-    drain_timeout_s: float
-    idle_timeout_s: float
-    body_timeout_s: float
-    log_level: str
-    access_log: bool
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    llama_server: str
-    path: str
-    args: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class ChildConfig:
-    """Everything one child needs; `args` are already merged with `model.args`."""
-
-    name: str
-    llama_server: str
-    model_path: str
-    args: tuple[str, ...]
-    env: Mapping[str, str]
-    start_timeout_s: float
-    stop_grace_s: float
-    max_concurrency: int | None  # None: the child's slot count
-    # gpu only
-    device: str | None = None
-    vram_headroom_mib: int = 0
-    # cpu only
-    mode: str = "hot"
-    idle_stop_s: float = 600.0
-
-    def command(self, port: int, api_key: str) -> list[str]:
-        """The full argv; Spillway owns the model, host, port and key."""
-        return [
-            self.llama_server,
-            "-m", self.model_path,
-            *self.args,
-            "--host", "127.0.0.1",
-            "--port", str(port),
-            "--api-key", api_key,
-        ]
-
-
-@dataclass(frozen=True)
-class RestartConfig:
-    backoff_initial_s: float
-    backoff_max_s: float
-    quick_failure_s: float
-    max_quick_failures: int
-    hang_timeout_s: float
-    fatal_retry_max_s: float
-
-
-@dataclass(frozen=True)
-class GpuMonitorConfig:
-    sample_interval_s: float
-
-
-@dataclass(frozen=True)
-class FailoverConfig:
-    replay: bool
-    max_replay_body_bytes: int
-    stream_hold_s: float
-    drain_timeout_s: float
-
-
-@dataclass(frozen=True)
-class QueueConfig:
-    max_waiting: int
-    max_wait_s: float
-
-
-@dataclass(frozen=True)
-class IncidentsConfig:
-    path: str  # empty: $STATE_DIRECTORY or ~/.local/state/spillway
-    max_bytes: int
-    backups: int
-
-
-@dataclass(frozen=True)
-class IdempotencyConfig:
-    ttl_s: float
-    max_keys: int
-    max_response_bytes: int
-    max_total_bytes: int
-
-
-@dataclass(frozen=True)
-class Config:
-    path: str | None
-    server: ServerConfig
-    model: ModelConfig
-    gpu: ChildConfig
-    cpu: ChildConfig
-    restart: RestartConfig
-    monitor: GpuMonitorConfig
-    failover: FailoverConfig
-    queue: QueueConfig
-    incidents: IncidentsConfig
-    idempotency: IdempotencyConfig
-
-    def child(self, name: str) -> ChildConfig:
-        return self.gpu if name == "gpu" else self.cpu
-
-
-# --- schema -----------------------------------------------------------------------------------
+# --- keys -------------------------------------------------------------------------------------
 
 Check = Callable[[Any], str | None]
+# (a valid TOML value, the config file's folder) -> the field's value
+Convert = Callable[[Any, Path], Any]
+
+KEYS = "spillway.keys"  # field metadata: the TOML keys the field is read from
+DERIVED = "spillway.derived"  # field metadata: `build` works the value out itself
 
 
 @dataclass(frozen=True)
 class Key:
+    """One TOML key: what `_read_sections` accepts, and how `_make` turns it into its field."""
+
     # "str", "int", "number", "bool", "str_list", "str_table", "str_or_list", "int_or_str"
     kind: str
     default: Any = None
     required: bool = False
     check: Check | None = None
+    name: str | None = None  # the TOML name, when it is not the field's name
+    convert: Convert | None = None  # by default by kind: float, int, bool, tuple, dict, str
+    only: str | None = None  # a child field: the one child section ("gpu", "cpu") with this key
+
+
+def key(kind: str, default: Any = None, *, required: bool = False, check: Check | None = None,
+        name: str | None = None, convert: Convert | None = None,
+        only: str | None = None) -> dict[str, Any]:
+    """Field metadata: the field is its one TOML key's value, converted."""
+    return {KEYS: (Key(kind, default, required, check, name, convert, only),)}
+
+
+def derived(*keys: Key) -> dict[str, Any]:
+    """Field metadata: `build` works the value out (from these keys, other sections or the
+    environment); the keys are still read and checked like any other."""
+    return {KEYS: keys, DERIVED: True}
 
 
 def _positive(v: Any) -> str | None:
@@ -213,79 +115,247 @@ def _one_of(*choices: str) -> Check:
     return check
 
 
-_CHILD_COMMON: dict[str, Key] = {
-    "args": Key("str_list", []),
-    "llama_server": Key("str"),
-    "env": Key("str_table", {}),
-    "start_timeout_s": Key("number", 300.0, check=_positive),
-    "stop_grace_s": Key("number", 10.0, check=_non_negative),
-    "max_concurrency": Key("int", check=_positive),
+def _mib(value: float) -> int:
+    return int(float(value) * 1024 * 1024)
+
+
+def _from_mib(value: Any, base_dir: Path) -> int:
+    return _mib(value)
+
+
+def _expand(value: str, base_dir: Path, must_have_sep: bool = False) -> str:
+    """Expand `~` and make relative paths relative to the config file's folder.
+
+    With must_have_sep, a bare name (no slash) stays a name to look up on PATH.
+    """
+    if must_have_sep and os.sep not in value and not value.startswith("~"):
+        return value
+    p = Path(value).expanduser()
+    return str(p if p.is_absolute() else (base_dir / p))
+
+
+def _file(value: Any, base_dir: Path) -> str:
+    """A path relative to the config file's folder; empty stays empty."""
+    return _expand(value, base_dir) if value else ""
+
+
+def _command(value: Any, base_dir: Path) -> str:
+    """A path relative to the config file's folder, or a bare name to look up on PATH."""
+    return _expand(value, base_dir, must_have_sep=True)
+
+
+_BY_KIND: dict[str, Callable[[Any], Any]] = {
+    "number": float, "int": int, "bool": bool, "str_list": tuple, "str_table": dict,
+    "int_or_str": str,
 }
 
-SCHEMA: dict[str, dict[str, Key]] = {
-    "server": {
-        "listen": Key("str_or_list", "127.0.0.1:8080"),
-        "api_key": Key("str"),
-        "api_key_env": Key("str"),
-        "max_body_mib": Key("number", 64, check=_positive),
-        "read_timeout_s": Key("number", 600.0, check=_positive),
-        "connect_timeout_s": Key("number", 5.0, check=_positive),
-        "drain_timeout_s": Key("number", 30.0, check=_non_negative),
-        "idle_timeout_s": Key("number", 15.0, check=_positive),
-        "body_timeout_s": Key("number", 30.0, check=_positive),
-        "log_level": Key("str", "info", check=_one_of("debug", "info", "warning", "error")),
-        "access_log": Key("bool", True),
-    },
-    "model": {
-        "llama_server": Key("str", "llama-server"),
-        "path": Key("str", required=True),
-        "args": Key("str_list", []),
-    },
-    "gpu": {
-        **_CHILD_COMMON,
-        "args": Key("str_list", ["-ngl", "99"]),
-        "device": Key("int_or_str", 0),
-        "vram_headroom_mib": Key("int", 1024, check=_non_negative),
-    },
-    "cpu": {
-        **_CHILD_COMMON,
-        "args": Key("str_list", ["--device", "none", "-ngl", "0"]),
-        "mode": Key("str", "hot", check=_one_of(*CPU_MODES)),
-        "idle_stop_s": Key("number", 600.0, check=_positive),
-    },
-    "restart": {
-        "backoff_initial_s": Key("number", 0.5, check=_positive),
-        "backoff_max_s": Key("number", 30.0, check=_positive),
-        "quick_failure_s": Key("number", 10.0, check=_non_negative),
-        "max_quick_failures": Key("int", 5, check=_positive),
-        "hang_timeout_s": Key("number", 120.0, check=_non_negative),
-        "fatal_retry_max_s": Key("number", 300.0, check=_at_least_one),
-    },
-    "failover": {
-        "replay": Key("bool", True),
-        "max_replay_body_mib": Key("number", 16, check=_non_negative),
-        "stream_hold_s": Key("number", 30.0, check=_non_negative),
-        "drain_timeout_s": Key("number", 60.0, check=_non_negative),
-    },
-    "queue": {
-        "max_waiting": Key("int", 32, check=_non_negative),
-        "max_wait_s": Key("number", 60.0, check=_non_negative),
-    },
-    "incidents": {
-        "path": Key("str", ""),
-        "max_mib": Key("number", 16, check=_positive),
-        "backups": Key("int", 3, check=_non_negative),
-    },
-    "idempotency": {
-        "ttl_s": Key("number", 86400.0, check=_positive),
-        "max_keys": Key("int", 10000, check=_positive),
-        "max_response_mib": Key("number", 8, check=_non_negative),
-        "max_total_mib": Key("number", 256, check=_non_negative),
-    },
-    "monitor": {
-        "sample_interval_s": Key("number", 1.0, check=_positive),
-    },
+
+def _convert(k: Key, value: Any, base_dir: Path) -> Any:
+    if k.convert is not None:
+        return k.convert(value, base_dir)
+    if value is None:  # an optional key left out
+        return None
+    return _BY_KIND.get(k.kind, lambda v: v)(value)
+
+
+# --- the sections -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ListenAddress:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:
+            return False
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: tuple[ListenAddress, ...] = field(
+        metadata=derived(Key("str_or_list", "127.0.0.1:8080")))
+    # server.api_key, or the variable server.api_key_env names
+    api_key: str | None = field(metadata=derived(Key("str"), Key("str", name="api_key_env")))
+    max_body_bytes: int = field(metadata=key("number", 64, name="max_body_mib", check=_positive,
+                                             convert=_from_mib))
+    read_timeout_s: float = field(metadata=key("number", 600.0, check=_positive))
+    connect_timeout_s: float = field(metadata=key("number", 5.0, check=_positive))
+    drain_timeout_s: float = field(metadata=key("number", 30.0, check=_non_negative))
+    idle_timeout_s: float = field(metadata=key("number", 15.0, check=_positive))
+    body_timeout_s: float = field(metadata=key("number", 30.0, check=_positive))
+    log_level: str = field(metadata=key("str", "info",
+                                        check=_one_of("debug", "info", "warning", "error")))
+    access_log: bool = field(metadata=key("bool", True))
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    llama_server: str = field(metadata=key("str", "llama-server", convert=_command))
+    path: str = field(metadata=key("str", required=True, convert=_file))
+    args: tuple[str, ...] = field(metadata=key("str_list", []))
+
+
+@dataclass(frozen=True)
+class ChildConfig:
+    """Everything one child needs; `args` are already merged with `model.args`.
+
+    One class for the [gpu] and [cpu] sections: a key with `only` is in that section alone,
+    and the other child gets the field's default.
+    """
+
+    name: str = field(metadata=derived())  # "gpu" or "cpu"
+    # model.args, then this child's own (a flag here replaces the same flag there)
+    args: tuple[str, ...] = field(metadata=derived(
+        Key("str_list", ["-ngl", "99"], only="gpu"),
+        Key("str_list", ["--device", "none", "-ngl", "0"], only="cpu")))
+    llama_server: str = field(metadata=derived(Key("str")))  # else model.llama_server
+    model_path: str = field(metadata=derived())  # model.path
+    env: Mapping[str, str] = field(metadata=key("str_table", {}))
+    start_timeout_s: float = field(metadata=key("number", 300.0, check=_positive))
+    stop_grace_s: float = field(metadata=key("number", 10.0, check=_non_negative))
+    max_concurrency: int | None = field(metadata=key("int", check=_positive))  # None: slots
+    # gpu only
+    device: str | None = field(default=None, metadata=key("int_or_str", 0, only="gpu"))
+    vram_headroom_mib: int = field(default=0, metadata=key("int", 1024, check=_non_negative,
+                                                           only="gpu"))
+    # cpu only
+    mode: str = field(default="hot", metadata=key("str", "hot", check=_one_of(*CPU_MODES),
+                                                  only="cpu"))
+    idle_stop_s: float = field(default=600.0, metadata=key("number", 600.0, check=_positive,
+                                                           only="cpu"))
+
+    def command(self, port: int, api_key: str) -> list[str]:
+        """The full argv; Spillway owns the model, host, port and key."""
+        return [
+            self.llama_server,
+            "-m", self.model_path,
+            *self.args,
+            "--host", "127.0.0.1",
+            "--port", str(port),
+            "--api-key", api_key,
+        ]
+
+
+@dataclass(frozen=True)
+class RestartConfig:
+    backoff_initial_s: float = field(metadata=key("number", 0.5, check=_positive))
+    backoff_max_s: float = field(metadata=key("number", 30.0, check=_positive))
+    quick_failure_s: float = field(metadata=key("number", 10.0, check=_non_negative))
+    max_quick_failures: int = field(metadata=key("int", 5, check=_positive))
+    hang_timeout_s: float = field(metadata=key("number", 120.0, check=_non_negative))
+    fatal_retry_max_s: float = field(metadata=key("number", 300.0, check=_at_least_one))
+
+
+@dataclass(frozen=True)
+class FailoverConfig:
+    replay: bool = field(metadata=key("bool", True))
+    max_replay_body_bytes: int = field(metadata=key("number", 16, name="max_replay_body_mib",
+                                                    check=_non_negative, convert=_from_mib))
+    stream_hold_s: float = field(metadata=key("number", 30.0, check=_non_negative))
+    drain_timeout_s: float = field(metadata=key("number", 60.0, check=_non_negative))
+
+
+@dataclass(frozen=True)
+class QueueConfig:
+    max_waiting: int = field(metadata=key("int", 32, check=_non_negative))
+    max_wait_s: float = field(metadata=key("number", 60.0, check=_non_negative))
+
+
+@dataclass(frozen=True)
+class IncidentsConfig:
+    # empty: $STATE_DIRECTORY or ~/.local/state/spillway
+    path: str = field(metadata=key("str", "", convert=_file))
+    max_bytes: int = field(metadata=key("number", 16, name="max_mib", check=_positive,
+                                        convert=_from_mib))
+    backups: int = field(metadata=key("int", 3, check=_non_negative))
+
+
+@dataclass(frozen=True)
+class IdempotencyConfig:
+    ttl_s: float = field(metadata=key("number", 86400.0, check=_positive))
+    max_keys: int = field(metadata=key("int", 10000, check=_positive))
+    max_response_bytes: int = field(metadata=key("number", 8, name="max_response_mib",
+                                                 check=_non_negative, convert=_from_mib))
+    max_total_bytes: int = field(metadata=key("number", 256, name="max_total_mib",
+                                              check=_non_negative, convert=_from_mib))
+
+
+@dataclass(frozen=True)
+class GpuMonitorConfig:
+    sample_interval_s: float = field(metadata=key("number", 1.0, check=_positive))
+
+
+@dataclass(frozen=True)
+class Config:
+    """One field per TOML section, in the order they are read and listed."""
+
+    path: str | None  # the file's; not a section
+    server: ServerConfig
+    model: ModelConfig
+    gpu: ChildConfig
+    cpu: ChildConfig
+    restart: RestartConfig
+    failover: FailoverConfig
+    queue: QueueConfig
+    incidents: IncidentsConfig
+    idempotency: IdempotencyConfig
+    monitor: GpuMonitorConfig
+
+    def child(self, name: str) -> ChildConfig:
+        return self.gpu if name == "gpu" else self.cpu
+
+
+# --- the schema, derived ----------------------------------------------------------------------
+
+# section -> its dataclass, in Config's order
+_HINTS = typing.get_type_hints(Config)
+SECTIONS: dict[str, type[Any]] = {
+    f.name: _HINTS[f.name] for f in dataclasses.fields(Config) if f.name != "path"
 }
+
+
+def section_keys(cls: type[Any], section: str) -> Iterator[tuple[str, Key, dataclasses.Field[Any]]]:
+    """(TOML name, key, field) for each key of `section`, in field order."""
+    for f in dataclasses.fields(cls):
+        if KEYS not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name} declares no TOML key: give it "
+                            "field(metadata=key(...)) or field(metadata=derived(...))")
+        for k in f.metadata[KEYS]:
+            if k.only in (None, section):
+                yield k.name or f.name, k, f
+
+
+SCHEMA: dict[str, dict[str, Key]] = {
+    section: {name: k for name, k, _ in section_keys(cls, section)}
+    for section, cls in SECTIONS.items()
+}
+
+T = TypeVar("T", bound="DataclassInstance")
+
+
+def _make(cls: type[T], section: str, values: Mapping[str, Any], base_dir: Path,
+          **worked_out: Any) -> T:
+    """A section's dataclass from its validated values: each field is its key's value,
+    converted; `worked_out` gives the derived ones. A field whose key belongs to the other
+    child section keeps its default."""
+    fields = dict(worked_out)
+    for name, k, f in section_keys(cls, section):
+        if f.name not in fields:
+            assert not f.metadata.get(DERIVED), f"{section}.{f.name} is worked out by build"
+            fields[f.name] = _convert(k, values[name], base_dir)
+    return cls(**fields)
+
+
+# --- reading ----------------------------------------------------------------------------------
 
 
 def _suggest(name: str, known: list[str]) -> str:
@@ -320,45 +390,49 @@ def _check_type(kind: str, value: Any) -> str | None:
 
 def _read_sections(raw: Mapping[str, Any], problems: list[Problem]) -> dict[str, dict[str, Any]]:
     """Validate names and types against SCHEMA; returns values with defaults filled in."""
-    values: dict[str, dict[str, Any]] = {}
     for section in raw:
         if section not in SCHEMA:
             problems.append(Problem(section, "unknown section" + _suggest(section, list(SCHEMA))))
-    for section, keys in SCHEMA.items():
-        given = raw.get(section, {})
-        if not isinstance(given, dict):
-            problems.append(Problem(section, "expected a table ([" + section + "])"))
-            given = {}
-        out: dict[str, Any] = {}
-        for key in given:
-            if key not in keys:
-                problems.append(
-                    Problem(f"{section}.{key}", "unknown key" + _suggest(key, list(keys)))
-                )
-        for key, spec in keys.items():
-            path = f"{section}.{key}"
-            if key not in given:
-                if spec.required:
-                    problems.append(Problem(path, "is required"))
-                out[key] = spec.default
-                continue
-            value = given[key]
-            wrong = _check_type(spec.kind, value)
-            if wrong is None:
-                before = len(problems)
-                wrong = _check_items(spec.kind, path, value, problems)
-                if len(problems) > before:  # bad elements, each reported under its own path
-                    out[key] = spec.default
-                    continue
-            if wrong is None and spec.check is not None:
-                wrong = spec.check(value)
-            if wrong is not None:
-                problems.append(Problem(path, f"{wrong} (got {value!r})"))
-                out[key] = spec.default
-            else:
-                out[key] = value
-        values[section] = out
-    return values
+    return {section: _read_section(section, keys, raw.get(section, {}), problems)
+            for section, keys in SCHEMA.items()}
+
+
+def _read_section(section: str, keys: dict[str, Key], given: Any,
+                  problems: list[Problem]) -> dict[str, Any]:
+    if not isinstance(given, dict):
+        problems.append(Problem(section, "expected a table ([" + section + "])"))
+        given = {}
+    for name in given:
+        if name not in keys:
+            problems.append(
+                Problem(f"{section}.{name}", "unknown key" + _suggest(name, list(keys)))
+            )
+    out: dict[str, Any] = {}
+    for name, spec in keys.items():
+        path = f"{section}.{name}"
+        if name in given:
+            out[name] = _read_value(path, spec, given[name], problems)
+        else:
+            if spec.required:
+                problems.append(Problem(path, "is required"))
+            out[name] = spec.default
+    return out
+
+
+def _read_value(path: str, spec: Key, value: Any, problems: list[Problem]) -> Any:
+    """The value when it is good; else its problems are reported and the default stands in."""
+    wrong = _check_type(spec.kind, value)
+    if wrong is None:
+        before = len(problems)
+        wrong = _check_items(spec.kind, path, value, problems)
+        if len(problems) > before:  # bad elements, each reported under its own path
+            return spec.default
+    if wrong is None and spec.check is not None:
+        wrong = spec.check(value)
+    if wrong is not None:
+        problems.append(Problem(path, f"{wrong} (got {value!r})"))
+        return spec.default
+    return value
 
 
 def _check_items(kind: str, path: str, value: Any, problems: list[Problem]) -> str | None:
@@ -399,6 +473,48 @@ def parse_listen(text: str) -> ListenAddress:
     return ListenAddress(host, int(port))
 
 
+# --- what build works out itself, and the checks across keys -----------------------------------
+
+
+def _listen(s: Mapping[str, Any], problems: list[Problem]) -> list[ListenAddress]:
+    listen_values = s["listen"] if isinstance(s["listen"], list) else [s["listen"]]
+    listen: list[ListenAddress] = []
+    for i, item in enumerate(listen_values):
+        path = "server.listen" if isinstance(s["listen"], str) else f"server.listen[{i}]"
+        if not isinstance(item, str):
+            continue
+        try:
+            listen.append(parse_listen(item))
+        except ValueError as e:
+            problems.append(Problem(path, f"{e} (got {item!r})"))
+    return listen
+
+
+def _api_key(s: Mapping[str, Any], environ: Mapping[str, str], listen: list[ListenAddress],
+             problems: list[Problem]) -> str | None:
+    """server.api_key or the variable server.api_key_env names; none only on loopback."""
+    api_key: str | None = s["api_key"] or None
+    if s["api_key"] is not None and s["api_key_env"]:
+        problems.append(Problem("server.api_key_env", "set either server.api_key or "
+                                                      "server.api_key_env, not both"))
+    elif s["api_key_env"]:
+        api_key = environ.get(s["api_key_env"]) or None
+        if api_key is None:
+            problems.append(Problem("server.api_key_env",
+                                    f"environment variable {s['api_key_env']!r} is not set or "
+                                    "empty"))
+    elif s["api_key"] is not None and not s["api_key"]:
+        problems.append(Problem("server.api_key", "is empty; remove it to run without a key"))
+    if api_key is None:
+        for addr in listen:
+            if not addr.is_loopback:
+                problems.append(Problem("server.listen", f"{addr} is not a loopback address; "
+                                                         "set server.api_key (or api_key_env) "
+                                                         "before listening beyond this machine"))
+                break
+    return api_key
+
+
 def _check_child_args(
     section: str, args: list[str], problems: list[Problem]
 ) -> None:
@@ -420,6 +536,17 @@ def _check_child_args(
                                               "instead"))
 
 
+def _check_across(values: Mapping[str, Mapping[str, Any]], problems: list[Problem]) -> None:
+    for section in ("model", *CHILD_NAMES):
+        args = values[section]["args"]
+        if all(isinstance(a, str) for a in args):
+            _check_child_args(section, args, problems)
+    r = values["restart"]
+    if r["backoff_max_s"] < r["backoff_initial_s"]:
+        problems.append(Problem("restart.backoff_max_s", "must be at least "
+                                                         "restart.backoff_initial_s"))
+
+
 def _resolve_executable(name: str) -> str | None:
     if os.sep in name:
         p = Path(name).expanduser()
@@ -427,43 +554,33 @@ def _resolve_executable(name: str) -> str | None:
     return shutil.which(name)
 
 
-def _build_child(
-    name: str, values: dict[str, Any], model: ModelConfig, base_dir: Path
-) -> ChildConfig:
-    v = values[name]
-    own_args: list[str] = v["args"]
-    merged = llama_args.merge_args(list(model.args), own_args)
+def _build_child(name: str, v: Mapping[str, Any], model: ModelConfig,
+                 base_dir: Path) -> ChildConfig:
+    """Special: a child's args are merged with model.args (and the GPU child's get -fit off),
+    its binary falls back to model.llama_server, and its model is model.path."""
+    merged = llama_args.merge_args(list(model.args), v["args"])
     if name == "gpu" and llama_args.find_flag(merged, "-fit") is None:
         # With fit on, llama-server quietly shrinks the load to the free VRAM, turning a clean
         # load-time OOM into a slow partial offload.
         merged += ["-fit", "off"]
     server = v["llama_server"] or model.llama_server
-    device = v.get("device")
-    return ChildConfig(
-        name=name,
-        llama_server=_expand(server, base_dir, must_have_sep=True),
-        model_path=model.path,
-        args=tuple(merged),
-        env=dict(v["env"]),
-        start_timeout_s=float(v["start_timeout_s"]),
-        stop_grace_s=float(v["stop_grace_s"]),
-        max_concurrency=v["max_concurrency"],
-        device=None if device is None else str(device),
-        vram_headroom_mib=int(v.get("vram_headroom_mib", 0)),
-        mode=v.get("mode", "hot"),
-        idle_stop_s=float(v.get("idle_stop_s", 600.0)),
-    )
+    return _make(ChildConfig, name, v, base_dir, name=name, args=tuple(merged),
+                 llama_server=_expand(server, base_dir, must_have_sep=True),
+                 model_path=model.path)
 
 
-def _expand(value: str, base_dir: Path, must_have_sep: bool = False) -> str:
-    """Expand `~` and make relative paths relative to the config file's folder.
-
-    With must_have_sep, a bare name (no slash) stays a name to look up on PATH.
-    """
-    if must_have_sep and os.sep not in value and not value.startswith("~"):
-        return value
-    p = Path(value).expanduser()
-    return str(p if p.is_absolute() else (base_dir / p))
+def _path_problems(values: Mapping[str, Mapping[str, Any]], model: ModelConfig,
+                   children: Mapping[str, ChildConfig]) -> list[Problem]:
+    """The model file and each child's binary must exist (check-config, start, reload)."""
+    problems = []
+    if model.path and not Path(model.path).is_file():
+        problems.append(Problem("model.path", f"no such file: {model.path}"))
+    for name, child in children.items():
+        key = f"{name}.llama_server" if values[name]["llama_server"] else "model.llama_server"
+        if _resolve_executable(child.llama_server) is None:
+            problems.append(Problem(key, f"{child.llama_server!r} is not an executable "
+                                         "file or a command on PATH"))
+    return problems
 
 
 def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | None = None,
@@ -474,125 +591,23 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
     problems: list[Problem] = []
     values = _read_sections(raw, problems)
 
-    s = values["server"]
-    listen_values = s["listen"] if isinstance(s["listen"], list) else [s["listen"]]
-    listen: list[ListenAddress] = []
-    for i, item in enumerate(listen_values):
-        path = "server.listen" if isinstance(s["listen"], str) else f"server.listen[{i}]"
-        if not isinstance(item, str):
-            continue
-        try:
-            listen.append(parse_listen(item))
-        except ValueError as e:
-            problems.append(Problem(path, f"{e} (got {item!r})"))
-
-    api_key: str | None = s["api_key"] or None
-    if s["api_key"] is not None and s["api_key_env"]:
-        problems.append(Problem("server.api_key_env", "set either server.api_key or "
-                                                      "server.api_key_env, not both"))
-    elif s["api_key_env"]:
-        api_key = environ.get(s["api_key_env"]) or None
-        if api_key is None:
-            problems.append(Problem("server.api_key_env",
-                                    f"environment variable {s['api_key_env']!r} is not set or "
-                                    "empty"))
-    elif s["api_key"] is not None and not s["api_key"]:
-        problems.append(Problem("server.api_key", "is empty; remove it to run without a key"))
-    if api_key is None:
-        for addr in listen:
-            if not addr.is_loopback:
-                problems.append(Problem("server.listen", f"{addr} is not a loopback address; "
-                                                         "set server.api_key (or api_key_env) "
-                                                         "before listening beyond this machine"))
-                break
-
-    m = values["model"]
-    model_path = _expand(m["path"], base_dir) if m["path"] else ""
-    model = ModelConfig(
-        llama_server=_expand(m["llama_server"], base_dir, must_have_sep=True),
-        path=model_path,
-        args=tuple(m["args"]),
-    )
-    for section in ("model", "gpu", "cpu"):
-        args = values[section]["args"]
-        if all(isinstance(a, str) for a in args):
-            _check_child_args(section, args, problems)
-
-    r = values["restart"]
-    if r["backoff_max_s"] < r["backoff_initial_s"]:
-        problems.append(Problem("restart.backoff_max_s", "must be at least "
-                                                         "restart.backoff_initial_s"))
-
-    gpu = _build_child("gpu", values, model, base_dir)
-    cpu = _build_child("cpu", values, model, base_dir)
-
+    listen = _listen(values["server"], problems)
+    api_key = _api_key(values["server"], environ, listen, problems)
+    model = _make(ModelConfig, "model", values["model"], base_dir)
+    _check_across(values, problems)
+    children = {name: _build_child(name, values[name], model, base_dir) for name in CHILD_NAMES}
     if check_paths:
-        if model_path and not Path(model_path).is_file():
-            problems.append(Problem("model.path", f"no such file: {model_path}"))
-        for child, section_value in ((gpu, values["gpu"]), (cpu, values["cpu"])):
-            key = (f"{child.name}.llama_server" if section_value["llama_server"]
-                   else "model.llama_server")
-            if _resolve_executable(child.llama_server) is None:
-                problems.append(Problem(key, f"{child.llama_server!r} is not an executable "
-                                             "file or a command on PATH"))
-        problems = _dedupe(problems)
-
+        problems = _dedupe(problems + _path_problems(values, model, children))
     if problems:
         raise ConfigError(source, problems)
-    f = values["failover"]
-    return Config(
-        path=None,
-        server=ServerConfig(
-            listen=tuple(listen),
-            api_key=api_key,
-            max_body_bytes=_mib(s["max_body_mib"]),
-            read_timeout_s=float(s["read_timeout_s"]),
-            connect_timeout_s=float(s["connect_timeout_s"]),
-            drain_timeout_s=float(s["drain_timeout_s"]),
-            idle_timeout_s=float(s["idle_timeout_s"]),
-            body_timeout_s=float(s["body_timeout_s"]),
-            log_level=s["log_level"],
-            access_log=bool(s["access_log"]),
-        ),
-        model=model,
-        gpu=gpu,
-        cpu=cpu,
-        restart=RestartConfig(
-            backoff_initial_s=float(r["backoff_initial_s"]),
-            backoff_max_s=float(r["backoff_max_s"]),
-            quick_failure_s=float(r["quick_failure_s"]),
-            max_quick_failures=int(r["max_quick_failures"]),
-            hang_timeout_s=float(r["hang_timeout_s"]),
-            fatal_retry_max_s=float(r["fatal_retry_max_s"]),
-        ),
-        monitor=GpuMonitorConfig(sample_interval_s=float(values["monitor"]["sample_interval_s"])),
-        failover=FailoverConfig(
-            replay=bool(f["replay"]),
-            max_replay_body_bytes=_mib(f["max_replay_body_mib"]),
-            stream_hold_s=float(f["stream_hold_s"]),
-            drain_timeout_s=float(f["drain_timeout_s"]),
-        ),
-        queue=QueueConfig(
-            max_waiting=int(values["queue"]["max_waiting"]),
-            max_wait_s=float(values["queue"]["max_wait_s"]),
-        ),
-        incidents=IncidentsConfig(
-            path=_expand(values["incidents"]["path"], base_dir) if values["incidents"]["path"]
-            else "",
-            max_bytes=_mib(values["incidents"]["max_mib"]),
-            backups=int(values["incidents"]["backups"]),
-        ),
-        idempotency=IdempotencyConfig(
-            ttl_s=float(values["idempotency"]["ttl_s"]),
-            max_keys=int(values["idempotency"]["max_keys"]),
-            max_response_bytes=_mib(values["idempotency"]["max_response_mib"]),
-            max_total_bytes=_mib(values["idempotency"]["max_total_mib"]),
-        ),
-    )
 
-
-def _mib(value: float) -> int:
-    return int(float(value) * 1024 * 1024)
+    special = {"server", "model", *CHILD_NAMES}
+    sections = {name: _make(cls, name, values[name], base_dir)
+                for name, cls in SECTIONS.items() if name not in special}
+    server = _make(ServerConfig, "server", values["server"], base_dir, listen=tuple(listen),
+                   api_key=api_key)
+    return Config(path=None, server=server, model=model, gpu=children["gpu"], cpu=children["cpu"],
+                  **sections)
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:
@@ -631,7 +646,8 @@ __all__ = [
     "Config", "ConfigError", "Problem", "ChildConfig", "ServerConfig", "ModelConfig",
     "RestartConfig", "GpuMonitorConfig", "FailoverConfig", "IncidentsConfig", "QueueConfig",
     "IdempotencyConfig", "ListenAddress", "load", "build",
-    "known_keys", "parse_listen", "SCHEMA", "CHILD_NAMES", "diff", "command_changed",
+    "known_keys", "parse_listen", "SCHEMA", "SECTIONS", "Key", "key", "derived",
+    "section_keys", "CHILD_NAMES", "diff", "command_changed",
 ]
 
 

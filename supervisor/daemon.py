@@ -2,7 +2,8 @@
 
 Nothing imports this module but the CLI. The daemon is also the proxy's `Backend`: the one place
 where a request's outcome turns into effects on the children (a drain after an OOM the child
-survived) and into estimates.
+survived) and into estimates. Its own clock (the tick), reloads and shutdown are here too;
+Spillway's own routes (/spillway/*) and the status they report are in own_routes.py.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from collections import deque
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import aiohttp
 from aiohttp import web
@@ -28,13 +29,13 @@ from .gate import Gate
 from .gpu import MIB, GpuMonitor
 from .idempotency import IdempotencyStore
 from .incidents import IncidentLog, default_path
-from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .policy import estimate
 from .policy.evidence import FailureKind
 from .policy.lifecycle import ChildState
 from .policy.routes import RouteClass, route_label
-from .proxy.app import build_app, json_response
+from .own_routes import OwnRoutes, status_line
+from .proxy.app import build_app
 from .proxy.auth import AuthSettings
 from .proxy.connections import TrackingConnector
 from .proxy.forward import (
@@ -50,11 +51,57 @@ from .reload import Reloader
 from .resources import Resources
 from .systemd import Notifier
 
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
 log = logging.getLogger("spillway")
 
 # llama-server closes idle keep-alive connections after 5 s; reusing one just as it closes would
 # look like a child dying mid-request, so idle upstream connections are dropped a bit sooner.
 UPSTREAM_KEEPALIVE_S = 4.0
+
+# Changes a reload cannot apply: noted in status, they take effect when spillway restarts.
+RESTART_KEYS = ("server.listen", "gpu.device")
+
+
+# --- settings from the config: one function each, used at start and on every reload -----------
+
+def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, ProxySettings]:
+    """The proxy's settings. On a reload a fresh set is copied onto the live objects (the
+    proxy holds them), so whatever is set here is applied live."""
+    s, f = config.server, config.failover
+    return (
+        AuthSettings(api_key=s.api_key),
+        ForwardSettings(read_timeout_s=s.read_timeout_s, connect_timeout_s=s.connect_timeout_s,
+                        stream_hold_s=f.stream_hold_s),
+        ProxySettings(max_body_bytes=s.max_body_bytes,
+                      max_replay_body_bytes=f.max_replay_body_bytes, replay=f.replay,
+                      body_timeout_s=s.body_timeout_s, access_log=s.access_log),
+    )
+
+
+def _copy_onto(live: DataclassInstance, fresh: DataclassInstance) -> None:
+    for f in dataclasses.fields(fresh):
+        setattr(live, f.name, getattr(fresh, f.name))
+
+
+class _StoreLimits(TypedDict):
+    max_entries: int
+    ttl_s: float
+    max_response_bytes: int
+    max_total_bytes: int
+
+
+def _idempotency_limits(config: Config) -> _StoreLimits:
+    i = config.idempotency
+    return {"max_entries": i.max_keys, "ttl_s": i.ttl_s,
+            "max_response_bytes": i.max_response_bytes, "max_total_bytes": i.max_total_bytes}
+
+
+def _incident_limits(config: Config) -> tuple[Path, int, int]:
+    """(path, max_bytes, backups) of the incident log."""
+    i = config.incidents
+    return Path(i.path) if i.path else default_path(), i.max_bytes, i.backups
 
 
 class Daemon:
@@ -67,25 +114,9 @@ class Daemon:
         self.gpu_devices: list[str] = []
         self.config_error: str | None = None
         self.cpu_last_used = time.monotonic()
-        self.auth = AuthSettings(api_key=config.server.api_key)
-        self.forward_settings = ForwardSettings(
-            read_timeout_s=config.server.read_timeout_s,
-            connect_timeout_s=config.server.connect_timeout_s,
-            stream_hold_s=config.failover.stream_hold_s,
-        )
-        self.proxy_settings = ProxySettings(
-            max_body_bytes=config.server.max_body_bytes,
-            max_replay_body_bytes=config.failover.max_replay_body_bytes,
-            replay=config.failover.replay,
-            body_timeout_s=config.server.body_timeout_s,
-            access_log=config.server.access_log,
-        )
-        path = Path(config.incidents.path) if config.incidents.path else default_path()
-        self.incidents = IncidentLog(path, config.incidents.max_bytes, config.incidents.backups)
-        self.idempotency = IdempotencyStore(
-            max_entries=config.idempotency.max_keys, ttl_s=config.idempotency.ttl_s,
-            max_response_bytes=config.idempotency.max_response_bytes,
-            max_total_bytes=config.idempotency.max_total_bytes)
+        self.auth, self.forward_settings, self.proxy_settings = _proxy_settings(config)
+        self.incidents = IncidentLog(*_incident_limits(config))
+        self.idempotency = IdempotencyStore(**_idempotency_limits(config))
         self.resources: Resources | None = None
         self.gate: Gate | None = None
         self.proxy: ProxyHandler | None = None
@@ -98,7 +129,7 @@ class Daemon:
         self._stop = asyncio.Event()
         self._stop_signals = 0
         self._tasks: list[asyncio.Task[None]] = []
-        self._devices_listed = False
+        self.devices_listed = False  # whether gpu_devices is known yet
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._fresh_session: aiohttp.ClientSession | None = None
@@ -269,10 +300,10 @@ class Daemon:
             await self._stop_idle_cpu()
             if self.gate is not None:
                 self.gate.dispatch()
-            self._sample_metrics()
+            self.sample_metrics()
             self.notifier.status(self.status_line())
 
-    def _sample_metrics(self) -> None:
+    def sample_metrics(self) -> None:
         sample = self.monitor.latest
         if sample is not None:
             self.metrics.gpu_free.set(sample.free_bytes)
@@ -325,16 +356,8 @@ class Daemon:
 
     def status_line(self) -> str:
         """systemd's STATUS=: one line."""
-        parts = [f"{n} {c.state}" for n, c in self.children.items()]
-        waiting = len(self.gate.line) if self.gate else 0
-        line = ", ".join(parts) + f"; {waiting} waiting"
-        if self.incidents.recent:
-            last = self.incidents.recent[-1]
-            line += (f"; last incident: {last['kind']} on {last['child']}, {last['decision']} "
-                     f"at {last['time']}")
-        if self.config_error:
-            line += "; config reload refused (see status)"
-        return line
+        return status_line(self.children, len(self.gate.line) if self.gate else 0,
+                           self.incidents.recent, self.config_error)
 
     async def _extend_start(self) -> None:
         """While the children load (a first model load can take minutes), ask systemd for
@@ -342,157 +365,6 @@ class Daemon:
         while not self.notifier.ready_sent:
             self.notifier.extend_timeout(30)
             await asyncio.sleep(10)
-
-    # --- Spillway's own routes --------------------------------------------------------------------
-
-    def status(self) -> dict[str, Any]:
-        pids = {name: child.pid for name, child in self.children.items()}
-        children = {}
-        for name, child in self.children.items():
-            info = child.to_json()
-            info.update(self.res.to_json(name, self.gate.busy[name] if self.gate else 0))
-            if name == "gpu":
-                info["devices"] = self.gpu_devices
-                info["runs_on"] = (self.gpu_devices[0] if self.gpu_devices else
-                                   "CPU: this llama-server lists no GPU device "
-                                   "(--list-devices), so the GPU child runs CPU-only")
-                info["paused"] = self.gpu_paused
-                if child.state is ChildState.FATAL:
-                    info["why"] = self._why_gpu_fatal(child)
-            else:
-                info["runs_on"] = "CPU"
-                info["mode"] = self.config.cpu.mode
-                if child.state is ChildState.FATAL:
-                    info["why"] = (f"the CPU child failed {child.quick_failures} times in a "
-                                   f"row ({child.reason}); it is tried again in "
-                                   f"{child.next_try_in_s() or 0:.0f} s (the wait doubles up to "
-                                   "restart.fatal_retry_max_s)")
-            children[name] = info
-        ready = [n for n, c in self.children.items() if c.state is ChildState.READY]
-        on_demand = self.config.cpu.mode == "on-demand" and \
-            self.children["cpu"].state is ChildState.STOPPED
-        serving = bool(ready) or on_demand
-        return {
-            "version": __version__,
-            "uptime_s": round(time.monotonic() - self.started, 3),
-            "listen": self.listening,
-            "serving": serving,
-            "why_not_serving": None if serving else (
-                "no child is ready: " + "; ".join(
-                    f"{n} is {c.state} ({c.reason})" for n, c in self.children.items())),
-            "children": children,
-            "gpu": self.monitor.to_json(pids),
-            "gpu_note": self.monitor.note,
-            "gpu_child_on_cpu": (not self.gpu_devices) if self._devices_listed else None,
-            "waiting": len(self.gate.line) if self.gate else 0,
-            "waiting_requests": self.gate.waiting() if self.gate else [],
-            "queue": {"max_waiting": self.config.queue.max_waiting,
-                      "max_wait_s": self.config.queue.max_wait_s,
-                      "service_s": self.res.service and round(self.res.service, 3)},
-            "incidents": {"path": str(self.incidents.path), "written": self.incidents.written,
-                          "error": self.incidents.error,
-                          "last": list(self.incidents.recent)[-5:]},
-            "config": {"path": self.config.path, "error": self.config_error,
-                       "restart_needed": self.restart_notes},
-        }
-
-    def _why_gpu_fatal(self, child: Child) -> str:
-        last = child.last_exit
-        cause = ("cannot load (out of memory)" if last is not None and
-                 last.kind == str(FailureKind.LOAD_OOM) else
-                 f"failed {child.quick_failures} times in a row" +
-                 (f" (last: {last.kind}: {last.evidence})" if last is not None else ""))
-        return (f"the GPU child {cause}; serving from the CPU child. It is tried again in "
-                f"{child.next_try_in_s() or 0:.0f} s (the wait doubles up to "
-                f"restart.fatal_retry_max_s = {self.config.restart.fatal_retry_max_s:.0f} s), "
-                f"at once when the card's memory is freed and it has about "
-                f"{self.res.gpu_need_bytes() // MIB} MiB free, or on `spillway gpu restart`")
-
-    def own_routes(self) -> dict[tuple[str, str], Any]:
-        async def health(request: web.Request) -> web.StreamResponse:
-            return json_response({"status": "ok", "version": __version__})
-
-        async def ready(request: web.Request) -> web.StreamResponse:
-            status = self.status()
-            body = {"ready": status["serving"], "why_not": status["why_not_serving"],
-                    "children": self.states()}
-            return json_response(body, 200 if status["serving"] else 503)
-
-        async def status_route(request: web.Request) -> web.StreamResponse:
-            return json_response(self.status())
-
-        async def incidents(request: web.Request) -> web.StreamResponse:
-            try:
-                limit = max(0, min(10_000, int(request.query.get("limit", "50"))))
-            except ValueError:
-                limit = 50
-            records = await asyncio.to_thread(self.incidents.read, limit)
-            return json_response({"incidents": records, "path": str(self.incidents.path),
-                                  "error": self.incidents.error})
-
-        async def metrics(request: web.Request) -> web.StreamResponse:
-            self._sample_metrics()
-            return web.Response(body=self.metrics.render(),
-                                headers={"Content-Type": METRICS_CONTENT_TYPE})
-
-        async def timeline(request: web.Request) -> web.StreamResponse:
-            try:
-                since = float(request.query.get("since", "0"))
-            except ValueError:
-                since = 0.0
-            events = [e for e in self.timeline if e["time"] >= since]
-            now = {name: str(c.state) for name, c in self.children.items()}
-            return json_response({"events": events, "now": now, "time": time.time()})
-
-        async def drill_arm(request: web.Request) -> web.StreamResponse:
-            """The drill without a GPU: SIGABRT to the GPU child as its next task launches."""
-            try:
-                body = await request.json()
-            except ValueError:
-                body = {}
-            disarm = isinstance(body, dict) and body.get("disarm") is True
-            self.children["gpu"].arm(None if disarm else signal.SIGABRT)
-            return json_response({"armed": not disarm, "child": "gpu", "signal": "SIGABRT"})
-
-        def gpu_action(action: str) -> Any:
-            async def act(request: web.Request) -> web.StreamResponse:
-                message = await self.gpu_control(action)
-                return json_response({"action": action, "message": message,
-                                      "gpu": self.children["gpu"].to_json()})
-            return act
-
-        routes: dict[tuple[str, str], Any] = {
-            ("GET", "/spillway/health"): health,
-            ("GET", "/spillway/ready"): ready,
-            ("GET", "/spillway/status"): status_route,
-            ("GET", "/spillway/incidents"): incidents,
-            ("GET", "/spillway/metrics"): metrics,
-            ("GET", "/spillway/timeline"): timeline,
-            ("POST", "/spillway/drill/arm"): drill_arm,
-        }
-        for action in ("restart", "drain", "pause", "resume"):
-            routes[("POST", f"/spillway/gpu/{action}")] = gpu_action(action)
-        return routes
-
-    async def gpu_control(self, action: str) -> str:
-        """Operator control of the GPU child (key-guarded routes)."""
-        gpu = self.children["gpu"]
-        if action == "restart":
-            self.res.paused.discard("gpu")
-            gpu.restart("operator: spillway gpu restart")
-            return "restarting the GPU child"
-        if action == "drain":
-            if gpu.state is not ChildState.READY:
-                return f"the GPU child is {gpu.state}; nothing to drain"
-            gpu.drain("operator: spillway gpu drain")
-            return "draining the GPU child; it restarts when its requests are done"
-        if action == "pause":
-            self.res.paused.add("gpu")
-            await gpu.stop("operator: spillway gpu pause (VRAM freed)")
-            return "the GPU child is stopped and its VRAM free; the CPU child serves"
-        self.res.paused.discard("gpu")
-        gpu.start()
-        return "starting the GPU child"
 
     # --- reload -----------------------------------------------------------------------------------
 
@@ -507,42 +379,44 @@ class Daemon:
         self.notifier.ready(self.status_line())
 
     async def apply_config(self, new: Config, changes: list[str]) -> None:
-        """A valid new config, applied as a diff: proxy settings at once; a child whose command
-        changed is drained (its requests finish, new ones go to the other child or wait) and
-        restarted with the new command."""
-        old = self.config
-        for key in ("server.listen", "gpu.device"):
+        """A valid new config, applied as a diff: proxy settings and limits at once; a child
+        whose command changed is drained (its requests finish, new ones go to the other child
+        or wait) and restarted with the new command."""
+        new = self._defer_restart_keys(new, changes)
+        self.config = new
+        self.res.config = new
+        self.res.refresh()
+        auth, forward, proxy = _proxy_settings(new)
+        _copy_onto(self.auth, auth)
+        _copy_onto(self.forward_settings, forward)
+        _copy_onto(self.proxy_settings, proxy)
+        if self.gate is not None:
+            self.gate.max_wait_s = new.queue.max_wait_s
+            self.gate.line.max_waiting = new.queue.max_waiting
+        self.idempotency.configure(**_idempotency_limits(new))
+        (self.incidents.path, self.incidents.max_bytes,
+         self.incidents.backups) = _incident_limits(new)
+        self.monitor.interval_s = new.monitor.sample_interval_s
+        logging.getLogger().setLevel(new.server.log_level.upper())
+        self._apply_to_children(new)
+        if self.gate is not None:
+            self.gate.dispatch()
+
+    def _defer_restart_keys(self, new: Config, changes: list[str]) -> Config:
+        """RESTART_KEYS that changed are noted for status; the GPU child keeps the card we
+        started with (the monitor keeps watching it)."""
+        for key in RESTART_KEYS:
             if key in changes:
                 note = f"{key} changed: it takes effect when spillway restarts"
                 log.warning("%s", note)
                 self.restart_notes.append(note)
-        if "gpu.device" in changes:  # keep watching and using the card we started with
+        if "gpu.device" in changes:
             new = dataclasses.replace(new, gpu=dataclasses.replace(new.gpu,
-                                                                   device=old.gpu.device))
-        self.config = new
-        self.res.config = new
-        self.res.refresh()
-        self.auth.api_key = new.server.api_key
-        self.proxy_settings.max_body_bytes = new.server.max_body_bytes
-        self.proxy_settings.max_replay_body_bytes = new.failover.max_replay_body_bytes
-        self.proxy_settings.replay = new.failover.replay
-        self.proxy_settings.body_timeout_s = new.server.body_timeout_s
-        self.proxy_settings.access_log = new.server.access_log
-        self.forward_settings.read_timeout_s = new.server.read_timeout_s
-        self.forward_settings.connect_timeout_s = new.server.connect_timeout_s
-        self.forward_settings.stream_hold_s = new.failover.stream_hold_s
-        if self.gate is not None:
-            self.gate.max_wait_s = new.queue.max_wait_s
-            self.gate.line.max_waiting = new.queue.max_waiting
-        self.idempotency.configure(
-            max_entries=new.idempotency.max_keys, ttl_s=new.idempotency.ttl_s,
-            max_response_bytes=new.idempotency.max_response_bytes,
-            max_total_bytes=new.idempotency.max_total_bytes)
-        self.incidents.path = Path(new.incidents.path) if new.incidents.path else default_path()
-        self.incidents.max_bytes = new.incidents.max_bytes
-        self.incidents.backups = new.incidents.backups
-        self.monitor.interval_s = new.monitor.sample_interval_s
-        logging.getLogger().setLevel(new.server.log_level.upper())
+                                                                   device=self.config.gpu.device))
+        return new
+
+    def _apply_to_children(self, new: Config) -> None:
+        """New timeouts at once; a child whose command changed is drained or restarted."""
         for name in CHILD_NAMES:
             child = self.children[name]
             child.restart_cfg = new.restart
@@ -561,8 +435,6 @@ class Daemon:
         if new.cpu.mode == "hot" and cpu.state is ChildState.STOPPED and "cpu" not in \
                 self.res.paused:
             cpu.start()
-        if self.gate is not None:
-            self.gate.dispatch()
 
     # --- running ----------------------------------------------------------------------------------
 
@@ -606,7 +478,10 @@ class Daemon:
                               on_resend=self._stale_connection)
         self.proxy = ProxyHandler(self, self.gate, forwarder, self.proxy_settings,
                                   self.incidents, self.idempotency)
-        app = build_app(self.proxy, self.auth, self.own_routes())
+        routes = OwnRoutes(self, started=self.started, children=self.children,
+                           resources=self.res, gate=self.gate, monitor=self.monitor,
+                           incidents=self.incidents, metrics=self.metrics, timeline=self.timeline)
+        app = build_app(self.proxy, self.auth, routes.table())
         # In-flight requests are drained by _shutdown itself (the drain timeout can change on
         # reload); the runner's own wait is only for stragglers after that.
         # keepalive_timeout also bounds a client that never finishes its headers: aiohttp
@@ -656,7 +531,7 @@ class Daemon:
     async def _list_gpu_devices(self) -> None:
         self.gpu_devices = await asyncio.to_thread(
             bootstrap.list_devices, self.config.gpu.llama_server, 10.0, self._gpu_env())
-        self._devices_listed = True
+        self.devices_listed = True
         if not self.gpu_devices:
             log.warning("the GPU child's llama-server (%s) lists no GPU device: it runs "
                         "CPU-only", self.config.gpu.llama_server)

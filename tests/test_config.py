@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
@@ -158,6 +159,71 @@ def test_the_example_documents_every_key() -> None:
         section, name = key.split(".")
         assert section in sections, f"[{section}] missing from the example"
         assert re.search(rf"^#?\s*{name}\s*=", text, re.M), f"{key} is not documented"
+
+
+def _example_keys() -> list[str]:
+    """`section.key` for every key the example sets or shows commented out."""
+    keys, section = [], None
+    for line in EXAMPLE.read_text().splitlines():
+        if m := re.match(r"^\[(\w+)\]", line):
+            section = m.group(1)
+        elif (m := re.match(r"^#?\s*(\w+)\s*=", line)) and section:
+            keys.append(f"{section}.{m.group(1)}")
+    return keys
+
+
+def test_the_example_documents_exactly_the_known_keys() -> None:
+    documented = _example_keys()
+    assert len(documented) == len(set(documented)), "the example shows a key twice"
+    assert sorted(documented) == sorted(config.known_keys())
+
+
+def test_each_key_is_declared_once_on_the_field_it_fills() -> None:
+    """SCHEMA is derived from the dataclasses: every field of every section declares its key
+    (or is marked derived), and every key in SCHEMA is one field's declaration."""
+    declarations = set()
+    for section, cls in config.SECTIONS.items():
+        assert cls.__dataclass_params__.frozen, cls
+        for f in dataclasses.fields(cls):
+            assert config.KEYS in f.metadata, f"{cls.__name__}.{f.name} declares no key"
+            declarations |= {id(k) for k in f.metadata[config.KEYS]}
+        declared = list(config.section_keys(cls, section))
+        names = [name for name, _, _ in declared]
+        assert len(names) == len(set(names)), f"[{section}] declares a key twice"
+        assert list(config.SCHEMA[section]) == names
+        for name, k, f in declared:
+            assert config.SCHEMA[section][name] is k
+            if not f.metadata.get(config.DERIVED):  # a plain field is its one key's value
+                assert sum(g is f for _, _, g in declared) == 1, f"{section}.{name}"
+    assert {id(k) for keys in config.SCHEMA.values() for k in keys.values()} == declarations
+    assert list(config.SECTIONS) == [f.name for f in dataclasses.fields(config.Config)][1:]
+
+
+def test_only_these_fields_are_worked_out_by_build() -> None:
+    derived = {f"{cls.__name__}.{f.name}" for cls in config.SECTIONS.values()
+               for f in dataclasses.fields(cls) if f.metadata.get(config.DERIVED)}
+    assert derived == {"ServerConfig.listen", "ServerConfig.api_key", "ChildConfig.name",
+                       "ChildConfig.args", "ChildConfig.llama_server", "ChildConfig.model_path"}
+
+
+def test_sizes_in_mib_become_bytes_and_child_only_keys_stay_with_their_child(
+        tmp_path: Path) -> None:
+    cfg = build(minimal(server={"max_body_mib": 1.5}, failover={"max_replay_body_mib": 2},
+                        incidents={"max_mib": 0.5, "path": "inc/x.jsonl"},
+                        idempotency={"max_response_mib": 0, "max_total_mib": 3},
+                        gpu={"device": 1, "vram_headroom_mib": 7},
+                        cpu={"mode": "on-demand", "idle_stop_s": 5}),
+                check_paths=False, base_dir=tmp_path)
+    mib = 1024 * 1024
+    assert cfg.server.max_body_bytes == int(1.5 * mib)
+    assert cfg.failover.max_replay_body_bytes == 2 * mib
+    assert cfg.incidents.max_bytes == mib // 2
+    assert cfg.incidents.path == str(tmp_path / "inc" / "x.jsonl")
+    assert (cfg.idempotency.max_response_bytes, cfg.idempotency.max_total_bytes) == (0, 3 * mib)
+    assert (cfg.gpu.device, cfg.gpu.vram_headroom_mib, cfg.gpu.mode) == ("1", 7, "hot")
+    assert (cfg.cpu.device, cfg.cpu.vram_headroom_mib) == (None, 0)
+    assert (cfg.cpu.mode, cfg.cpu.idle_stop_s) == ("on-demand", 5.0)
+    assert "unknown key" in problems(minimal(cpu={"device": 0}))["cpu.device"]
 
 
 def _check_config(path: Path) -> subprocess.CompletedProcess[str]:

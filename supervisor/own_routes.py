@@ -1,0 +1,253 @@
+"""Spillway's own routes (/spillway/*), the status they report, and systemd's one-line status.
+
+The daemon builds an `OwnRoutes` once its parts exist and hands `table()` to the app. The parts
+that never change once wired (the children, the estimates, the waiting line, the GPU monitor,
+the records) are given to the constructor; what the daemon itself keeps and changes while it
+runs (the config after a reload, a refused reload, the listening addresses, the devices the
+GPU child's llama-server lists) is read through `Host`. The routes act only on the GPU child:
+the operator's `spillway gpu` actions and the drill's arm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from . import __version__
+from .children import Child
+from .config import Config
+from .gate import Gate
+from .gpu import MIB, GpuMonitor
+from .incidents import IncidentLog
+from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from .metrics import Metrics
+from .policy.evidence import FailureKind
+from .policy.lifecycle import ChildState
+from .proxy.app import OwnRoute, json_response
+from .resources import Resources
+
+GPU_ACTIONS = ("restart", "drain", "pause", "resume")
+
+
+class Host(Protocol):
+    """What the routes read from the daemon itself (each may change while it runs)."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def config_error(self) -> str | None: ...  # the last refused reload's problems
+
+    @property
+    def restart_notes(self) -> Sequence[str]: ...  # changes that wait for a daemon restart
+
+    @property
+    def listening(self) -> Sequence[str]: ...
+
+    @property
+    def gpu_devices(self) -> Sequence[str]: ...  # as the GPU child's llama-server lists them
+
+    @property
+    def devices_listed(self) -> bool: ...  # whether that listing is done
+
+    def sample_metrics(self) -> None: ...  # bring the gauges up to date
+
+
+def status_line(children: Mapping[str, Child], waiting: int, recent: Sequence[dict[str, Any]],
+                config_error: str | None) -> str:
+    """systemd's STATUS=: one line."""
+    parts = [f"{n} {c.state}" for n, c in children.items()]
+    line = ", ".join(parts) + f"; {waiting} waiting"
+    if recent:
+        last = recent[-1]
+        line += (f"; last incident: {last['kind']} on {last['child']}, {last['decision']} "
+                 f"at {last['time']}")
+    if config_error:
+        line += "; config reload refused (see status)"
+    return line
+
+
+def why_gpu_fatal(child: Child, fatal_retry_max_s: float, need_bytes: int) -> str:
+    last = child.last_exit
+    cause = ("cannot load (out of memory)" if last is not None and
+             last.kind == str(FailureKind.LOAD_OOM) else
+             f"failed {child.quick_failures} times in a row" +
+             (f" (last: {last.kind}: {last.evidence})" if last is not None else ""))
+    return (f"the GPU child {cause}; serving from the CPU child. It is tried again in "
+            f"{child.next_try_in_s() or 0:.0f} s (the wait doubles up to "
+            f"restart.fatal_retry_max_s = {fatal_retry_max_s:.0f} s), "
+            f"at once when the card's memory is freed and it has about "
+            f"{need_bytes // MIB} MiB free, or on `spillway gpu restart`")
+
+
+def why_cpu_fatal(child: Child) -> str:
+    return (f"the CPU child failed {child.quick_failures} times in a "
+            f"row ({child.reason}); it is tried again in "
+            f"{child.next_try_in_s() or 0:.0f} s (the wait doubles up to "
+            "restart.fatal_retry_max_s)")
+
+
+class OwnRoutes:
+    def __init__(self, host: Host, *, started: float, children: Mapping[str, Child],
+                 resources: Resources, gate: Gate, monitor: GpuMonitor, incidents: IncidentLog,
+                 metrics: Metrics, timeline: Iterable[dict[str, Any]]) -> None:
+        self.host = host
+        self.started = started  # time.monotonic() when the daemon began
+        self.children = children
+        self.res = resources
+        self.gate = gate
+        self.monitor = monitor
+        self.incidents = incidents
+        self.metrics = metrics
+        self.timeline = timeline  # child state changes with wall-clock times, for the drill
+
+    def table(self) -> dict[tuple[str, str], OwnRoute]:
+        """(method, path) -> handler, for `build_app`."""
+        routes: dict[tuple[str, str], OwnRoute] = {
+            ("GET", "/spillway/health"): self.health,
+            ("GET", "/spillway/ready"): self.ready,
+            ("GET", "/spillway/status"): self.status_route,
+            ("GET", "/spillway/incidents"): self.incidents_route,
+            ("GET", "/spillway/metrics"): self.metrics_route,
+            ("GET", "/spillway/timeline"): self.timeline_route,
+            ("POST", "/spillway/drill/arm"): self.drill_arm,
+        }
+        for action in GPU_ACTIONS:
+            routes[("POST", f"/spillway/gpu/{action}")] = self._gpu_action(action)
+        return routes
+
+    # --- the status -------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        pids = {name: child.pid for name, child in self.children.items()}
+        children = {name: self._child_status(name, child)
+                    for name, child in self.children.items()}
+        ready = [n for n, c in self.children.items() if c.state is ChildState.READY]
+        config = self.host.config
+        on_demand = config.cpu.mode == "on-demand" and \
+            self.children["cpu"].state is ChildState.STOPPED
+        serving = bool(ready) or on_demand
+        return {
+            "version": __version__,
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "listen": list(self.host.listening),
+            "serving": serving,
+            "why_not_serving": None if serving else (
+                "no child is ready: " + "; ".join(
+                    f"{n} is {c.state} ({c.reason})" for n, c in self.children.items())),
+            "children": children,
+            "gpu": self.monitor.to_json(pids),
+            "gpu_note": self.monitor.note,
+            "gpu_child_on_cpu": (not self.host.gpu_devices) if self.host.devices_listed
+            else None,
+            "waiting": len(self.gate.line),
+            "waiting_requests": self.gate.waiting(),
+            "queue": {"max_waiting": config.queue.max_waiting,
+                      "max_wait_s": config.queue.max_wait_s,
+                      "service_s": self.res.service and round(self.res.service, 3)},
+            "incidents": {"path": str(self.incidents.path), "written": self.incidents.written,
+                          "error": self.incidents.error,
+                          "last": list(self.incidents.recent)[-5:]},
+            "config": {"path": config.path, "error": self.host.config_error,
+                       "restart_needed": list(self.host.restart_notes)},
+        }
+
+    def _child_status(self, name: str, child: Child) -> dict[str, Any]:
+        info = child.to_json()
+        info.update(self.res.to_json(name, self.gate.busy[name]))
+        fatal = child.state is ChildState.FATAL
+        if name == "gpu":
+            devices = list(self.host.gpu_devices)
+            info["devices"] = devices
+            info["runs_on"] = (devices[0] if devices else
+                               "CPU: this llama-server lists no GPU device "
+                               "(--list-devices), so the GPU child runs CPU-only")
+            info["paused"] = "gpu" in self.res.paused
+            if fatal:
+                info["why"] = why_gpu_fatal(child, self.host.config.restart.fatal_retry_max_s,
+                                            self.res.gpu_need_bytes())
+        else:
+            info["runs_on"] = "CPU"
+            info["mode"] = self.host.config.cpu.mode
+            if fatal:
+                info["why"] = why_cpu_fatal(child)
+        return info
+
+    # --- the routes -------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        return json_response({"status": "ok", "version": __version__})
+
+    async def ready(self, request: web.Request) -> web.StreamResponse:
+        status = self.status()
+        body = {"ready": status["serving"], "why_not": status["why_not_serving"],
+                "children": {name: str(c.state) for name, c in self.children.items()}}
+        return json_response(body, 200 if status["serving"] else 503)
+
+    async def status_route(self, request: web.Request) -> web.StreamResponse:
+        return json_response(self.status())
+
+    async def incidents_route(self, request: web.Request) -> web.StreamResponse:
+        try:
+            limit = max(0, min(10_000, int(request.query.get("limit", "50"))))
+        except ValueError:
+            limit = 50
+        records = await asyncio.to_thread(self.incidents.read, limit)
+        return json_response({"incidents": records, "path": str(self.incidents.path),
+                              "error": self.incidents.error})
+
+    async def metrics_route(self, request: web.Request) -> web.StreamResponse:
+        self.host.sample_metrics()
+        return web.Response(body=self.metrics.render(),
+                            headers={"Content-Type": METRICS_CONTENT_TYPE})
+
+    async def timeline_route(self, request: web.Request) -> web.StreamResponse:
+        try:
+            since = float(request.query.get("since", "0"))
+        except ValueError:
+            since = 0.0
+        events = [e for e in self.timeline if e["time"] >= since]
+        now = {name: str(c.state) for name, c in self.children.items()}
+        return json_response({"events": events, "now": now, "time": time.time()})
+
+    async def drill_arm(self, request: web.Request) -> web.StreamResponse:
+        """The drill without a GPU: SIGABRT to the GPU child as its next task launches."""
+        try:
+            body = await request.json()
+        except ValueError:
+            body = {}
+        disarm = isinstance(body, dict) and body.get("disarm") is True
+        self.children["gpu"].arm(None if disarm else signal.SIGABRT)
+        return json_response({"armed": not disarm, "child": "gpu", "signal": "SIGABRT"})
+
+    def _gpu_action(self, action: str) -> OwnRoute:
+        async def act(request: web.Request) -> web.StreamResponse:
+            message = await self.gpu_control(action)
+            return json_response({"action": action, "message": message,
+                                  "gpu": self.children["gpu"].to_json()})
+        return act
+
+    async def gpu_control(self, action: str) -> str:
+        """Operator control of the GPU child (key-guarded routes)."""
+        gpu = self.children["gpu"]
+        if action == "restart":
+            self.res.paused.discard("gpu")
+            gpu.restart("operator: spillway gpu restart")
+            return "restarting the GPU child"
+        if action == "drain":
+            if gpu.state is not ChildState.READY:
+                return f"the GPU child is {gpu.state}; nothing to drain"
+            gpu.drain("operator: spillway gpu drain")
+            return "draining the GPU child; it restarts when its requests are done"
+        if action == "pause":
+            self.res.paused.add("gpu")
+            await gpu.stop("operator: spillway gpu pause (VRAM freed)")
+            return "the GPU child is stopped and its VRAM free; the CPU child serves"
+        self.res.paused.discard("gpu")
+        gpu.start()
+        return "starting the GPU child"
