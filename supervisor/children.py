@@ -41,11 +41,18 @@ from typing import Any
 from .clock import Clock, MonotonicClock
 from .config import ChildConfig, RestartConfig
 from .launcher import Launcher, Process, SubprocessLauncher
+from .load import Load
 from .launcher import pick_port as pick_port  # the drill's import
 from .policy import lifecycle
 from .systemd import OWN_VARIABLES
 from .timefmt import rfc3339
-from .policy.evidence import VramSample, classify_exit, describe_exit, exit_signal
+from .policy.evidence import (
+    FailureKind,
+    VramSample,
+    classify_exit,
+    describe_exit,
+    exit_signal,
+)
 from .policy.lifecycle import ChildState
 
 log = logging.getLogger("spillway.child")
@@ -69,7 +76,7 @@ class ExitRecord:
     generation: int
     pid: int
     returncode: int
-    kind: str
+    kind: FailureKind
     evidence: str
     wall: float
     monotonic: float
@@ -151,7 +158,8 @@ class Child:
         self.last_start_s: float | None = None  # spawn -> ready, of the last start
         self.tasks_started = 0  # `launch_slot_` lines: executions, counted by the child itself
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
-        self.in_flight = 0
+        # Its requests in flight: counted by the pool (the one writer), read here.
+        self.load = Load()
         self.listeners: list[StateListener] = []
         self.armed_signal: int | None = None  # the drill's: sent when the next task launches
 
@@ -159,8 +167,6 @@ class Child:
         self._command: str | None = None  # "restart" | "drain" | "stop"
         self._command_reason = ""
         self._wake = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
         self._state_changed = asyncio.Event()
         self._exits: dict[int, asyncio.Future[ExitRecord]] = {}
         self._owner: asyncio.Task[None] | None = None
@@ -191,7 +197,7 @@ class Child:
             "last_exit": self.last_exit.to_json() if self.last_exit else None,
             "uptime_s": round(now - self.started_at, 3) if self.started_at is not None else None,
             "last_start_s": round(self.last_start_s, 3) if self.last_start_s is not None else None,
-            "in_flight": self.in_flight,
+            "in_flight": self.load.in_flight,
             "tasks_started": self.tasks_started,
             "command": self.cfg.command(self.port or 0, "")[:-2],
         }
@@ -300,16 +306,6 @@ class Child:
         log.warning("[%s] drill: sending %s as a task launches", self.name,
                     signal.Signals(sig).name)
         proc.signal_group(sig)
-
-    def acquire(self) -> None:
-        self.in_flight += 1
-        self._idle.clear()
-
-    def release(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight <= 0:
-            self.in_flight = 0
-            self._idle.set()
 
     # --- the owner task ---------------------------------------------------------------------------
 
@@ -468,7 +464,7 @@ class Child:
         try:
             proc = await self._spawn()
         except OSError as e:
-            record = ExitRecord(generation, 0, 127, "crash", f"cannot start "
+            record = ExitRecord(generation, 0, 127, FailureKind.CRASH, f"cannot start "
                                 f"{self.cfg.llama_server!r}: {e}", time.time(),
                                 time.monotonic(), 0.0, planned=False)
             exit_future.set_result(record)
@@ -553,7 +549,7 @@ class Child:
         verdict = classify_exit(returncode, list(self.stderr_tail), vram,
                                 vram_short_mib=self.vram_short_mib)
         evidence = f"{note} ({describe_exit(returncode)})" if note else verdict.evidence
-        kind = "crash" if note else str(verdict.kind)
+        kind = FailureKind.CRASH if note else verdict.kind
         return ExitRecord(generation, proc.pid, returncode, kind, evidence, time.time(), died,
                           self._clock.now() - spawned, planned=planned, served=served)
 
@@ -590,7 +586,7 @@ class Child:
 
     async def _while_draining(self, waiter: asyncio.Task[int]) -> str:
         """'exited' | 'command' (stop/restart) | 'drained' (idle or drain timeout)."""
-        idle = asyncio.create_task(self._idle.wait())
+        idle = asyncio.create_task(self.load.idle.wait())
         wake = asyncio.create_task(self._wake.wait())
         try:
             done = await self._clock.wait_any({waiter, idle, wake}, self.drain_timeout_s)

@@ -1,9 +1,10 @@
-"""Builds and wires everything: config, GPU monitor, children, admission gate, proxy, records.
+"""Builds and wires everything: config, GPU monitor, children, the pool, proxy, records.
 
-Nothing imports this module but the CLI. The daemon is also the proxy's `Backend`: the one place
-where a request's outcome turns into effects on the children (a drain after an OOM the child
-survived) and into estimates. Its own clock (the tick), reloads and shutdown are here too;
-Spillway's own routes (/spillway/*) and the status they report are in own_routes.py.
+Nothing imports this module but the CLI. The daemon wires and shuts down: what is known of the
+upstreams while serving is the pool's (pool.py), a request's path is the proxy's (proxy/), and
+Spillway's own routes (/spillway/*) and the status they report are in own_routes.py. Left here:
+the daemon's own clock (the tick: sampling, bringing a FATAL GPU child back when the card has
+room, stopping an idle on-demand CPU child), systemd's notifications, reloads and shutdown.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import logging
 import signal
 import time
 from collections import deque
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -25,27 +25,17 @@ from aiohttp import web
 from . import __version__, bootstrap, config as config_module
 from .children import Child
 from .config import CHILD_NAMES, Config
-from .gate import Gate
 from .gpu import MIB, GpuMonitor
 from .idempotency import IdempotencyStore
 from .incidents import IncidentLog, default_path
 from .metrics import Metrics
-from .policy import estimate
-from .policy.evidence import FailureKind
 from .policy.lifecycle import ChildState
-from .policy.routes import RouteClass, route_label
 from .own_routes import OwnRoutes, status_line
+from .pool import Pool
 from .proxy.app import build_app
 from .proxy.auth import AuthSettings
 from .proxy.connections import TrackingConnector
-from .proxy.forward import (
-    Attempt,
-    AttemptFailure,
-    Forwarder,
-    ForwardSettings,
-    RequestCtx,
-    Upstream,
-)
+from .proxy.forward import Forwarder, ForwardSettings
 from .proxy.handler import ProxyHandler, ProxySettings
 from .reload import Reloader
 from .resources import Resources
@@ -113,12 +103,11 @@ class Daemon:
         self.children: dict[str, Child] = {}
         self.gpu_devices: list[str] = []
         self.config_error: str | None = None
-        self.cpu_last_used = time.monotonic()
         self.auth, self.forward_settings, self.proxy_settings = _proxy_settings(config)
         self.incidents = IncidentLog(*_incident_limits(config))
         self.idempotency = IdempotencyStore(**_idempotency_limits(config))
         self.resources: Resources | None = None
-        self.gate: Gate | None = None
+        self.pool: Pool | None = None
         self.proxy: ProxyHandler | None = None
         self.metrics = Metrics()
         self.notifier = Notifier()
@@ -187,8 +176,6 @@ class Daemon:
             self.metrics.restarts.labels(child.name, cause).inc()
         if new is ChildState.READY and self._session is not None:
             self._spawn(self.res.fetch_profile(self._session, child.name), then_dispatch=True)
-        if self.gate is not None:
-            self.gate.dispatch()
         self._maybe_ready()
         self.notifier.status(self.status_line())
 
@@ -198,94 +185,10 @@ class Daemon:
         self._tasks = [t for t in self._tasks if not t.done()]
         self._tasks.append(task)
         if then_dispatch:
-            task.add_done_callback(lambda _t: self.gate.dispatch() if self.gate else None)
-
-    # --- the proxy's Backend ----------------------------------------------------------------------
-
-    def upstreams(self) -> Mapping[str, Upstream]:
-        return self.children
-
-    def states(self) -> dict[str, ChildState]:
-        return {name: child.state for name, child in self.children.items()}
-
-    def expected_seconds(self, child: str, ctx: RequestCtx) -> float | None:
-        return self.res.expected_seconds(child, len(ctx.body),
-                                         estimate.requested_tokens(ctx.payload))
-
-    def observe(self, child: str, attempt: Attempt) -> None:
-        if attempt.timings:
-            self.res.observe_timings(child, attempt.timings)
-
-    def ctx_per_slot(self, child: str) -> int | None:
-        return self.res.profiles[child].ctx_per_slot
-
-    def can_take_replay(self, child: str) -> bool:
-        view = self.res.child_view(child, 0, 0, 0)
-        return view.state in (ChildState.READY, ChildState.STARTING) or view.startable
-
-    def attempt_failed(self, failure: AttemptFailure) -> None:
-        self.metrics.failovers.labels(failure.child, str(failure.verdict.kind)).inc()
-        if failure.verdict.kind is FailureKind.OOM_SURVIVED:
-            # The child lives but its memory state is unknown: no new work, let its other
-            # requests finish, then restart it.
-            self.children[failure.child].drain(f"OOM survived: {failure.verdict.evidence}")
+            task.add_done_callback(lambda _t: self.pool.dispatch() if self.pool else None)
 
     def _stale_connection(self, child: str) -> None:
         self.metrics.stale_connection_resends.labels(child).inc()
-
-    def back_in_s(self, child: str) -> float:
-        """A Retry-After for a failed child: its backoff left plus its last start time."""
-        c = self.children[child]
-        start = c.last_start_s if c.last_start_s is not None else 5.0
-        if c.state is ChildState.READY:
-            return 1.0
-        if child in self.res.paused:
-            return 60.0
-        next_try = c.next_try_in_s()  # in BACKOFF and FATAL: when it is started again
-        if next_try is not None:
-            return min(60.0, next_try + start)
-        if c.state is ChildState.FATAL:
-            return 60.0
-        return 1.0 + start
-
-    def episode_id(self, child: str, generation: int) -> str:
-        return f"{child}-{self.boot}-{generation}"
-
-    def finished(self, ctx: RequestCtx, status: int, broken: bool) -> None:
-        now = time.monotonic()
-        last = ctx.last
-        child = last.child if last is not None else None
-        if child == "cpu":
-            self.cpu_last_used = now
-        if (ctx.route is RouteClass.GENERATION and status == 200 and not broken
-                and last is not None):
-            self.res.observe_duration(now - last.started)
-        route = route_label(ctx.path)
-        if status == 499:
-            outcome = "client_closed"
-        elif broken:
-            outcome = "failed"
-        elif status < 400:
-            outcome = "success"
-        elif not ctx.attempts:
-            outcome = "rejected"
-        elif status < 500:
-            outcome = "client_error"
-        else:
-            outcome = "failed"
-        self.metrics.count_request(route, child or "none", outcome, now - ctx.received)
-        if ctx.stream and last is not None and last.first_byte_s is not None and status == 200:
-            self.metrics.ttft.labels(route).observe(last.first_byte_s)
-        if len(ctx.attempts) == 2:
-            self.metrics.replays.labels("completed" if status == 200 and not broken
-                                        else "failed").inc()
-        if ctx.waited_s is not None:
-            self.metrics.wait.observe(ctx.waited_s)
-
-    def rejected(self, cause: str, path: str) -> None:
-        self.metrics.rejections.labels(cause).inc()
-        if cause in ("body_too_large", "bad_request"):
-            self.metrics.requests.labels(route_label(path), "none", "rejected").inc()
 
     # --- the daemon's own clock -------------------------------------------------------------------
 
@@ -298,8 +201,8 @@ class Daemon:
             self.res.sample()
             self._recover_gpu()
             await self._stop_idle_cpu()
-            if self.gate is not None:
-                self.gate.dispatch()
+            if self.pool is not None:
+                self.pool.dispatch()
             self.sample_metrics()
             self.notifier.status(self.status_line())
 
@@ -309,7 +212,7 @@ class Daemon:
             self.metrics.gpu_free.set(sample.free_bytes)
             self.metrics.gpu_used.set(sample.used_bytes)
             self.metrics.gpu_total.set(sample.total_bytes)
-        self.metrics.waiting.set(len(self.gate.line) if self.gate else 0)
+        self.metrics.waiting.set(len(self.pool.line) if self.pool else 0)
 
     def _freed_bytes(self) -> int:
         """How much more free memory counts as "freed by another process": the headroom, and
@@ -335,10 +238,11 @@ class Daemon:
 
     async def _stop_idle_cpu(self) -> None:
         cpu = self.children["cpu"]
-        idle = time.monotonic() - self.cpu_last_used
+        if self.pool is None:
+            return
+        idle = time.monotonic() - self.pool.last_used["cpu"]
         if (self.config.cpu.mode == "on-demand" and cpu.state is ChildState.READY
-                and self.gate is not None and self.gate.busy["cpu"] == 0
-                and idle >= self.config.cpu.idle_stop_s):
+                and cpu.load.in_flight == 0 and idle >= self.config.cpu.idle_stop_s):
             self._spawn(cpu.stop(f"on-demand: idle for {idle:.0f} s"))
 
     # --- systemd --------------------------------------------------------------------------------
@@ -356,7 +260,7 @@ class Daemon:
 
     def status_line(self) -> str:
         """systemd's STATUS=: one line."""
-        return status_line(self.children, len(self.gate.line) if self.gate else 0,
+        return status_line(self.children, len(self.pool.line) if self.pool else 0,
                            self.incidents.recent, self.config_error)
 
     async def _extend_start(self) -> None:
@@ -390,17 +294,17 @@ class Daemon:
         _copy_onto(self.auth, auth)
         _copy_onto(self.forward_settings, forward)
         _copy_onto(self.proxy_settings, proxy)
-        if self.gate is not None:
-            self.gate.max_wait_s = new.queue.max_wait_s
-            self.gate.line.max_waiting = new.queue.max_waiting
+        if self.pool is not None:
+            self.pool.max_wait_s = new.queue.max_wait_s
+            self.pool.line.max_waiting = new.queue.max_waiting
         self.idempotency.configure(**_idempotency_limits(new))
         (self.incidents.path, self.incidents.max_bytes,
          self.incidents.backups) = _incident_limits(new)
         self.monitor.interval_s = new.monitor.sample_interval_s
         logging.getLogger().setLevel(new.server.log_level.upper())
         self._apply_to_children(new)
-        if self.gate is not None:
-            self.gate.dispatch()
+        if self.pool is not None:
+            self.pool.dispatch()
 
     def _defer_restart_keys(self, new: Config, changes: list[str]) -> Config:
         """RESTART_KEYS that changed are noted for status; the GPU child keeps the card we
@@ -457,7 +361,8 @@ class Daemon:
         self.resources = Resources(self.config, self.children, self.monitor)
         await asyncio.to_thread(self.res.read_model)
         self.res.sample()
-        self.gate = Gate(self.res, self.config.queue.max_waiting, self.config.queue.max_wait_s)
+        self.pool = Pool(self.res, self.children, self.config.queue.max_waiting,
+                         self.config.queue.max_wait_s, metrics=self.metrics, boot=self.boot)
         # No cookie jar: the session is shared by every client, so a cookie one answer set
         # must never ride along with another client's request. (aiohttp's own jar already
         # refuses cookies from an IP address like the children's; this keeps it so, and skips
@@ -476,10 +381,10 @@ class Daemon:
         )
         forwarder = Forwarder(self._session, self.forward_settings, fresh=self._fresh_session,
                               on_resend=self._stale_connection)
-        self.proxy = ProxyHandler(self, self.gate, forwarder, self.proxy_settings,
-                                  self.incidents, self.idempotency)
+        self.proxy = ProxyHandler(self.pool, forwarder, self.proxy_settings, self.incidents,
+                                  self.idempotency, self.metrics)
         routes = OwnRoutes(self, started=self.started, children=self.children,
-                           resources=self.res, gate=self.gate, monitor=self.monitor,
+                           resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline)
         app = build_app(self.proxy, self.auth, routes.table())
         # In-flight requests are drained by _shutdown itself (the drain timeout can change on
@@ -547,8 +452,9 @@ class Daemon:
             # second signal cuts the wait short.
             for site in list(self._runner.sites):
                 await site.stop()
-            if self.proxy is not None and self.proxy.in_flight:
-                log.info("waiting for %d in-flight request(s), up to %.0f s", self.proxy.in_flight,
+            if self.proxy is not None and self.proxy.open_requests:
+                log.info("waiting for %d in-flight request(s), up to %.0f s",
+                         self.proxy.open_requests,
                          self.config.server.drain_timeout_s)
                 idle = asyncio.create_task(self.proxy.idle.wait())
                 second = asyncio.create_task(self._second_signal())

@@ -21,11 +21,11 @@ from aiohttp import web
 from . import __version__
 from .children import Child
 from .config import Config
-from .gate import Gate
 from .gpu import MIB, GpuMonitor
 from .incidents import IncidentLog
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
+from .pool import Pool
 from .policy.evidence import FailureKind
 from .policy.lifecycle import ChildState
 from .proxy.app import OwnRoute, json_response
@@ -75,7 +75,7 @@ def status_line(children: Mapping[str, Child], waiting: int, recent: Sequence[di
 def why_gpu_fatal(child: Child, fatal_retry_max_s: float, need_bytes: int) -> str:
     last = child.last_exit
     cause = ("cannot load (out of memory)" if last is not None and
-             last.kind == str(FailureKind.LOAD_OOM) else
+             last.kind is FailureKind.LOAD_OOM else
              f"failed {child.quick_failures} times in a row" +
              (f" (last: {last.kind}: {last.evidence})" if last is not None else ""))
     return (f"the GPU child {cause}; serving from the CPU child. It is tried again in "
@@ -94,13 +94,13 @@ def why_cpu_fatal(child: Child) -> str:
 
 class OwnRoutes:
     def __init__(self, host: Host, *, started: float, children: Mapping[str, Child],
-                 resources: Resources, gate: Gate, monitor: GpuMonitor, incidents: IncidentLog,
+                 resources: Resources, pool: Pool, monitor: GpuMonitor, incidents: IncidentLog,
                  metrics: Metrics, timeline: Iterable[dict[str, Any]]) -> None:
         self.host = host
         self.started = started  # time.monotonic() when the daemon began
         self.children = children
         self.res = resources
-        self.gate = gate
+        self.pool = pool
         self.monitor = monitor
         self.incidents = incidents
         self.metrics = metrics
@@ -145,8 +145,8 @@ class OwnRoutes:
             "gpu_note": self.monitor.note,
             "gpu_child_on_cpu": (not self.host.gpu_devices) if self.host.devices_listed
             else None,
-            "waiting": len(self.gate.line),
-            "waiting_requests": self.gate.waiting(),
+            "waiting": len(self.pool.line),
+            "waiting_requests": self.pool.waiting(),
             "queue": {"max_waiting": config.queue.max_waiting,
                       "max_wait_s": config.queue.max_wait_s,
                       "service_s": self.res.service and round(self.res.service, 3)},
@@ -159,7 +159,7 @@ class OwnRoutes:
 
     def _child_status(self, name: str, child: Child) -> dict[str, Any]:
         info = child.to_json()
-        info.update(self.res.to_json(name, self.gate.busy[name]))
+        info.update(self.res.to_json(name, self.pool.busy(name)))
         fatal = child.state is ChildState.FATAL
         if name == "gpu":
             devices = list(self.host.gpu_devices)

@@ -1,8 +1,9 @@
 """What is known of each child's capacity, for admission: slots and context per slot (from its
 `/props`), measured speeds, the GPU's free memory and the machine's free RAM.
 
-The daemon owns one of these; the gate reads it (as its CapacitySource) and the proxy feeds it
-(timings of answers, durations of attempts).
+The pool owns one of these (as its CapacitySource): it reads the figures for admission and feeds
+in what each closed lease taught (timings of answers, durations of attempts). The daemon's tick
+samples RAM and VRAM into it.
 """
 
 from __future__ import annotations
@@ -149,7 +150,10 @@ class Resources:
             return True
         return available >= (self.cpu_need_bytes() if cold else RAM_FLOOR)
 
-    # --- the gate's CapacitySource ----------------------------------------------------------
+    # --- the pool's CapacitySource ----------------------------------------------------------
+
+    def ctx_per_slot(self, name: str) -> int | None:
+        return self.profiles[name].ctx_per_slot
 
     def cap(self, name: str) -> int:
         configured = self.config.child(name).max_concurrency

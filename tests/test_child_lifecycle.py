@@ -285,7 +285,7 @@ async def test_draining_to_exited_when_it_dies_while_draining() -> None:
     async with Rig() as rig:
         rig.child.start()
         await rig.until(S.READY)
-        rig.child.acquire()
+        rig.child.load.take(generation=True)
         rig.child.drain("OOM survived")
         await rig.until(S.DRAINING)
         rig.procs[0].crash(-SIGKILL)
@@ -293,7 +293,7 @@ async def test_draining_to_exited_when_it_dies_while_draining() -> None:
         assert rig.path()[2:] == ["READY -> DRAINING", "DRAINING -> EXITED", "EXITED -> BACKOFF"]
         assert rig.procs[0].signals == []
         assert rig.child.last_exit is not None and rig.child.last_exit.kind == "crash"
-        rig.child.release()
+        rig.child.load.give_back(generation=True)
 
 
 # --- hang and start timeouts ----------------------------------------------------------------
@@ -440,10 +440,10 @@ async def test_draining_to_stopping_when_idle() -> None:
     async with Rig(drain_timeout_s=20.0) as rig:
         rig.child.start()
         await rig.until(S.READY)
-        rig.child.acquire()
+        rig.child.load.take(generation=True)
         rig.child.drain("reload: the command changed")
         await rig.until(S.DRAINING)
-        rig.child.release()  # the last request finishes
+        rig.child.load.give_back(generation=True)  # the last request finishes
         await rig.until(S.STOPPING)
         assert rig.when(S.STOPPING) == rig.when(S.DRAINING)
         await rig.until(S.READY)
@@ -461,7 +461,7 @@ async def test_draining_to_stopping_on_the_drain_timeout() -> None:
     async with Rig(drain_timeout_s=20.0) as rig:
         rig.child.start()
         await rig.until(S.READY)
-        rig.child.acquire()  # never released
+        rig.child.load.take(generation=True)  # never released
         rig.child.drain("OOM survived")
         await rig.until(S.STOPPING)
         assert rig.when(S.STOPPING) - rig.when(S.DRAINING) == 20.0
@@ -473,14 +473,14 @@ async def test_a_stop_while_draining_stops_at_once() -> None:
     async with Rig(drain_timeout_s=20.0) as rig:
         rig.child.start()
         await rig.until(S.READY)
-        rig.child.acquire()
+        rig.child.load.take(generation=True)
         rig.child.drain("OOM survived")
         await rig.until(S.DRAINING)
         await rig.child.stop("daemon shutting down")
         assert rig.when(S.STOPPING) == rig.when(S.DRAINING)
         assert rig.reasons(S.STOPPING) == ["daemon shutting down"]
         assert rig.child.state is S.STOPPED
-        rig.child.release()
+        rig.child.load.give_back(generation=True)
 
 
 async def test_drain_is_ignored_unless_ready() -> None:

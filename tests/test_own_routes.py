@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from supervisor import __version__
 from supervisor.children import Child
 from supervisor.config import CHILD_NAMES, Config, build
-from supervisor.gate import Gate
+from supervisor.pool import Pool
 from supervisor.gpu import GpuMonitor
 from supervisor.incidents import IncidentLog
 from supervisor.metrics import Metrics
@@ -49,7 +49,8 @@ def make_routes(tmp_path: Path, cpu_mode: str = "hot") -> tuple[OwnRoutes, FakeH
                 {"time": 20.0, "child": "gpu", "state": "READY", "reason": "b"}]
     checked: Host = host  # a Host, as the daemon is (`mypy --strict` on this file checks it)
     routes = OwnRoutes(checked, started=time.monotonic(), children=children,
-                       resources=resources, gate=Gate(resources, 5, 10.0), monitor=monitor,
+                       resources=resources, pool=Pool(resources, children, 5, 10.0),
+                       monitor=monitor,
                        incidents=IncidentLog(tmp_path / "incidents.jsonl", 1 << 20),
                        metrics=Metrics(), timeline=timeline)
     return routes, host

@@ -1,6 +1,6 @@
 """The waiting line: bounded, first in first out, with positions and an estimated wait.
 
-Pure and synchronous: the proxy's gate keeps one of these and decides, each time capacity frees,
+Pure and synchronous: the pool keeps one of these and decides, each time capacity frees,
 whether the request at the head can go. Only the head is ever served, so no request waits while
 a later one takes the capacity it needs (no starvation); positions only fall.
 """

@@ -55,7 +55,7 @@ HOLD_COMMENT_EVERY_S = 10.0
 
 class ExitInfo(Protocol):
     @property
-    def kind(self) -> str: ...
+    def kind(self) -> ev.FailureKind: ...
 
     @property
     def evidence(self) -> str: ...
@@ -78,10 +78,6 @@ class Upstream(Protocol):
     def is_ready(self) -> bool: ...
 
     def running(self, generation: int) -> bool: ...
-
-    def acquire(self) -> None: ...
-
-    def release(self) -> None: ...
 
     async def exit_of(self, generation: int, timeout: float) -> ExitInfo | None: ...
 
@@ -245,7 +241,6 @@ class Forwarder:
             # request that takes it before its close is read (most of the stale connections in
             # the chaos run). Said up front, the connection is never pooled.
             headers["Connection"] = "close"
-        child.acquire()
         use = ConnectionUse()
         try:
             sent = await self._send(ctx, child, generation, url, headers, use)
@@ -263,7 +258,6 @@ class Forwarder:
                 upstream.close()  # frees the child's slot if the client went away
         finally:
             use.done(time.monotonic())
-            child.release()
 
     async def _send(self, ctx: RequestCtx, child: Upstream, generation: int, url: str,
                     headers: CIMultiDict[str],
@@ -326,7 +320,7 @@ class Forwarder:
                        after_bytes: bool = False) -> AttemptFailure:
         record = await child.exit_of(generation, EXIT_EVIDENCE_WAIT_S)
         if record is not None:
-            verdict = ev.Verdict(ev.FailureKind(record.kind), record.evidence)
+            verdict = ev.Verdict(record.kind, record.evidence)
         else:
             verdict = ev.classify(ev.Evidence(
                 stderr_tail=list(child.stderr_tail)[-50:], connect_failed=connect_failed,

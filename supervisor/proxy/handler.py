@@ -1,8 +1,10 @@
-"""The request pipeline: read and check the request, pick a child, attempt, replay, answer.
+"""The request pipeline: read and check the request, take a lease, attempt, replay, answer.
 
 Branch numbers follow the admission order of the design (policy/admission.py decides); the
-replay rule is policy/replay.py. Everything a request does to the rest of the daemon goes through
-the `Backend` interface, which the daemon implements.
+replay rule is policy/replay.py. Where a request may go is the pool's to say (pool.py): the
+handler asks it for a lease (or a refusal with the 503's figures), forwards on it, and closes it
+with the attempt's outcome. The handler keeps the request's own records: its incidents, its
+metrics, its access log line.
 """
 
 from __future__ import annotations
@@ -14,17 +16,17 @@ import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
 
 from ..idempotency import IdempotencyStore, Outcome, StoredResponse, fingerprint, scope_of
 from ..incidents import Incident, IncidentLog, new_incident_id
+from ..metrics import Metrics
+from ..pool import Lease, Pool
 from ..timefmt import rfc3339
-from ..gate import Admitted, Gate
 from ..policy import admission, estimate, replay
-from ..policy.lifecycle import ChildState
-from ..policy.routes import RouteClass, classify_route
+from ..policy.routes import RouteClass, classify_route, route_label
 from . import errors, tokens
 from .auth import AUTHENTICATED, presented_key
 from .forward import (
@@ -35,7 +37,6 @@ from .forward import (
     Broken,
     Forwarder,
     RequestCtx,
-    Upstream,
 )
 from .identity import request_id_of
 
@@ -110,32 +111,6 @@ class ProxySettings:
     access_log: bool = True
 
 
-class Backend(Protocol):
-    """What the proxy asks of the rest of the daemon."""
-
-    def upstreams(self) -> Mapping[str, Upstream]: ...
-
-    def states(self) -> Mapping[str, ChildState]: ...
-
-    def expected_seconds(self, child: str, ctx: RequestCtx) -> float | None: ...
-
-    def observe(self, child: str, attempt: Attempt) -> None: ...
-
-    def can_take_replay(self, child: str) -> bool: ...
-
-    def attempt_failed(self, failure: AttemptFailure) -> None: ...
-
-    def back_in_s(self, child: str) -> float: ...
-
-    def episode_id(self, child: str, generation: int) -> str: ...
-
-    def ctx_per_slot(self, child: str) -> int | None: ...
-
-    def finished(self, ctx: RequestCtx, status: int, broken: bool) -> None: ...
-
-    def rejected(self, cause: str, path: str) -> None: ...
-
-
 @dataclass
 class _Episode:
     """What the handler learned about a failure, for the incident record."""
@@ -150,27 +125,29 @@ class _Episode:
 class ProxyHandler:
     """Handles every request outside /spillway/."""
 
-    def __init__(self, backend: Backend, gate: Gate, forwarder: Forwarder,
-                 settings: ProxySettings, incidents: IncidentLog,
-                 idempotency: IdempotencyStore) -> None:
-        self.backend = backend
-        self.gate = gate
+    def __init__(self, pool: Pool, forwarder: Forwarder, settings: ProxySettings,
+                 incidents: IncidentLog, idempotency: IdempotencyStore,
+                 metrics: Metrics) -> None:
+        self.pool = pool
         self.forwarder = forwarder
         self.settings = settings
         self.incidents = incidents
         self.idempotency = idempotency
-        self.in_flight = 0
+        self.metrics = metrics
+        # Requests in the server (reading a body, waiting in line, at an upstream): what a
+        # shutdown waits for. What each upstream is working on is the pool's count.
+        self.open_requests = 0
         self.idle = asyncio.Event()
         self.idle.set()
 
     async def __call__(self, request: web.Request) -> web.StreamResponse:
-        self.in_flight += 1
+        self.open_requests += 1
         self.idle.clear()
         try:
             return await self._handle(request)
         finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
+            self.open_requests -= 1
+            if self.open_requests == 0:
                 self.idle.set()
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
@@ -302,75 +279,53 @@ class ProxyHandler:
         if ctx.route is not RouteClass.GENERATION:
             # Outside the caps: the GPU child when ready, else the CPU child, or the pinned one.
             pin = request.headers.get("X-Spillway-Child", "").strip().lower() or None
-            decision = admission.passthrough(self.backend.states(), pin)
-            if decision.child is None:
-                return Answered(self._refusal(ctx, decision))
-            result = await self._attempt(request, ctx, self.backend.upstreams()[decision.child])
-            if isinstance(result, AttemptFailure):
-                return await self._after_failure(request, ctx, result, episodes)
-            return result
-        # Generation: 3 to 7 of the admission order.
-        got = await self._admit(ctx)
+            got = self.pool.passthrough(pin)
+        else:
+            # Generation: 3 to 7 of the admission order.
+            opted_out = _opted_out(ctx)
+            got = await self.pool.lease(admission.Request(
+                route=ctx.route, prompt_tokens=await self._prompt_tokens(ctx),
+                cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx)),
+                len(ctx.body), estimate.requested_tokens(ctx.payload))
         if isinstance(got, admission.Decision):
             return Answered(self._refusal(ctx, got))
-        ctx.waited_s = got.waited_s
-        ctx.wait_estimate_s = got.estimated_wait_s
-        ctx.wait_estimate_basis = got.estimate_basis
-        try:
-            result = await self._attempt(request, ctx, self.backend.upstreams()[got.child])
-        finally:
-            self.gate.release(got.child)
+        if got.counted:
+            ctx.waited_s = got.waited_s
+            ctx.wait_estimate_s = got.estimated_wait_s
+            ctx.wait_estimate_basis = got.estimate_basis
+        result = await self._attempt(request, ctx, got)
         if isinstance(result, AttemptFailure):
             return await self._after_failure(request, ctx, result, episodes)
         return result
-
-    async def _admit(self, ctx: RequestCtx) -> Admitted | admission.Decision:
-        """Admission (the gate), held to the child's state at the moment of forwarding: a
-        request served from the waiting line resumes a moment after its reservation, and in
-        that moment its child may have begun to drain (a reload, an OOM it survived) and,
-        having nothing in flight, be stopping. Then it goes through admission again."""
-        opted_out = ctx.client_headers.get("X-Spillway-Replay", "").strip().lower() == "never"
-        prompt_tokens = await self._prompt_tokens(ctx)
-        while True:
-            got = await self.gate.admit(admission.Request(
-                route=ctx.route, prompt_tokens=prompt_tokens, cpu_allowed=not opted_out,
-                deadline_s=self._deadline_left(ctx)),
-                len(ctx.body), estimate.requested_tokens(ctx.payload))
-            if isinstance(got, admission.Decision) or \
-                    self.backend.upstreams()[got.child].is_ready:
-                return got  # no await between this check and the attempt's acquire()
-            self.gate.release(got.child)
 
     async def _prompt_tokens(self, ctx: RequestCtx) -> int:
         """The prompt's tokens when they may matter (over a child's context), else the cheap
         bound (or 0: unknown, which fits anywhere)."""
         bound = tokens.upper_bound(len(ctx.body), ctx.payload)
-        limit = self.backend.ctx_per_slot("gpu")
+        limit = self.pool.ctx_per_slot(self.pool.roles[0])
         if limit is None or bound <= limit or ctx.payload is None:
             return bound if limit is not None else 0
-        states = self.backend.states()
-        name = "gpu" if states.get("gpu") == ChildState.READY else "cpu"
-        if states.get(name) != ChildState.READY:
+        counter = self.pool.first_ready()
+        if counter is None:
             return 0
-        counted = await tokens.count(self.forwarder.session, self.backend.upstreams()[name],
-                                     ctx.path, ctx.payload)
+        counted = await tokens.count(self.forwarder.session, counter, ctx.path, ctx.payload)
         return counted if counted is not None else 0
 
     def _refusal(self, ctx: RequestCtx, decision: admission.Decision) -> web.Response:
-        self.backend.rejected(decision.cause or "other", ctx.path)
+        self._rejected(decision.cause or "other", ctx.path)
         if decision.action is admission.Action.TOO_LONG:
             # As llama-server says it, before any child works on it.
-            limit = max(filter(None, (self.backend.ctx_per_slot(n) for n in ("gpu", "cpu"))),
-                        default=0)
             return errors.json_error(
                 400, "exceed_context_size_error", decision.reason, ctx.request_id,
-                n_ctx=limit)
+                n_ctx=self.pool.largest_ctx_per_slot())
         return errors.unavailable(decision.reason, ctx.request_id,
                                   retry_after_s=decision.retry_after_s,
                                   queue_position=decision.queue_position)
 
     async def _attempt(self, request: web.Request, ctx: RequestCtx,
-                       child: Upstream) -> AttemptResult:
+                       lease: Lease) -> AttemptResult:
+        """One attempt on the lease's upstream; the lease is closed with its outcome."""
+        child = lease.upstream
         attempt = Attempt(child.name, len(ctx.attempts) + 1)
         ctx.attempts.append(attempt)
         own = [("X-Request-Id", ctx.request_id), ("X-Spillway-Child", child.name),
@@ -384,21 +339,18 @@ class ProxyHandler:
             own.append(("Server-Timing", f"queue;dur={ctx.waited_s * 1000:.1f}, "
                                          f"queue-estimate;dur={ctx.wait_estimate_s * 1000:.1f};"
                                          f'desc="{ctx.wait_estimate_basis}"'))
-        result = await self.forwarder.attempt(request, ctx, attempt, child, own)
-        if isinstance(result, AttemptFailure):
-            self.backend.attempt_failed(result)
-        else:
-            if isinstance(result, Broken):
-                self.backend.attempt_failed(result.failure)
-            self.backend.observe(child.name, attempt)
-        return result
+        result: AttemptResult | None = None
+        try:
+            result = await self.forwarder.attempt(request, ctx, attempt, child, own)
+            return result
+        finally:
+            lease.close(attempt, result)
 
     async def _after_failure(self, request: web.Request, ctx: RequestCtx,
                              failure: AttemptFailure,
                              episodes: list[_Episode]) -> Answered | Broken:
-        other = "cpu" if failure.child == "gpu" else "gpu"
+        other = self.pool.failover_target(failure.child)
         left = self._deadline_left(ctx)
-        opted_out = ctx.client_headers.get("X-Spillway-Replay", "").strip().lower() == "never"
         decision = replay.decide(replay.ReplayCase(
             verdict=failure.verdict,
             route=ctx.route,
@@ -406,36 +358,28 @@ class ProxyHandler:
                              and len(ctx.body) <= self.settings.max_replay_body_bytes),
             bytes_sent=False,  # a failure before any byte: after bytes it is Broken
             timed_out=failure.timed_out,
-            opted_out=opted_out,
+            opted_out=_opted_out(ctx),
             attempts=len(ctx.attempts),
             deadline_left_s=left,
-            target_expected_s=self.backend.expected_seconds(other, ctx),
-            target_available=self.backend.can_take_replay(other),
+            target_expected_s=self.pool.expected_seconds(
+                other, len(ctx.body), estimate.requested_tokens(ctx.payload)),
+            target_available=self.pool.can_take_replay(other),
         ))
-        cpu_start_s: float | None = 0.0
-        if decision.replay:
-            cpu_start_s = await self.gate.acquire_replay(other, left)
-            while cpu_start_s is not None and not self.backend.upstreams()[other].is_ready:
-                # It began to drain between its reservation and now (see _admit): again.
-                self.gate.release(other)
-                cpu_start_s = await self.gate.acquire_replay(other, self._deadline_left(ctx))
-            if cpu_start_s is None:
-                decision = replay.ReplayDecision(False, f"{replay.Refusal.NO_TARGET}: the {other}"
-                                                        " child did not become ready in time",
-                                                 replay.Refusal.NO_TARGET)
-        if not decision.replay:
+        lease = await self.pool.replay_lease(other, left) if decision.replay else None
+        if decision.replay and lease is None:
+            decision = replay.ReplayDecision(False, f"{replay.Refusal.NO_TARGET}: the {other}"
+                                                    " child did not become ready in time",
+                                             replay.Refusal.NO_TARGET)
+        if lease is None:
             episodes.append(_Episode(failure, "rejected", decision.reason))
             return Answered(self._controlled_error(ctx, failure, decision))
-        episode = _Episode(failure, "replayed", decision.reason, cpu_start_s or 0.0, other)
+        episode = _Episode(failure, "replayed", decision.reason, lease.start_s, other)
         episodes.append(episode)
         ctx.failover_kind = str(failure.verdict.kind)
         log.warning("rid=%s %s child failed (%s: %s); replaying on the %s child",
                     ctx.request_id, failure.child, failure.verdict.kind,
                     failure.verdict.evidence, other)
-        try:
-            second = await self._attempt(request, ctx, self.backend.upstreams()[other])
-        finally:
-            self.gate.release(other)
+        second = await self._attempt(request, ctx, lease)
         if isinstance(second, AttemptFailure):
             # No third attempt: the client gets a controlled error naming both failures.
             episodes.append(_Episode(second, "rejected", str(replay.Refusal.ALREADY_REPLAYED)))
@@ -446,7 +390,7 @@ class ProxyHandler:
     def _controlled_error(self, ctx: RequestCtx, failure: AttemptFailure,
                           decision: replay.ReplayDecision) -> web.Response:
         v = failure.verdict
-        back = self.backend.back_in_s(failure.child)
+        back = self.pool.retry_after_s(failure.child)
         what = f"the {failure.child} child failed ({v.kind}: {v.evidence})"
         if failure.timed_out:
             return errors.json_error(
@@ -467,7 +411,7 @@ class ProxyHandler:
         f = episode.failure
         self.incidents.write(Incident(
             id=new_incident_id(),
-            episode=self.backend.episode_id(f.child, f.generation),
+            episode=self.pool.episode_id(f.child, f.generation),
             time=rfc3339(time.time()),
             request_id=ctx.request_id,
             child=f.child,
@@ -490,7 +434,7 @@ class ProxyHandler:
                cause: str | None, response: web.StreamResponse) -> web.StreamResponse:
         """An answer Spillway gives itself, before or instead of any attempt."""
         if cause is not None:
-            self.backend.rejected(cause, request.path)
+            self._rejected(cause, request.path)
         if ctx is not None:
             self._finish(ctx, request, rid, response.status, broken=False)
         else:
@@ -499,12 +443,32 @@ class ProxyHandler:
 
     def _finish(self, ctx: RequestCtx, request: web.Request, rid: str, status: int,
                 broken: bool) -> None:
-        """One log line per request, with its id; and the backend's accounting."""
+        """One log line per request, with its id; and its metrics."""
         last = ctx.last
         self._log_line(request, rid, last.child if last else "-", status,
                        time.monotonic() - ctx.received, len(ctx.attempts))
         ctx.status = status
-        self.backend.finished(ctx, status, broken)
+        self._count(ctx, status, broken)
+
+    def _count(self, ctx: RequestCtx, status: int, broken: bool) -> None:
+        """The request's metrics."""
+        last = ctx.last
+        route = route_label(ctx.path)
+        elapsed = time.monotonic() - ctx.received
+        m = self.metrics
+        m.count_request(route, last.child if last is not None else "none",
+                        _outcome(ctx, status, broken), elapsed)
+        if ctx.stream and last is not None and last.first_byte_s is not None and status == 200:
+            m.ttft.labels(route).observe(last.first_byte_s)
+        if len(ctx.attempts) == 2:
+            m.replays.labels("completed" if status == 200 and not broken else "failed").inc()
+        if ctx.waited_s is not None:
+            m.wait.observe(ctx.waited_s)
+
+    def _rejected(self, cause: str, path: str) -> None:
+        self.metrics.rejections.labels(cause).inc()
+        if cause in ("body_too_large", "bad_request"):
+            self.metrics.requests.labels(route_label(path), "none", "rejected").inc()
 
     def _log_line(self, request: web.Request, rid: str, child: str, status: int,
                   elapsed: float, attempts: int) -> None:
@@ -512,6 +476,23 @@ class ProxyHandler:
             return  # only the lines that say something went differently
         log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method, request.path,
                  child, status, elapsed, attempts)
+
+
+def _outcome(ctx: RequestCtx, status: int, broken: bool) -> str:
+    if status == CLIENT_CLOSED:
+        return "client_closed"
+    if broken:
+        return "failed"
+    if status < 400:
+        return "success"
+    if not ctx.attempts:
+        return "rejected"
+    return "client_error" if status < 500 else "failed"
+
+
+def _opted_out(ctx: RequestCtx) -> bool:
+    """X-Spillway-Replay: never: the client would rather have an error than a replay."""
+    return ctx.client_headers.get("X-Spillway-Replay", "").strip().lower() == "never"
 
 
 def _tokens(attempt: Attempt | None) -> int:
