@@ -3,13 +3,23 @@
 One line per event. When stderr is the journal (systemd sets JOURNAL_STREAM to the device and
 inode of the stream it gave us), each line starts with its syslog priority (`<3>` for errors,
 `<6>` for info) and carries no timestamp, since the journal keeps its own.
+
+The proxy writes a line per request, so a line must be cheap: the record skips what no format
+here shows (the caller's file and line, the thread, the process), the timestamp's second is
+formatted once per second, and inside the event loop the lines of one loop iteration reach
+stderr in one write at the start of the next (whole lines, in order; a warning or an error, a
+line from outside the loop, `flush()` and the exit write at once).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import sys
+import time
+from typing import TextIO
 
 _PRIORITY = {
     logging.CRITICAL: 2,
@@ -18,6 +28,9 @@ _PRIORITY = {
     logging.INFO: 6,
     logging.DEBUG: 7,
 }
+
+JOURNAL_FORMAT = "%(name)s: %(message)s"
+PLAIN_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
 
 def stderr_is_journal() -> bool:
@@ -35,19 +48,125 @@ def stderr_is_journal() -> bool:
 class JournalFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         priority = _PRIORITY.get(record.levelno, 6)
-        text = super().format(record)
+        lines = super().format(record).splitlines()
+        if len(lines) == 1:
+            return f"<{priority}>{lines[0]}"
         # A multi-line message (a traceback) keeps its priority on every line.
-        return "\n".join(f"<{priority}>{line}" for line in text.splitlines())
+        return "\n".join(f"<{priority}>{line}" for line in lines)
+
+
+class PlainFormatter(logging.Formatter):
+    """logging.Formatter's output, its timestamp's second formatted once per second."""
+
+    def __init__(self, fmt: str = PLAIN_FORMAT) -> None:
+        super().__init__(fmt)
+        self._second: tuple[int, str] = (-1, "")  # replaced whole: safe across threads
+
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        if datefmt is not None or self.default_msec_format is None:
+            return super().formatTime(record, datefmt)
+        second, text = self._second
+        if int(record.created) != second:
+            text = time.strftime(self.default_time_format, self.converter(record.created))
+            self._second = (int(record.created), text)
+        return self.default_msec_format % (text, record.msecs)
+
+
+class LoopBatchingHandler(logging.StreamHandler[TextIO]):
+    """A StreamHandler that, inside a running event loop, keeps a loop iteration's lines and
+    writes them together (one write, one flush) from a callback run at the next iteration.
+    Lines stay whole and in order; they are written at once (after any kept before them) when
+    there is no running loop (another thread, before or after the loop), for a record of
+    WARNING or above, when more than MAX_PENDING characters wait, and on `flush()` (which
+    `logging.shutdown` calls at exit)."""
+
+    MAX_PENDING = 64 * 1024
+
+    def __init__(self, stream: TextIO) -> None:
+        super().__init__(stream)
+        self._pending: list[str] = []
+        self._size = 0
+        self._last: logging.LogRecord | None = None
+        self._scheduled_on: asyncio.AbstractEventLoop | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        # Handler.handle holds self.lock around this call.
+        try:
+            line = self.format(record) + self.terminator
+        except Exception:
+            self.handleError(record)
+            return
+        self._pending.append(line)
+        self._size += len(line)
+        self._last = record
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or record.levelno >= logging.WARNING or self._size > self.MAX_PENDING:
+            self._write_pending()
+        elif self._scheduled_on is not loop:
+            # Once per iteration; a loop that closed before running the callback leaves its
+            # lines to the next record or flush(), which write them first.
+            self._scheduled_on = loop
+            loop.call_soon(self._flush_pending)
+
+    def _flush_pending(self) -> None:
+        with self.lock:  # type: ignore[union-attr]  # Handler.createLock set it
+            self._scheduled_on = None
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        """Write what waits, in one write; the caller holds the lock."""
+        if not self._pending:
+            return
+        text = "".join(self._pending)
+        record = self._last
+        self._pending.clear()
+        self._size = 0
+        self._last = None
+        try:
+            self.stream.write(text)
+            self.stream.flush()
+        except RecursionError:
+            raise
+        except Exception:
+            if record is not None:
+                self.handleError(record)
+
+    def flush(self) -> None:
+        with self.lock:  # type: ignore[union-attr]
+            self._write_pending()
+        super().flush()
+
+
+def quiet_records() -> None:
+    """Records skip what no format here shows: the caller's frame (file, line, function: the
+    costliest part of a record), the thread, the process, the asyncio task. Without the
+    caller's frame, `stack_info=True` shows no stack: nothing here asks for one."""
+    logging._srcfile = None  # the logging HOWTO's switch (Optimization): no findCaller
+    logging.logThreads = False
+    logging.logProcesses = False
+    logging.logMultiprocessing = False
+    if sys.version_info >= (3, 12):
+        logging.logAsyncioTasks = False
 
 
 def setup(level: str = "info") -> None:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = LoopBatchingHandler(sys.stderr)
+    formatter: logging.Formatter
     if stderr_is_journal():
-        handler.setFormatter(JournalFormatter("%(name)s: %(message)s"))
+        formatter = JournalFormatter(JOURNAL_FORMAT)
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-7s %(name)s: "
-                                               "%(message)s"))
+        formatter = PlainFormatter(PLAIN_FORMAT)
+    handler.setFormatter(formatter)
+    # The formats show none of the fields quiet_records leaves out.
+    quiet_records()
     root = logging.getLogger()
+    for old in root.handlers:
+        if isinstance(old, LoopBatchingHandler):  # a second setup: what it kept goes out first
+            with contextlib.suppress(OSError, ValueError):
+                old.flush()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # aiohttp's own access log is replaced by one line per request from the proxy.
