@@ -18,7 +18,14 @@ run (so ratios hold on a noisy machine):
   upstream), the key store empty and full at idempotency.max_keys (3,000 and the default
   10,000), as a ratio. `--baseline REV` measures the same against the
   `supervisor` package of a git revision too, in the same run (`--only idempotency` runs just
-  this part and writes bench/results/idempotency.{json,md}).
+  this part and writes bench/results/idempotency.{json,md});
+- the hot path against the bare aiohttp pass-through (bench/bare_proxy.py, the framework's own
+  floor), with the instant upstream: Spillway's req/s at concurrency 64 as a fraction of the
+  pass-through's (target >= 0.75) and its added p50 at concurrency 1 (p50 minus the straight
+  p50) as a multiple of the pass-through's (target <= 1.25). The full run gives both for its
+  instant section; `--only hotpath` measures straight, the pass-through, Spillway and, with
+  `--baseline REV`, Spillway at that revision, in 3 interleaved rounds (their order rotating),
+  each figure the median of the rounds, and writes bench/results/hotpath.{json,md}.
 
 Needs root (or the tools already installed) for `apt-get install nginx wrk`. Writes
 bench/results/latest.json and prints the table (the README carries the latest one).
@@ -63,6 +70,14 @@ BENCH_KEY = "sk-spillway-bench"
 SERVER_CORE = "0"
 LOAD_CORE = "1"
 CACHE = bootstrap.cache_dir() / "bench"
+INSTANT = REPO / "bench" / "instant-upstream.sh"
+MEASURES = (("p50 ms", "p50_ms", "{:.3f}"), ("p99 ms", "p99_ms", "{:.3f}"),
+            ("req/s", "rps", "{:.0f}"))
+# The hot path against the bare aiohttp pass-through: Spillway's req/s at c=64 over the
+# pass-through's, at least; Spillway's added p50 at c=1 over the pass-through's, at most.
+HOTPATH_TARGETS = {"throughput_ratio_c64": 0.75, "added_p50_ratio_c1": 1.25}
+HOTPATH_CONCURRENCY = (1, 64)
+HOTPATH_ROUNDS = 3
 
 
 def say(text: str) -> None:
@@ -171,6 +186,12 @@ class Stack:
                for name, port in ports.items()}
         out["spillway"] = f"{spillway.url}/v1/chat/completions"
         return {k: out[k] for k in ("direct", "spillway", "nginx", *more, "litellm") if k in out}
+
+    def bare_proxy(self, upstream_port: int) -> int:
+        """The bare aiohttp pass-through (bench/bare_proxy.py) in front of the upstream."""
+        return self.serve(lambda port: [sys.executable, str(REPO / "bench" / "bare_proxy.py"),
+                                        f"http://127.0.0.1:{upstream_port}", str(port)],
+                          health=None)
 
     def nginx_proxy(self, upstream_port: int) -> int:
         port = free_port()
@@ -440,27 +461,36 @@ def baseline_code(rev: str) -> Path:
     return folder
 
 
+def short_rev(rev: str) -> str:
+    return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", rev],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def instant_config(model: Path, **more: Any) -> dict[str, Any]:
+    """Spillway's default configuration in front of the instant upstream, but for the caps that
+    would refuse wrk's load (1024 in flight per child, 1024 waiting)."""
+    return {"model": {"llama_server": str(INSTANT), "path": str(model), "args": []},
+            "gpu": {"args": [], "max_concurrency": 1024},
+            "cpu": {"args": [], "max_concurrency": 1024},
+            "queue": {"max_waiting": 1024}, **more}
+
+
 def idempotency_section(st: Stack, model: Path, seconds: float,
                         baseline: str | None) -> dict[str, Any]:
-    instant = REPO / "bench" / "instant-upstream.sh"
     codes: dict[str, Path | None] = {"current": None}
     if baseline:
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", baseline],
-                                capture_output=True, text=True, check=True).stdout.strip()
-        codes = {f"baseline {commit}": baseline_code(baseline), **codes}
+        codes = {f"baseline {short_rev(baseline)}": baseline_code(baseline), **codes}
     out: dict[str, Any] = {"clients": IDEMPOTENCY_CLIENTS}
     rounds = max(5, round(seconds))
     with lua_body(BODY) as plain, lua_keyed(BODY) as keyed:
         for max_keys in (3000, 10000):
             for label, code in codes.items():
-                daemons = [st.spillway(f"keys-{max_keys}-{label.split()[0]}-{ttl:g}", {
-                    "model": {"llama_server": str(instant), "path": str(model), "args": []},
-                    "gpu": {"args": [], "max_concurrency": 1024},
-                    "cpu": {"args": [], "max_concurrency": 1024},
-                    "queue": {"max_waiting": 1024},
-                    "idempotency": {"max_keys": max_keys, "ttl_s": ttl}}, code=code)
-                    for ttl in (0.001, 86400.0)]
-                r = keyed_throughput(*daemons, max_keys=max_keys, rounds=rounds, plain=plain,
+                daemons = [st.spillway(
+                    f"keys-{max_keys}-{label.split()[0]}-{ttl:g}",
+                    instant_config(model, idempotency={"max_keys": max_keys, "ttl_s": ttl}),
+                    code=code) for ttl in (0.001, 86400.0)]
+                empty, full = daemons
+                r = keyed_throughput(empty, full, max_keys=max_keys, rounds=rounds, plain=plain,
                                      keyed=keyed)
                 for d in daemons:
                     d.stop()
@@ -471,38 +501,124 @@ def idempotency_section(st: Stack, model: Path, seconds: float,
     return out
 
 
+def hotpath_ratios(data: dict[str, Any], name: str, bare: str = "aiohttp") -> dict[str, float]:
+    """Spillway (`name`) against the bare pass-through, from figures at concurrency 1 and 64
+    that include "direct": req/s at c=64 over the pass-through's; added p50 at c=1 (p50 minus
+    direct's) over the pass-through's added p50."""
+    direct_p50 = data["direct"]["1"]["p50_ms"]
+    bare_rps = data[bare]["64"]["rps"]
+    bare_added = data[bare]["1"]["p50_ms"] - direct_p50
+    added = data[name]["1"]["p50_ms"] - direct_p50
+    return {"throughput_ratio_c64": round(data[name]["64"]["rps"] / bare_rps, 3) if bare_rps
+            else float("nan"),
+            "added_p50_ratio_c1": round(added / bare_added, 3) if bare_added > 0
+            else float("nan")}
+
+
+def _median_figures(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {"p50_ms": round(statistics.median(r["p50_ms"] for r in runs), 3),
+            "p99_ms": round(statistics.median(r["p99_ms"] for r in runs), 3),
+            "rps": round(statistics.median(r["rps"] for r in runs), 1),
+            "non_2xx": sum(int(r["non_2xx"]) for r in runs)}
+
+
+def hotpath_rounds(urls: dict[str, str], pids: dict[str, int], seconds: float,
+                   rounds: int) -> dict[str, dict[str, list[dict[str, float]]]]:
+    """Each target at each concurrency once per round (warmed first, the next run once it is
+    idle), the targets' order rotating from round to round: a slow spell on the machine falls
+    on each side in turn."""
+    runs: dict[str, dict[str, list[dict[str, float]]]] = {
+        name: {str(c): [] for c in HOTPATH_CONCURRENCY} for name in urls}
+    names = list(urls)
+    with lua_body(BODY) as lua:
+        for k in range(rounds):
+            order = names[k % len(names):] + names[:k % len(names)]
+            say(f"  round {k + 1} of {rounds}")
+            for c in HOTPATH_CONCURRENCY:
+                for name in order:
+                    wrk(urls[name], c, min(2.0, seconds), lua)  # warm up
+                    r = wrk(urls[name], c, seconds, lua)
+                    settle(pids[name])
+                    runs[name][str(c)].append(r)
+                    errors = f"  ({r['non_2xx']} non-2xx)" if r["non_2xx"] else ""
+                    say(f"    {name:9s} c={c:<3d} p50 {r['p50_ms']:.3f} ms  p99 "
+                        f"{r['p99_ms']:.3f} ms  {r['rps']:.0f} req/s{errors}")
+    return runs
+
+
+def hotpath_section(st: Stack, model: Path, seconds: float, baseline: str | None,
+                    rounds: int = HOTPATH_ROUNDS) -> dict[str, Any]:
+    """POST /v1/chat/completions, the instant upstream: straight, the bare aiohttp
+    pass-through, Spillway and (with `baseline`) Spillway at that revision; the median of each
+    figure over the rounds, and the two ratios for each Spillway."""
+    up = st.serve(lambda port: [str(INSTANT), "--port", str(port)], health=None)
+    pids = {"direct": st.procs[-1].pid}
+    bare = st.bare_proxy(up)
+    pids["aiohttp"] = st.procs[-1].pid
+    urls = {"direct": f"http://127.0.0.1:{up}/v1/chat/completions",
+            "aiohttp": f"http://127.0.0.1:{bare}/v1/chat/completions"}
+    daemons = {"spillway": st.spillway("hotpath", instant_config(model))}
+    if baseline:
+        daemons["baseline"] = st.spillway("hotpath-baseline", instant_config(model),
+                                          code=baseline_code(baseline))
+    for name, d in daemons.items():
+        assert d.proc is not None
+        urls[name] = f"{d.url}/v1/chat/completions"
+        pids[name] = d.proc.pid
+    runs = hotpath_rounds(urls, pids, seconds, rounds)
+    out: dict[str, Any] = {"rounds": rounds, "targets": HOTPATH_TARGETS}
+    for name, by_c in runs.items():
+        out[name] = {c: _median_figures(rs) for c, rs in by_c.items()}
+    for name in daemons:
+        out[name].update(hotpath_ratios(out, name))
+        # The ratios of each round by itself, to show their spread.
+        out[name]["ratios_by_round"] = [
+            hotpath_ratios({n: {c: rs[k] for c, rs in by_c.items()} for n, by_c in runs.items()},
+                           name) for k in range(rounds)]
+        say(f"  {name}: req/s at c=64 {out[name]['throughput_ratio_c64']:.2f} of aiohttp's, "
+            f"added p50 at c=1 {out[name]['added_p50_ratio_c1']:.2f}x aiohttp's")
+    if baseline:
+        out["baseline"]["rev"] = short_rev(baseline)
+    return out
+
+
+def run_only(only: str, quick: bool, seconds: float, baseline: str | None) -> dict[str, Any]:
+    """One part by itself (`--only`)."""
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
+        "quick": quick, "seconds": seconds}
+    with Stack() as st:
+        model = write_tiny_model(st.tmp / "tiny.gguf")
+        if only == "idempotency":
+            say("keyed throughput: a fresh Idempotency-Key per request, store empty and full")
+            report["idempotency"] = idempotency_section(st, model, seconds, baseline)
+        else:
+            say(f"hot path: straight, aiohttp pass-through, Spillway"
+                f"{', baseline ' + baseline if baseline else ''} ({HOTPATH_ROUNDS} rounds)")
+            report["hotpath"] = hotpath_section(st, model, seconds, baseline)
+    return report
+
+
 def run(quick: bool, only: str | None = None, baseline: str | None = None) -> dict[str, Any]:
     ensure_tools()
     seconds = 3.0 if quick else 10.0
-    if only == "idempotency":
-        report: dict[str, Any] = {
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
-            "quick": quick, "seconds": seconds}
-        with Stack() as st:
-            model = write_tiny_model(st.tmp / "tiny.gguf")
-            say("keyed throughput: a fresh Idempotency-Key per request, store empty and full")
-            report["idempotency"] = idempotency_section(st, model, seconds, baseline)
-        return report
+    if only is not None:
+        return run_only(only, quick, seconds, baseline)
     concurrency = (1, 16, 64)
     llama = bootstrap.ensure_llama_server()
     fake = fake_server_script(Path(tempfile.mkdtemp(prefix="spillway-bench-fake-")))
-    instant = REPO / "bench" / "instant-upstream.sh"
-    report = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-              "machine": machine(), "quick": quick, "seconds": seconds}
+    report: dict[str, Any] = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                              "machine": machine(), "quick": quick, "seconds": seconds}
     with Stack() as st, lua_body(BODY) as lua:
         model = write_tiny_model(st.tmp / "tiny.gguf")
         # 1. An upstream that answers at once.
         say("instant upstream: straight, Spillway, nginx, LiteLLM")
-        up = st.serve(lambda port: [str(instant), "--port", str(port)], health=None)
-        sp = st.spillway("instant", {
-            "model": {"llama_server": str(instant), "path": str(model), "args": []},
-            "gpu": {"args": [], "max_concurrency": 1024},
-            "cpu": {"args": [], "max_concurrency": 1024},
-            "queue": {"max_waiting": 1024}})
-        bare = st.serve(lambda port: [sys.executable, str(REPO / "bench" / "bare_proxy.py"),
-                                      f"http://127.0.0.1:{up}", str(port)], health=None)
+        up = st.serve(lambda port: [str(INSTANT), "--port", str(port)], health=None)
+        sp = st.spillway("instant", instant_config(model))
+        bare = st.bare_proxy(up)
         targets = st.targets(up, sp, aiohttp=bare)
         report["instant"] = latency_matrix(targets, seconds, lua, concurrency)
+        report["instant_ratios"] = hotpath_ratios(report["instant"], "spillway")
         report["spillway_rss_idle_mib"] = round(rss_mib(sp.proc.pid), 1)  # type: ignore[union-attr]
 
         # 2. The real llama-server with the tiny model.
@@ -632,28 +748,60 @@ def table(r: dict[str, Any]) -> str:
              f"{' (quick)' if r['quick'] else ''}", ""]
     for upstream, title in (("instant", "upstream that answers at once"),
                             ("llama", "real llama-server, tiny model")):
-        if upstream not in r:
-            continue
-        data = r[upstream]
-        names = list(data)
-        lines.append(f"{title}:")
-        lines.append("| concurrency | measure | " + " | ".join(names) +
-                     " | Spillway − direct |")
-        lines.append("|---|---|" + "---|" * len(names) + "---|")
-        for c in ("1", "16", "64"):
-            for measure, key, fmt in (("p50 ms", "p50_ms", "{:.3f}"),
-                                      ("p99 ms", "p99_ms", "{:.3f}"),
-                                      ("req/s", "rps", "{:.0f}")):
-                cells = [fmt.format(data[n][c][key]) for n in names]
-                diff = data["spillway"][c][key] - data["direct"][c][key]
-                lines.append(f"| {c} | {measure} | " + " | ".join(cells) +
-                             f" | {fmt.format(diff)} |")
-        lines.append("")
+        if upstream in r:
+            lines.extend(_matrix_lines(title, r[upstream]))
+        if upstream == "instant" and "instant_ratios" in r:
+            lines.extend([*_ratio_lines({"spillway": r["instant_ratios"]}), ""])
+    if "hotpath" in r:
+        lines.extend(_hotpath_lines(r["hotpath"]))
     if "streams" in r:
         lines.extend(_other_lines(r))
     if "idempotency" in r:
         lines.extend(_idempotency_lines(r["idempotency"]))
     return "\n".join(lines)
+
+
+def _matrix_lines(title: str, data: dict[str, Any]) -> list[str]:
+    names = list(data)
+    lines = [f"{title}:",
+             "| concurrency | measure | " + " | ".join(names) + " | Spillway − direct |",
+             "|---|---|" + "---|" * len(names) + "---|"]
+    for c in ("1", "16", "64"):
+        for measure, key, fmt in MEASURES:
+            cells = [fmt.format(data[n][c][key]) for n in names]
+            diff = data["spillway"][c][key] - data["direct"][c][key]
+            lines.append(f"| {c} | {measure} | " + " | ".join(cells) +
+                         f" | {fmt.format(diff)} |")
+    return [*lines, ""]
+
+
+def _ratio_lines(by_label: dict[str, dict[str, Any]]) -> list[str]:
+    """The hot-path ratios of each Spillway against the bare aiohttp pass-through."""
+    least, most = (HOTPATH_TARGETS[k] for k in ("throughput_ratio_c64", "added_p50_ratio_c1"))
+    lines = [f"| against the bare aiohttp pass-through | req/s at c=64 / aiohttp's (target ≥ "
+             f"{least:.2f}) | added p50 at c=1 / aiohttp's (target ≤ {most:.2f}) |",
+             "|---|---|---|"]
+    for label, m in by_label.items():
+        rps, p50 = m["throughput_ratio_c64"], m["added_p50_ratio_c1"]
+        lines.append(f"| {label} | {rps:.2f} ({'met' if rps >= least else 'missed'}) | "
+                     f"{p50:.2f} ({'met' if p50 <= most else 'missed'}) |")
+    return lines
+
+
+def _hotpath_lines(d: dict[str, Any]) -> list[str]:
+    names = [n for n in ("direct", "aiohttp", "spillway", "baseline") if n in d]
+    heads = {n: f"baseline {d[n]['rev']}" if n == "baseline" else n for n in names}
+    lines = [f"hot path (POST /v1/chat/completions, instant upstream; each figure the median of "
+             f"{d['rounds']} interleaved rounds):",
+             "| concurrency | measure | " + " | ".join(heads.values()) + " |",
+             "|---|---|" + "---|" * len(names)]
+    for c in (str(c) for c in HOTPATH_CONCURRENCY):
+        for measure, key, fmt in MEASURES:
+            lines.append(f"| {c} | {measure} | " +
+                         " | ".join(fmt.format(d[n][c][key]) for n in names) + " |")
+    lines.append("")
+    lines.extend(_ratio_lines({heads[n]: d[n] for n in ("spillway", "baseline") if n in d}))
+    return [*lines, ""]
 
 
 def _idempotency_lines(d: dict[str, Any]) -> list[str]:
@@ -698,10 +846,11 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="3 s per figure instead of 10")
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
-    parser.add_argument("--only", choices=("idempotency",),
+    parser.add_argument("--only", choices=("idempotency", "hotpath"),
                         help="just this part (written to <out>/<part>.json and .md)")
     parser.add_argument("--baseline", metavar="REV",
-                        help="also measure keyed throughput with this git revision's code")
+                        help="also measure keyed throughput (and, with --only hotpath, the hot "
+                             "path) with this git revision's code")
     args = parser.parse_args()
     result = run(args.quick, args.only, args.baseline)
     out = Path(args.out)
