@@ -145,6 +145,7 @@ class Child:
         self.state_since = time.monotonic()
         self.reason = "not started"  # why it is in its state, for status
         self.pid: int | None = None
+        self.host = "127.0.0.1"  # every child listens on loopback only
         self.port: int | None = None
         self.api_key: str = ""
         self.generation = 0
@@ -177,7 +178,7 @@ class Child:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     @property
     def is_ready(self) -> bool:

@@ -34,7 +34,7 @@ from .own_routes import OwnRoutes, status_line
 from .pool import Pool
 from .proxy.app import build_app
 from .proxy.auth import AuthSettings
-from .proxy.connections import TrackingConnector
+from .proxy.connections import UpstreamClient
 from .proxy.forward import Forwarder, ForwardSettings
 from .proxy.handler import ProxyHandler, ProxySettings
 from .reload import Reloader
@@ -121,7 +121,7 @@ class Daemon:
         self.devices_listed = False  # whether gpu_devices is known yet
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
-        self._fresh_session: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamClient | None = None
         self.listening: list[str] = []
         # The card's free memory when the GPU child went FATAL: memory freed since then (by a
         # game or another model quitting) is a reason to try it again at once.
@@ -363,23 +363,16 @@ class Daemon:
         self.res.sample()
         self.pool = Pool(self.res, self.children, self.config.queue.max_waiting,
                          self.config.queue.max_wait_s, metrics=self.metrics, boot=self.boot)
-        # No cookie jar: the session is shared by every client, so a cookie one answer set
-        # must never ride along with another client's request. (aiohttp's own jar already
-        # refuses cookies from an IP address like the children's; this keeps it so, and skips
-        # the jar's work on every request.)
+        # The proxy's own keep-alive connections to the children (proxy/connections.py).
+        self._upstream = UpstreamClient(keepalive_s=UPSTREAM_KEEPALIVE_S)
+        # aiohttp's client, for Spillway's own questions to a child (/props, token counts).
+        # No cookie jar: a cookie one answer set must never ride along with another request.
         self._session = aiohttp.ClientSession(
-            connector=TrackingConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
             auto_decompress=False, skip_auto_headers=("User-Agent",),
             cookie_jar=aiohttp.DummyCookieJar(),
         )
-        # A new connection per request: only for the one resend after a pooled connection
-        # turned out closed (see proxy/connections.py).
-        self._fresh_session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, force_close=True),
-            auto_decompress=False, skip_auto_headers=("User-Agent",),
-            cookie_jar=aiohttp.DummyCookieJar(),
-        )
-        forwarder = Forwarder(self._session, self.forward_settings, fresh=self._fresh_session,
+        forwarder = Forwarder(self._upstream, self._session, self.forward_settings,
                               on_resend=self._stale_connection)
         self.proxy = ProxyHandler(self.pool, forwarder, self.proxy_settings, self.incidents,
                                   self.idempotency, self.metrics)
@@ -470,9 +463,10 @@ class Daemon:
         grace = 1.0 if self._stop_signals >= 2 else None
         await asyncio.gather(*(c.close(grace) for c in self.children.values()),
                              return_exceptions=True)
-        for session in (self._session, self._fresh_session):
-            if session is not None:
-                await session.close()
+        if self._upstream is not None:
+            self._upstream.close()
+        if self._session is not None:
+            await self._session.close()
         await self.monitor.close()
         log.info("stopped")
 

@@ -52,8 +52,10 @@ async def test_a_reused_connection_closed_under_a_request_is_resent_on_a_new_one
         dropping: Any) -> None:
     s, state = dropping
     async with aiohttp.ClientSession() as http:
-        # Each pair: the first opens a connection, the second reuses it and is dropped. (A
-        # stream asks for its connection to be closed after it: it only ever reuses one.)
+        # The fake drops every request that comes on a reused connection: each request after
+        # a non-streamed one reuses its connection and is dropped, and the new connection it
+        # is sent again on is pooled in turn. (A stream asks for its connection to be closed
+        # after it: the request after a stream opens a new one.)
         for stream in (False, True, False, False, False, True):
             async with http.post(f"{s.url}/v1/chat/completions",
                                  json={**CHAT, "stream": stream}) as r:
@@ -65,7 +67,7 @@ async def test_a_reused_connection_closed_under_a_request_is_resent_on_a_new_one
                 assert "X-Spillway-Failover" not in r.headers
                 if stream:
                     assert body.rstrip().endswith(b"data: [DONE]")
-        # A GET changes nothing: aiohttp itself sends it again once (RFC 9112, 9.3.1.1).
+        # A GET changes nothing (RFC 9110, 9.2.1): it is sent again too.
         for _ in range(2):
             async with http.get(f"{s.url}/slots") as r:
                 assert r.status == 200
@@ -79,11 +81,11 @@ async def test_a_reused_connection_closed_under_a_request_is_resent_on_a_new_one
     code, text = s.get("/spillway/metrics")
     assert code == 200
     resends = metric(text, "spillway_upstream_stale_connection_resends_total", child="gpu")
-    assert resends == 3  # the second of each pair
+    assert resends == 4 + 1  # chats 2, 4, 5 and 6; the second GET
     assert "spillway_failovers_total" not in {
         smp.name for f in text_string_to_metric_families(text) for smp in f.samples}
-    # The child saw each dropped request and its resend: six chats, three of them twice.
-    assert len(seen(state, "/v1/chat/completions")) == 6 + 3
+    # The child saw each dropped request and its resend: six chats, four of them twice.
+    assert len(seen(state, "/v1/chat/completions")) == 6 + 4
 
 
 async def test_a_post_outside_the_generation_routes_is_never_sent_twice(

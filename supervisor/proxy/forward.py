@@ -36,7 +36,13 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from ..policy import evidence as ev
 from ..policy.routes import ANTHROPIC_ROUTES, RouteClass
 from . import sse
-from .connections import CURRENT_USE, ConnectionUse
+from .connections import (
+    ConnectionUse,
+    UpstreamClient,
+    UpstreamClosed,
+    UpstreamConnectError,
+    UpstreamResponse,
+)
 from .errors import sse_error_event
 from .headers import downstream_headers, upstream_headers
 
@@ -67,6 +73,8 @@ class Upstream(Protocol):
     name: str
     generation: int
     api_key: str
+    host: str
+    port: int | None
 
     @property
     def stderr_tail(self) -> Sequence[str]: ...
@@ -179,7 +187,11 @@ class ForwardSettings:
     stream_hold_s: float
 
 
-def _is_sse(resp: aiohttp.ClientResponse) -> bool:
+# What an attempt's read of the child can raise: the connection closed, or it broke.
+_READ_ERRORS = (ConnectionError, OSError)
+
+
+def _is_sse(resp: UpstreamResponse) -> bool:
     return resp.headers.get("Content-Type", "").startswith("text/event-stream")
 
 
@@ -200,29 +212,17 @@ def _answer_figures(payload: Any) -> tuple[dict[str, Any] | None, int | None]:
 
 
 class Forwarder:
-    """Attempts. `session` pools keep-alive connections to the children; `fresh` opens a new
-    connection for every request, for the one resend after a reused connection failed;
-    `on_resend(child)` counts those resends."""
+    """Attempts. `client` holds the keep-alive connections to the children (and opens a new
+    one for the one resend after a reused connection failed); `session` is aiohttp's, for the
+    proxy's own questions to a child (token counts); `on_resend(child)` counts the resends."""
 
-    def __init__(self, session: aiohttp.ClientSession, settings: ForwardSettings,
-                 fresh: aiohttp.ClientSession | None = None,
+    def __init__(self, client: UpstreamClient, session: aiohttp.ClientSession,
+                 settings: ForwardSettings,
                  on_resend: Callable[[str], None] | None = None) -> None:
+        self.client = client
         self.session = session
-        self.fresh = fresh
         self.on_resend = on_resend
         self.settings = settings
-        self._timeout_key: tuple[float, float] | None = None
-        self._timeout_value = aiohttp.ClientTimeout()
-
-    def _timeout(self) -> aiohttp.ClientTimeout:
-        # No total timeout: a long generation is not an error. Only silence is. (Made once per
-        # settings: the settings can change on reload.)
-        key = (self.settings.connect_timeout_s, self.settings.read_timeout_s)
-        if self._timeout_key != key:
-            self._timeout_key = key
-            self._timeout_value = aiohttp.ClientTimeout(
-                total=None, sock_connect=key[0], connect=key[0], sock_read=key[1])
-        return self._timeout_value
 
     def _silent(self, child: Upstream, generation: int, **kw: Any) -> AttemptFailure:
         return AttemptFailure(child.name, generation, ev.Verdict(
@@ -232,7 +232,6 @@ class Forwarder:
     async def attempt(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
                       child: Upstream, own_headers: list[tuple[str, str]]) -> AttemptResult:
         generation = child.generation
-        url = f"{child.base_url}{ctx.path_qs}"
         headers = upstream_headers(ctx.client_headers, ctx.request_id,
                                    child.api_key if ctx.trusted else None)
         if ctx.stream:
@@ -243,7 +242,7 @@ class Forwarder:
             headers["Connection"] = "close"
         use = ConnectionUse()
         try:
-            sent = await self._send(ctx, child, generation, url, headers, use)
+            sent = await self._send(ctx, child, generation, headers, use)
             if isinstance(sent, AttemptFailure):
                 return sent
             upstream = sent
@@ -259,48 +258,45 @@ class Forwarder:
         finally:
             use.done(time.monotonic())
 
-    async def _send(self, ctx: RequestCtx, child: Upstream, generation: int, url: str,
+    async def _send(self, ctx: RequestCtx, child: Upstream, generation: int,
                     headers: CIMultiDict[str],
-                    use: ConnectionUse) -> aiohttp.ClientResponse | AttemptFailure:
+                    use: ConnectionUse) -> UpstreamResponse | AttemptFailure:
         """The request, up to the child's status line. A request that got no byte back on a
         *reused* keep-alive connection, while its child is still running, most likely met a
         connection the child had just closed (cpp-httplib closes idle ones after 5 s): it is
         sent once more to the same child on a new connection when sending it twice is safe.
         That is neither a replay nor evidence about the child; only a failure on the new
         connection is."""
-        token = CURRENT_USE.set(use)
         try:
-            return await self._request(self.session, ctx, url, headers)
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            return await self._request(ctx, child, headers, use, fresh=False)
+        except (OSError, TimeoutError) as e:
             if not self._may_resend(ctx, child, generation, use, e):
                 return await self._send_failed(child, generation, e)
-        finally:
-            CURRENT_USE.reset(token)
-        assert self.fresh is not None
         if self.on_resend is not None:
             self.on_resend(child.name)
         try:
-            return await self._request(self.fresh, ctx, url, headers)
-        except (aiohttp.ClientError, OSError, TimeoutError) as e:
+            return await self._request(ctx, child, headers, ConnectionUse(), fresh=True)
+        except (OSError, TimeoutError) as e:
             return await self._send_failed(child, generation, e)
 
-    async def _request(self, session: aiohttp.ClientSession, ctx: RequestCtx, url: str,
-                       headers: CIMultiDict[str]) -> aiohttp.ClientResponse:
-        return await session.request(
-            ctx.method, url, data=ctx.body or None, headers=headers, timeout=self._timeout(),
-            allow_redirects=False, auto_decompress=False)
+    async def _request(self, ctx: RequestCtx, child: Upstream, headers: CIMultiDict[str],
+                       use: ConnectionUse, fresh: bool) -> UpstreamResponse:
+        # No total timeout: a long generation is not an error. Only silence is.
+        return await self.client.request(
+            child.host, child.port or 0, ctx.method, ctx.path_qs, headers.items(), ctx.body,
+            use, connect_timeout=self.settings.connect_timeout_s,
+            read_timeout=self.settings.read_timeout_s, fresh=fresh)
 
     def _may_resend(self, ctx: RequestCtx, child: Upstream, generation: int,
                     use: ConnectionUse, error: BaseException) -> bool:
-        if isinstance(error, (aiohttp.ClientConnectorError, TimeoutError)):
+        if isinstance(error, (UpstreamConnectError, TimeoutError)):
             return False  # nothing listening, or silence: both say something about the child
         # Safe to send twice: a generation route (the replay rule's route condition), a
         # method that changes nothing, or a request that never left (aiohttp could not write
         # it to a transport that was already closing).
-        unwritten = isinstance(error, aiohttp.ClientConnectionResetError)
+        unwritten = isinstance(error, UpstreamClosed) and error.unwritten
         safe = ctx.route is RouteClass.GENERATION or ctx.method in _SAFE_METHODS or unwritten
-        resend = (use.reused and safe and self.fresh is not None
-                  and child.running(generation))
+        resend = use.reused and safe and child.running(generation)
         log.warning("rid=%s %s child: %s (%s) before a response on %s; %s", ctx.request_id,
                     child.name, type(error).__name__, error, use.describe(),
                     "the child is running: sending it again on a new connection" if resend
@@ -309,7 +305,7 @@ class Forwarder:
 
     async def _send_failed(self, child: Upstream, generation: int,
                            error: BaseException) -> AttemptFailure:
-        if isinstance(error, aiohttp.ClientConnectorError):
+        if isinstance(error, UpstreamConnectError):
             return await self._failure(child, generation, connect_failed=True)
         if isinstance(error, TimeoutError):
             return self._silent(child, generation)
@@ -329,13 +325,13 @@ class Forwarder:
                               after_bytes=after_bytes)
 
     async def _whole(self, ctx: RequestCtx, attempt: Attempt, child: Upstream, generation: int,
-                     upstream: aiohttp.ClientResponse,
+                     upstream: UpstreamResponse,
                      own_headers: list[tuple[str, str]]) -> Answered | AttemptFailure:
         try:
             body = await upstream.read()
         except TimeoutError:
             return self._silent(child, generation)
-        except (aiohttp.ClientError, OSError):
+        except _READ_ERRORS:
             return await self._failure(child, generation, closed=True)
         if upstream.status >= 400:
             verdict = ev.classify_response(upstream.status, body.decode("utf-8", "replace"))
@@ -351,7 +347,7 @@ class Forwarder:
                                      headers=downstream_headers(upstream.headers, own_headers)))
 
     async def _pipe(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
-                    upstream: aiohttp.ClientResponse,
+                    upstream: UpstreamResponse,
                     own_headers: list[tuple[str, str]]) -> Answered:
         resp = web.StreamResponse(status=upstream.status, reason=upstream.reason,
                                   headers=downstream_headers(upstream.headers, own_headers))
@@ -362,8 +358,8 @@ class Forwarder:
         attempt.first_byte_s = time.monotonic() - ctx.received
         while True:
             try:
-                chunk = await upstream.content.readany()
-            except (aiohttp.ClientError, TimeoutError, OSError):
+                chunk = await upstream.readany()
+            except (TimeoutError, *_READ_ERRORS):
                 # The child went away mid-answer: end the connection uncleanly so that the
                 # client cannot take a truncated body for a whole one.
                 ctx.capture = None
@@ -378,7 +374,7 @@ class Forwarder:
         return Answered(resp)
 
     async def _stream(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
-                      child: Upstream, generation: int, upstream: aiohttp.ClientResponse,
+                      child: Upstream, generation: int, upstream: UpstreamResponse,
                       own_headers: list[tuple[str, str]]) -> AttemptResult:
         headers = downstream_headers(upstream.headers, own_headers)
         anthropic = ctx.path in ANTHROPIC_ROUTES
@@ -401,7 +397,7 @@ class Forwarder:
                                  anthropic)
 
     async def _hold(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
-                    child: Upstream, generation: int, upstream: aiohttp.ClientResponse,
+                    child: Upstream, generation: int, upstream: UpstreamResponse,
                     headers: CIMultiDict[str], anthropic: bool) -> _Held | Broken | AttemptFailure:
         """Read until the first SSE event, holding the client's status and headers; past the
         hold limit, let them out with a comment line (the request then gives up its replay)."""
@@ -420,13 +416,13 @@ class Forwarder:
                 continue
             try:
                 async with asyncio.timeout(left):
-                    chunk = await upstream.content.readany()
+                    chunk = await upstream.readany()
             except TimeoutError:
                 if time.monotonic() < deadline:  # sock_read fired first: the child is silent
                     return await self._stream_broke(ctx, child, generation, resp, anthropic,
                                                     timed_out=True)
                 continue  # the hold limit: handled at the top of the loop
-            except (aiohttp.ClientError, OSError):
+            except _READ_ERRORS:
                 chunk = b""
             if not chunk:
                 return await self._stream_broke(ctx, child, generation, resp, anthropic)
@@ -434,7 +430,7 @@ class Forwarder:
         return _Held(buffer, found[0], resp)
 
     async def _relay(self, ctx: RequestCtx, attempt: Attempt, child: Upstream, generation: int,
-                     upstream: aiohttp.ClientResponse, resp: web.StreamResponse, buffer: bytes,
+                     upstream: UpstreamResponse, resp: web.StreamResponse, buffer: bytes,
                      anthropic: bool) -> Answered | Broken | AttemptFailure:
         """Whole events, as they come. Reads and writes fail apart: a read error is the child's
         failure, a write error is the client leaving (it propagates)."""
@@ -447,11 +443,11 @@ class Forwarder:
                 attempt.events += sse.count_data_events(whole)
                 last = whole
             try:
-                chunk = await upstream.content.readany()
+                chunk = await upstream.readany()
             except TimeoutError:
                 return await self._stream_broke(ctx, child, generation, resp, anthropic,
                                                 timed_out=True)
-            except (aiohttp.ClientError, OSError):
+            except _READ_ERRORS:
                 return await self._stream_broke(ctx, child, generation, resp, anthropic)
             if not chunk:
                 break
