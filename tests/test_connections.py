@@ -26,6 +26,7 @@ class Server:
         self.connections = 0
         self.server: asyncio.Server | None = None
         self.port = 0
+        self.writers: list[asyncio.StreamWriter] = []
 
     async def __aenter__(self) -> Server:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -35,9 +36,12 @@ class Server:
     async def __aexit__(self, *exc: object) -> None:
         assert self.server is not None
         self.server.close()
+        for writer in self.writers:
+            writer.close()  # the server is gone: so are its connections
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
+        self.writers.append(writer)
         n = 0
         try:
             while True:
@@ -209,3 +213,14 @@ async def test_a_large_body_is_read_whole_with_reading_paused_and_resumed(
         while chunk := await r.readany():
             got += chunk
         assert bytes(got) == big and r.finished
+
+
+async def test_the_pools_of_ports_no_longer_in_use_are_forgotten(client: UpstreamClient) -> None:
+    # A child that restarts listens on a new port; its old port's pool must not stay forever.
+    async with Server(lambda n, req: ok(b"{}")) as old:
+        await get(client, old.port)
+        assert ("127.0.0.1", old.port) in client._idle
+    await asyncio.sleep(0.05)  # the old server is gone: its pooled connection closed
+    async with Server(lambda n, req: ok(b"{}")) as new:
+        await get(client, new.port)
+        assert list(client._idle) == [("127.0.0.1", new.port)]

@@ -317,6 +317,9 @@ class _Idle:
             conn.close()
         return None
 
+    def has_usable(self) -> bool:
+        return any(conn.usable for conn in self.conns)
+
     def close(self) -> None:
         for conn in self.conns:
             conn.close()
@@ -337,6 +340,9 @@ class UpstreamClient:
         """Send one request and read its status and headers. `fresh`: on a new connection."""
         idle = self._idle.get((host, port))
         if idle is None:
+            # A child that restarted listens on a new port: forget the old ports' pools.
+            for key in [k for k, v in self._idle.items() if not v.has_usable()]:
+                self._idle.pop(key).close()
             idle = self._idle[(host, port)] = _Idle(self.keepalive_s)
         conn = None if fresh else idle.get()
         if conn is None:
