@@ -167,7 +167,7 @@ class OwnRoutes:
             info["runs_on"] = (devices[0] if devices else
                                "CPU: this llama-server lists no GPU device "
                                "(--list-devices), so the GPU child runs CPU-only")
-            info["paused"] = "gpu" in self.res.paused
+            info["paused"] = "gpu" in self.pool.paused
             if fatal:
                 info["why"] = why_gpu_fatal(child, self.host.config.restart.fatal_retry_max_s,
                                             self.res.gpu_need_bytes())
@@ -236,7 +236,7 @@ class OwnRoutes:
         """Operator control of the GPU child (key-guarded routes)."""
         gpu = self.children["gpu"]
         if action == "restart":
-            self.res.paused.discard("gpu")
+            self.pool.paused.discard("gpu")
             gpu.restart("operator: spillway gpu restart")
             return "restarting the GPU child"
         if action == "drain":
@@ -245,9 +245,9 @@ class OwnRoutes:
             gpu.drain("operator: spillway gpu drain")
             return "draining the GPU child; it restarts when its requests are done"
         if action == "pause":
-            self.res.paused.add("gpu")
+            self.pool.paused.add("gpu")
             await gpu.stop("operator: spillway gpu pause (VRAM freed)")
             return "the GPU child is stopped and its VRAM free; the CPU child serves"
-        self.res.paused.discard("gpu")
+        self.pool.paused.discard("gpu")
         gpu.start()
         return "starting the GPU child"
