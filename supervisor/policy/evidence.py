@@ -61,6 +61,11 @@ _LOAD_FAILURE = [
 ]
 _LOAD_ERROR_LINE = re.compile(r"exiting due to model loading error|failed to load model")
 
+# Public names for the other policy modules (router.py) that read the same lines.
+OOM_PATTERNS = _OOM_PATTERNS
+CUDA_ERROR_LINE = _CUDA_ERROR_LINE
+LOAD_FAILURE = _LOAD_FAILURE
+
 SIGABRT = int(signal.SIGABRT)
 # A shell wrapper reports a signal death as 128 + the signal number.
 _SHELL_SIGNAL_OFFSET = 128
@@ -136,6 +141,21 @@ def _vram_note(ev: Evidence) -> str:
     v = ev.vram
     assert v is not None
     return f"free VRAM {v.free_mib:.0f} MiB of {v.total_mib:.0f} MiB, {v.age_s:.1f} s before"
+
+
+def last_match(lines: Sequence[str], patterns: Sequence[re.Pattern[str]]) -> str | None:
+    """The last line (stripped) that one of the patterns finds, or None."""
+    return _last_match(lines, patterns)
+
+
+def vram_short(ev: Evidence) -> bool:
+    """The sample is fresh (`vram_max_age_s`) and shows less free than `vram_short_mib`."""
+    return _vram_short(ev)
+
+
+def vram_note(ev: Evidence) -> str:
+    """`free VRAM 61 MiB of 143771 MiB, 0.4 s before` (the sample must be present)."""
+    return _vram_note(ev)
 
 
 def classify_response(status: int, body: str) -> Verdict:
