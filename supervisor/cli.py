@@ -28,13 +28,40 @@ def _print_problems(err: config.ConfigError) -> None:
         print(f"  {p}", file=sys.stderr)
 
 
+def _print_router_models(cfg: config.Config) -> None:
+    """Router mode: the models the routers would serve, one a line with where it comes from;
+    warnings (to stderr) never make the config invalid."""
+    from . import models_dir
+
+    print("  router mode: both children are llama-server routers over the same models, one "
+          "instance per model, routed by the request's \"model\"")
+    found = models_dir.find_models(cfg)
+    if found:
+        width = max(len(m.name) for m in found)
+        print(f"  models ({len(found)}; and any in llama.cpp's cache, LLAMA_CACHE):")
+        for m in found:
+            print(f"    {m.name.ljust(width)}  from {', '.join(m.sources)}")
+    for name in config.CHILD_NAMES:
+        child = cfg.child(name)
+        most = child.models_max or "no limit"
+        print(f"  {name} router: at most {most} model(s) loaded at once (--models-max)")
+    for warning in models_dir.warnings(cfg):
+        print(f"warning: {warning}", file=sys.stderr)
+
+
 def cmd_check_config(args: argparse.Namespace) -> int:
+    if (args.file is None) == (args.config is None):
+        print("spillway check-config: name the file once: check-config FILE or "
+              "check-config --config FILE", file=sys.stderr)
+        return EXIT_CONFIG
     try:
-        cfg = config.load(args.file)
+        cfg = config.load(args.file or args.config)
     except config.ConfigError as e:
         _print_problems(e)
         return EXIT_CONFIG
     print(f"{cfg.path}: valid")
+    if cfg.router:
+        _print_router_models(cfg)
     for name in config.CHILD_NAMES:
         child = cfg.child(name)
         print(f"  {name} child: {' '.join(child.command(0, '')[:-6])}")
@@ -253,8 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", "-c", required=True, help="the TOML configuration file")
     p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("check-config", help="validate a configuration file (exit 0 or 2)")
-    p.add_argument("file")
+    p = sub.add_parser("check-config", help="validate a configuration file (exit 0 or 2); in "
+                                            "router mode, list the models it finds")
+    p.add_argument("file", nargs="?", default=None)
+    p.add_argument("--config", "-c", default=None, help="the file (instead of FILE)")
     p.set_defaults(func=cmd_check_config)
 
     p = sub.add_parser("version", help="print the version")

