@@ -162,6 +162,8 @@ class Child:
         # Its requests in flight: counted by the pool (the one writer), read here.
         self.load = Load()
         self.listeners: list[StateListener] = []
+        # Each output line, as read (router mode: the router's own lines tell of its models).
+        self.line_listeners: list[Callable[[str], None]] = []
         self.armed_signal: int | None = None  # the drill's: sent when the next task launches
 
         self._want_running = False
@@ -640,6 +642,11 @@ class Child:
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             self.stderr_tail.append(line)
             log.info("[%s] %s", self.name, line)
+            for listener in self.line_listeners:
+                try:
+                    listener(line)
+                except Exception:  # noqa: BLE001 - a listener must not stop the reading
+                    log.exception("output line listener failed")
             if "launch_slot_" in line:
                 self.tasks_started += 1
                 if self.armed_signal is not None:

@@ -73,9 +73,14 @@ StateListener = Callable[[Any, ChildState, ChildState, str], None]
 class Member(Upstream, Protocol):
     """An upstream as the pool holds it (children.Child provides it)."""
 
-    load: Load
-    last_start_s: float | None
-    listeners: list[StateListener]
+    @property
+    def load(self) -> Load: ...
+
+    @property
+    def last_start_s(self) -> float | None: ...
+
+    @property
+    def listeners(self) -> list[StateListener]: ...
 
     @property
     def state(self) -> ChildState: ...
@@ -312,6 +317,8 @@ class Pool:
         lease = Lease(self, self.upstreams[name], counted=True, decision=decision,
                       waited_s=time.monotonic() - began, estimated_wait_s=estimate,
                       estimate_basis=basis)
+        if decision.warm is not None:
+            self.source.start_child(decision.warm)
         if decision.start_child:
             self.source.start_child(name)
             within = self.max_wait_s if req.deadline_s is None else req.deadline_s
@@ -402,7 +409,7 @@ class Pool:
                 self._take(decision.child)
             waiter.future.set_result(Decision(
                 decision.action, decision.branch, "served from the line", child=decision.child,
-                start_child=decision.start_child))
+                start_child=decision.start_child, warm=decision.warm))
             self._changed()
 
     async def replay_lease(self, name: str, within_s: float | None) -> Lease | None:

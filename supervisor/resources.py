@@ -14,14 +14,13 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import psutil
 
 from . import gguf_meta, llama_args
-from .children import Child
-from .config import Config
+from .config import ChildConfig, Config
 from .gpu import MIB, GpuMonitor
 from .policy import estimate
 from .policy.admission import ChildView
@@ -41,8 +40,40 @@ class Profile:
     peak_vram: int = 0  # the most VRAM seen in use by it (GPU child, from NVML)
 
 
+class Supervised(Protocol):
+    """What these figures need of an upstream: a child (children.Child), or one model on a
+    router child (router/upstream.py)."""
+
+    @property
+    def state(self) -> ChildState: ...
+
+    @property
+    def pid(self) -> int | None: ...
+
+    @property
+    def cfg(self) -> ChildConfig: ...
+
+    @property
+    def base_url(self) -> str: ...
+
+    @property
+    def api_key(self) -> str: ...
+
+    @property
+    def last_start_s(self) -> float | None: ...
+
+    @property
+    def state_since(self) -> float: ...
+
+    def next_try_in_s(self) -> float | None: ...
+
+    def start(self) -> None: ...
+
+    async def wait_state(self, *states: ChildState, timeout: float | None = None) -> bool: ...
+
+
 class Resources:
-    def __init__(self, config: Config, children: Mapping[str, Child],
+    def __init__(self, config: Config, children: Mapping[str, Supervised],
                  monitor: GpuMonitor) -> None:
         self.config = config
         self.children = children
@@ -67,11 +98,17 @@ class Resources:
 
     # --- learning ---------------------------------------------------------------------------
 
+    def model_path(self) -> str:
+        return self.config.model.path
+
+    def props_path(self) -> str:
+        return "/props"
+
     def read_model(self) -> None:
         """Blocking (reads the file's metadata): call it in a thread."""
         try:
-            self.model_size = os.path.getsize(self.config.model.path)
-            self.model_shape = gguf_meta.model_shape(self.config.model.path)
+            self.model_size = os.path.getsize(self.model_path())
+            self.model_shape = gguf_meta.model_shape(self.model_path())
         except (OSError, gguf_meta.GgufError) as e:
             log.info("model shape unknown (%s): the KV estimate is a guess", e)
         self.refresh()
@@ -80,7 +117,7 @@ class Resources:
         """Slots and context per slot, as the child reports them once ready."""
         child = self.children[name]
         try:
-            async with session.get(f"{child.base_url}/props",
+            async with session.get(f"{child.base_url}{self.props_path()}",
                                    headers={"Authorization": f"Bearer {child.api_key}"},
                                    timeout=aiohttp.ClientTimeout(total=10)) as r:
                 props: Any = await r.json()
@@ -163,20 +200,22 @@ class Resources:
                    with_estimate: bool = True) -> ChildView:
         """What admission needs of one child; called on every request, so kept cheap (the
         time estimate only when the request has a deadline to weigh it against)."""
-        child = self.children[name]
-        state = child.state
-        if name == "gpu":
-            startable, ram_ok = False, True
-        else:
-            running = state is ChildState.READY or state is ChildState.STARTING
-            startable = (state is ChildState.STOPPED and self.config.cpu.mode == "on-demand"
-                         and name not in self.paused and self.cpu_ram_ok(cold=True))
-            ram_ok = self.cpu_ram_ok(cold=not running)
+        state = self.children[name].state
+        startable, ram_ok = self.startable(name, state)
         expected = self.expected_seconds(name, body_size, max_tokens) if with_estimate else None
         return ChildView(
             name=name, state=state, busy=busy, cap=self.cap(name),
             ctx_per_slot=self.profiles[name].ctx_per_slot, startable=startable, ram_ok=ram_ok,
             expected_s=expected, back_in_s=self.back_in_s(name))
+
+    def startable(self, name: str, state: ChildState) -> tuple[bool, bool]:
+        """(may be started now, has the RAM it needs): the on-demand CPU child's."""
+        if name == "gpu":
+            return False, True
+        running = state is ChildState.READY or state is ChildState.STARTING
+        startable = (state is ChildState.STOPPED and self.config.cpu.mode == "on-demand"
+                     and name not in self.paused and self.cpu_ram_ok(cold=True))
+        return startable, self.cpu_ram_ok(cold=not running)
 
     def back_in_s(self, name: str) -> float | None:
         """Seconds until a child whose restart is under way serves again: what is left of its

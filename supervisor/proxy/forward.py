@@ -34,6 +34,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..policy import evidence as ev
+from ..policy import router as router_evidence
 from ..policy.routes import ANTHROPIC_ROUTES, RouteClass
 from . import sse
 from .connections import (
@@ -70,11 +71,20 @@ class ExitInfo(Protocol):
 class Upstream(Protocol):
     """What the proxy needs of a child (children.Child provides it)."""
 
-    name: str
-    generation: int
-    api_key: str
-    host: str
-    port: int | None
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def api_key(self) -> str: ...
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int | None: ...
 
     @property
     def stderr_tail(self) -> Sequence[str]: ...
@@ -157,6 +167,7 @@ class RequestCtx:
     status: int | None = None  # the status the client got
     capture: bytearray | None = None  # the bytes sent, when an Idempotency-Key wants them
     capture_limit: int = 0
+    model: str | None = None  # router mode: the model it names, as the routers list it
 
     @property
     def last(self) -> Attempt | None:
@@ -333,6 +344,13 @@ class Forwarder:
             return self._silent(child, generation)
         except _READ_ERRORS:
             return await self._failure(child, generation, closed=True)
+        if upstream.status >= 500 and (router_evidence.is_proxy_error(upstream.status, body) or
+                                       router_evidence.is_load_failure_body(upstream.status,
+                                                                            body)):
+            # Router mode: the model's instance died under the request (or while loading for
+            # it); the router lives on and says so in a 500. The instance's exit is the
+            # evidence.
+            return await self._failure(child, generation, closed=True)
         if upstream.status >= 400:
             verdict = ev.classify_response(upstream.status, body.decode("utf-8", "replace"))
             if verdict.child_failed:
@@ -452,6 +470,10 @@ class Forwarder:
             if not chunk:
                 break
             whole, pending = sse.split_complete(pending + chunk)
+        if pending and router_evidence.stream_tail_is_proxy_error(pending):
+            # Router mode: the instance died mid-stream, and the router ended the stream with
+            # its plain-text proxy error (no error event, no [DONE]).
+            return await self._stream_broke(ctx, child, generation, resp, anthropic)
         if pending:
             await resp.write(pending)
             ctx.captured(pending)
