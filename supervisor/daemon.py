@@ -32,6 +32,7 @@ from .metrics import Metrics
 from .policy.lifecycle import ChildState
 from .own_routes import OwnRoutes, status_line
 from .pool import Pool
+from .pools import Pools
 from .proxy.app import build_app
 from .proxy.auth import AuthSettings
 from .proxy.connections import UpstreamClient
@@ -39,6 +40,8 @@ from .proxy.forward import Forwarder, ForwardSettings
 from .proxy.handler import ProxyHandler, ProxySettings
 from .reload import Reloader
 from .resources import Resources
+from .router.models import RouterModels
+from .router.upstream import ModelUpstream
 from .systemd import Notifier
 
 if TYPE_CHECKING:
@@ -108,6 +111,7 @@ class Daemon:
         self.idempotency = IdempotencyStore(**_idempotency_limits(config))
         self.resources: Resources | None = None
         self.pool: Pool | None = None
+        self.models: RouterModels | None = None  # router mode: each model's pool
         self.proxy: ProxyHandler | None = None
         self.metrics = Metrics()
         self.notifier = Notifier()
@@ -174,10 +178,29 @@ class Daemon:
             last = child.last_exit
             cause = last.kind if last is not None and not last.planned else "requested"
             self.metrics.restarts.labels(child.name, cause).inc()
-        if new is ChildState.READY and self._session is not None:
+        if new is ChildState.READY and self._session is not None and not self.config.router:
+            # (A router has no model of its own: each model's figures are its own pool's.)
             self._spawn(self.res.fetch_profile(self._session, child.name), then_dispatch=True)
         self._maybe_ready()
         self.notifier.status(self.status_line())
+
+    def _model_changed(self, upstream: ModelUpstream, old: ChildState, new: ChildState,
+                       reason: str) -> None:
+        self.timeline.append({"time": time.time(), "child": upstream.name,
+                              "model": upstream.model, "state": str(new), "reason": reason})
+        self.metrics.set_model_state(upstream.name, upstream.model, new)
+        if new is ChildState.STARTING and upstream.generation > 0 and upstream.last_exit \
+                is not None and old in (ChildState.BACKOFF, ChildState.FATAL):
+            self.metrics.model_reloads.labels(upstream.name, upstream.model,
+                                              str(upstream.last_exit.kind)).inc()
+
+    def _find_model(self, name: str) -> tuple[str, Pool] | None:
+        entry = self.models.find(name) if self.models is not None else None
+        return (entry.name, entry.pool) if entry is not None else None
+
+    def _http(self) -> aiohttp.ClientSession:
+        assert self._session is not None
+        return self._session
 
     def _spawn(self, coro: Any, then_dispatch: bool = False) -> None:
         """A background task of the daemon's, cancelled at shutdown."""
@@ -201,6 +224,10 @@ class Daemon:
             self.res.sample()
             self._recover_gpu()
             await self._stop_idle_cpu()
+            if self.models is not None:
+                self.models.sample()
+                self._unload_idle_cpu_models()
+                self.models.dispatch()
             if self.pool is not None:
                 self.pool.dispatch()
             self.sample_metrics()
@@ -236,9 +263,22 @@ class Daemon:
             gpu.restart(f"the GPU has {sample.free_bytes // MIB} MiB free again (needs "
                         f"about {need // MIB} MiB{since})")
 
+    def _unload_idle_cpu_models(self) -> None:
+        """Router mode, on-demand CPU: a model idle on the CPU router for cpu.idle_stop_s is
+        unloaded (the router itself keeps running: without models it costs little)."""
+        if self.models is None or self.config.cpu.mode != "on-demand":
+            return
+        now = time.monotonic()
+        for entry in self.models.entries.values():
+            cpu = entry.upstreams["cpu"]
+            idle = now - entry.pool.last_used["cpu"]
+            if cpu.state is ChildState.READY and cpu.load.in_flight == 0 \
+                    and idle >= self.config.cpu.idle_stop_s:
+                cpu.unload(f"on-demand: idle for {idle:.0f} s")
+
     async def _stop_idle_cpu(self) -> None:
         cpu = self.children["cpu"]
-        if self.pool is None:
+        if self.pool is None or self.config.router:
             return
         idle = time.monotonic() - self.pool.last_used["cpu"]
         if (self.config.cpu.mode == "on-demand" and cpu.state is ChildState.READY
@@ -297,6 +337,8 @@ class Daemon:
         if self.pool is not None:
             self.pool.max_wait_s = new.queue.max_wait_s
             self.pool.line.max_waiting = new.queue.max_waiting
+        if self.models is not None:
+            self.models.configure(new)
         self.idempotency.configure(**_idempotency_limits(new))
         (self.incidents.path, self.incidents.max_bytes,
          self.incidents.backups) = _incident_limits(new)
@@ -308,7 +350,14 @@ class Daemon:
 
     def _defer_restart_keys(self, new: Config, changes: list[str]) -> Config:
         """RESTART_KEYS that changed are noted for status; the GPU child keeps the card we
-        started with (the monitor keeps watching it)."""
+        started with (the monitor keeps watching it). A change between single-model and router
+        mode is wired at start: noted, and the running config kept until spillway restarts."""
+        if new.router != self.config.router:
+            note = ("model.path changed between a model and router mode: it takes effect when "
+                    "spillway restarts")
+            log.warning("%s", note)
+            self.restart_notes.append(note)
+            return self.config
         for key in RESTART_KEYS:
             if key in changes:
                 note = f"{key} changed: it takes effect when spillway restarts"
@@ -374,11 +423,18 @@ class Daemon:
         )
         forwarder = Forwarder(self._upstream, self._session, self.forward_settings,
                               on_resend=self._stale_connection)
-        self.proxy = ProxyHandler(self.pool, forwarder, self.proxy_settings, self.incidents,
+        pools = Pools(self.pool)
+        if self.config.router:
+            self.models = RouterModels(self.config, self.children, self.monitor,
+                                       self.res.paused, self._http, metrics=self.metrics,
+                                       boot=self.boot, on_change=self._model_changed)
+            pools = Pools(self.pool, self._find_model, self.models.pools)
+        self.proxy = ProxyHandler(pools, forwarder, self.proxy_settings, self.incidents,
                                   self.idempotency, self.metrics)
         routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,
-                           incidents=self.incidents, metrics=self.metrics, timeline=self.timeline)
+                           incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
+                           models=self.models)
         app = build_app(self.proxy, self.auth, routes.table())
         # In-flight requests are drained by _shutdown itself (the drain timeout can change on
         # reload); the runner's own wait is only for stragglers after that.
@@ -410,8 +466,8 @@ class Daemon:
                                      self._reload_result, self._reload_started)
             self.reloader.watch()
         for name in CHILD_NAMES:
-            if name == "cpu" and self.config.cpu.mode == "on-demand":
-                continue
+            if name == "cpu" and self.config.cpu.mode == "on-demand" and not self.config.router:
+                continue  # (a CPU router always runs: its models load on demand)
             self.children[name].start()
         self._maybe_ready()
         await self._stop.wait()
@@ -459,6 +515,8 @@ class Daemon:
                 await self._runner.cleanup()
         for task in self._tasks:
             task.cancel()
+        if self.models is not None:
+            await self.models.close()
         # A second signal asked for speed: a short grace for the children too.
         grace = 1.0 if self._stop_signals >= 2 else None
         await asyncio.gather(*(c.close(grace) for c in self.children.values()),

@@ -50,6 +50,7 @@ class Incident:
     replay_child: str | None = None
     attempts: int = 1
     stream: bool = False
+    model: str | None = None  # router mode: the model the request named
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

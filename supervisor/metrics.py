@@ -67,6 +67,13 @@ class Metrics:
         self.restarts = Counter(
             "spillway_child_restarts", "Child restarts, by the kind of exit (or the reason) "
             "that caused them.", ["child", "reason"], registry=r)
+        # Router mode: each model on each router child.
+        self.model_state = Gauge(
+            "spillway_model_state", "Router mode: 1 for each model's current state on each "
+            "child, 0 for the others.", ["child", "model", "state"], registry=r)
+        self.model_reloads = Counter(
+            "spillway_model_reloads", "Router mode: loads of a model after its instance died, "
+            "by the kind of the death.", ["child", "model", "reason"], registry=r)
         self.gpu_free = Gauge(
             "spillway_gpu_memory_free_bytes", "Free memory of the GPU child's card (NVML).",
             registry=r)
@@ -102,6 +109,10 @@ class Metrics:
     def set_state(self, child: str, state: ChildState) -> None:
         for s in ChildState:
             self.child_state.labels(child, str(s)).set(1 if s is state else 0)
+
+    def set_model_state(self, child: str, model: str, state: ChildState) -> None:
+        for s in ChildState:
+            self.model_state.labels(child, model, str(s)).set(1 if s is state else 0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

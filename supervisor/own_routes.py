@@ -30,6 +30,7 @@ from .policy.evidence import FailureKind
 from .policy.lifecycle import ChildState
 from .proxy.app import OwnRoute, json_response
 from .resources import Resources
+from .router.models import RouterModels
 
 GPU_ACTIONS = ("restart", "drain", "pause", "resume")
 
@@ -95,8 +96,10 @@ def why_cpu_fatal(child: Child) -> str:
 class OwnRoutes:
     def __init__(self, host: Host, *, started: float, children: Mapping[str, Child],
                  resources: Resources, pool: Pool, monitor: GpuMonitor, incidents: IncidentLog,
-                 metrics: Metrics, timeline: Iterable[dict[str, Any]]) -> None:
+                 metrics: Metrics, timeline: Iterable[dict[str, Any]],
+                 models: RouterModels | None = None) -> None:
         self.host = host
+        self.models = models  # router mode: every model on both routers
         self.started = started  # time.monotonic() when the daemon began
         self.children = children
         self.res = resources
@@ -155,6 +158,8 @@ class OwnRoutes:
                           "last": list(self.incidents.recent)[-5:]},
             "config": {"path": config.path, "error": self.host.config_error,
                        "restart_needed": list(self.host.restart_notes)},
+            "router": self.models is not None,
+            "models": self.models.listing() if self.models is not None else None,
         }
 
     def _child_status(self, name: str, child: Child) -> dict[str, Any]:
@@ -176,6 +181,8 @@ class OwnRoutes:
             info["mode"] = self.host.config.cpu.mode
             if fatal:
                 info["why"] = why_cpu_fatal(child)
+        if self.models is not None:
+            info["models"] = self.models.to_json(name)
         return info
 
     # --- the routes -------------------------------------------------------------------------
@@ -222,6 +229,15 @@ class OwnRoutes:
         except ValueError:
             body = {}
         disarm = isinstance(body, dict) and body.get("disarm") is True
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None:
+            # Router mode: the model's instance on the GPU router, not the router itself.
+            entry = self.models.find(str(model)) if self.models is not None else None
+            if entry is None:
+                return json_response({"error": f"no model {model!r} on the routers"}, 404)
+            entry.upstreams["gpu"].arm(None if disarm else signal.SIGABRT)
+            return json_response({"armed": not disarm, "child": "gpu", "model": entry.name,
+                                  "signal": "SIGABRT"})
         self.children["gpu"].arm(None if disarm else signal.SIGABRT)
         return json_response({"armed": not disarm, "child": "gpu", "signal": "SIGABRT"})
 
@@ -237,6 +253,9 @@ class OwnRoutes:
         gpu = self.children["gpu"]
         if action == "restart":
             self.pool.paused.discard("gpu")
+            if self.models is not None:
+                for model in self.models.neighbours("gpu"):
+                    model.reset("operator: spillway gpu restart")
             gpu.restart("operator: spillway gpu restart")
             return "restarting the GPU child"
         if action == "drain":

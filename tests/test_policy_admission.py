@@ -75,6 +75,21 @@ TABLE = [
      with_(gpu={"state": "FATAL"}, cpu={"state": "STOPPED"}), Action.REJECT, 7, None),
     ("both starting: wait", {}, with_(gpu={"state": "STARTING"}, cpu={"state": "STARTING"}),
      Action.WAIT, 6, None),
+    # Router mode: a model not loaded on the GPU router, whose load would fit (startable).
+    ("model loadable on the gpu, cpu has it: cpu now", {},
+     with_(gpu={"state": "STOPPED", "startable": True}), Action.FORWARD, 5, "cpu"),
+    ("model loadable on the gpu, cpu full: load it on the gpu", {},
+     with_(gpu={"state": "STOPPED", "startable": True}, cpu={"busy": 1}), Action.FORWARD, 4,
+     "gpu"),
+    ("model loadable on both: the gpu", {},
+     with_(gpu={"state": "STOPPED", "startable": True},
+           cpu={"state": "STOPPED", "startable": True}), Action.FORWARD, 4, "gpu"),
+    ("model would not fit the gpu: loaded on the cpu", {},
+     with_(gpu={"state": "STOPPED"}, cpu={"state": "STOPPED", "startable": True}),
+     Action.FORWARD, 5, "cpu"),
+    ("model would not fit the gpu, opted out of the cpu: 503", {"cpu_allowed": False},
+     with_(gpu={"state": "STOPPED"}, cpu={"state": "STOPPED", "startable": True}),
+     Action.REJECT, 7, None),
 ]
 
 
@@ -92,6 +107,13 @@ def test_the_decision_table(name: str, change: dict[str, object], cap: Capacity,
 def test_a_startable_cpu_child_is_started_first() -> None:
     d = decide(REQ, with_(gpu={"busy": 2}, cpu={"state": "STOPPED", "startable": True}))
     assert d.start_child
+
+
+def test_a_model_loads_on_the_gpu_router_in_the_background_while_the_cpu_serves() -> None:
+    d = decide(REQ, with_(gpu={"state": "STOPPED", "startable": True}))
+    assert (d.child, d.warm, d.start_child) == ("cpu", "gpu", False)
+    d = decide(REQ, with_(gpu={"state": "STOPPED", "startable": True}, cpu={"busy": 1}))
+    assert (d.child, d.warm, d.start_child) == ("gpu", None, True)
 
 
 def test_reasons_say_what_is_full() -> None:

@@ -91,6 +91,7 @@ class Decision:
     reason: str
     child: str | None = None
     start_child: bool = False  # start it first (on-demand cold start)
+    warm: str | None = None  # start this one too, in the background (router mode: a load)
     retry_after_s: float = 0.0
     queue_position: int = 0
     cause: str = ""  # for REJECT/TOO_LONG: a short label for metrics and logs
@@ -164,10 +165,20 @@ def decide(req: Request, cap: Capacity) -> Decision:
     # 4. The GPU child: ready, under its cap, VRAM headroom kept.
     if gpu_fits and gpu.has_room and _headroom_kept(cap):
         return Decision(Action.FORWARD, 4, "GPU child has room", child="gpu")
-    # 5. The CPU child: for requests that may move, when it is ready (or can start), has the
-    #    RAM, and its expected time fits the client's deadline.
     cpu_in_time = (req.deadline_s is None or cpu.expected_s is None
                    or cpu.expected_s <= req.deadline_s)
+    # 4b. Router mode: the model is not loaded on the GPU router, and loading it would fit
+    #     (startable). The CPU router serves it now if it has it loaded with room, while the
+    #     GPU router loads it for the requests after; else the request waits for the load.
+    if gpu_fits and gpu.startable and _headroom_kept(cap):
+        if (req.cpu_allowed and cpu.has_room and cpu.fits(req.prompt_tokens) and cpu.ram_ok
+                and cpu_in_time):
+            return Decision(Action.FORWARD, 5, "CPU child while the GPU child loads the model",
+                            child="cpu", warm="gpu")
+        return Decision(Action.FORWARD, 4, "GPU child: loading the model on demand",
+                        child="gpu", start_child=True)
+    # 5. The CPU child: for requests that may move, when it is ready (or can start), has the
+    #    RAM, and its expected time fits the client's deadline.
     if req.cpu_allowed and cpu.fits(req.prompt_tokens) and cpu.ram_ok and cpu_in_time:
         if cpu.has_room:
             why = "GPU child full or short of VRAM" if gpu_fits else \
@@ -177,7 +188,7 @@ def decide(req: Request, cap: Capacity) -> Decision:
             return Decision(Action.FORWARD, 5, "CPU child started on demand", child="cpu",
                             start_child=True)
     # 6. Wait in line, if there is room, the wait fits, and capacity can come back at all.
-    coming = (gpu_fits and _may_serve(gpu)) or (
+    coming = (gpu_fits and (_may_serve(gpu) or gpu.startable)) or (
         req.cpu_allowed and cpu.fits(req.prompt_tokens) and (_may_serve(cpu) or cpu.startable))
     if not coming:
         return Decision(Action.REJECT, 7, f"no child can take it: {_why(cap)}",

@@ -24,6 +24,7 @@ from ..idempotency import IdempotencyStore, Outcome, StoredResponse, fingerprint
 from ..incidents import Incident, IncidentLog, new_incident_id
 from ..metrics import Metrics
 from ..pool import Lease, Pool
+from ..pools import Pools
 from ..timefmt import rfc3339
 from ..policy import admission, estimate, replay
 from ..policy.routes import RouteClass, classify_route, route_label
@@ -125,10 +126,11 @@ class _Episode:
 class ProxyHandler:
     """Handles every request outside /spillway/."""
 
-    def __init__(self, pool: Pool, forwarder: Forwarder, settings: ProxySettings,
+    def __init__(self, pools: Pool | Pools, forwarder: Forwarder, settings: ProxySettings,
                  incidents: IncidentLog, idempotency: IdempotencyStore,
                  metrics: Metrics) -> None:
-        self.pool = pool
+        # One pool (single-model mode), or one per model (router mode): see pools.py.
+        self.pools = pools if isinstance(pools, Pools) else Pools(pools)
         self.forwarder = forwarder
         self.settings = settings
         self.incidents = incidents
@@ -182,6 +184,10 @@ class ProxyHandler:
             client_headers=request.headers, received=started,
             trusted=request.get(AUTHENTICATED, True),
         )
+        if self.pools.router:
+            named = payload.get("model") if payload else request.query.get("model")
+            ctx.model = self.pools.for_model(named if isinstance(named, str) else None,
+                                             request.path)[0]
         idem_key = request.headers.get("Idempotency-Key")
         if idem_key is not None and request.method == "POST":
             return await self._with_idempotency(request, ctx, idem_key)
@@ -270,6 +276,10 @@ class ProxyHandler:
                 self._record(ctx, episode, status, connected)
             self._finish(ctx, request, ctx.request_id, status, broken)
 
+    def _pool(self, ctx: RequestCtx) -> Pool:
+        """The request's pool: its model's in router mode, else the one."""
+        return self.pools.for_model(ctx.model, ctx.path)[1]
+
     def _deadline_left(self, ctx: RequestCtx) -> float | None:
         deadline = client_deadline(ctx.client_headers)
         return None if deadline is None else deadline - (time.monotonic() - ctx.received)
@@ -279,11 +289,14 @@ class ProxyHandler:
         if ctx.route is not RouteClass.GENERATION:
             # Outside the caps: the GPU child when ready, else the CPU child, or the pinned one.
             pin = request.headers.get("X-Spillway-Child", "").strip().lower() or None
-            got = self.pool.passthrough(pin)
+            got = self._pool(ctx).passthrough(pin)
+            if isinstance(got, admission.Decision) and ctx.model is not None:
+                # Its model is loaded nowhere: the router answers for it.
+                got = self.pools.main.passthrough(pin)
         else:
             # Generation: 3 to 7 of the admission order.
             opted_out = _opted_out(ctx)
-            got = await self.pool.lease(admission.Request(
+            got = await self._pool(ctx).lease(admission.Request(
                 route=ctx.route, prompt_tokens=await self._prompt_tokens(ctx),
                 cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx)),
                 len(ctx.body), estimate.requested_tokens(ctx.payload))
@@ -302,10 +315,11 @@ class ProxyHandler:
         """The prompt's tokens when they may matter (over a child's context), else the cheap
         bound (or 0: unknown, which fits anywhere)."""
         bound = tokens.upper_bound(len(ctx.body), ctx.payload)
-        limit = self.pool.ctx_per_slot(self.pool.roles[0])
+        pool = self._pool(ctx)
+        limit = pool.ctx_per_slot(pool.roles[0])
         if limit is None or bound <= limit or ctx.payload is None:
             return bound if limit is not None else 0
-        counter = self.pool.first_ready()
+        counter = pool.first_ready()
         if counter is None:
             return 0
         counted = await tokens.count(self.forwarder.session, counter, ctx.path, ctx.payload)
@@ -317,7 +331,7 @@ class ProxyHandler:
             # As llama-server says it, before any child works on it.
             return errors.json_error(
                 400, "exceed_context_size_error", decision.reason, ctx.request_id,
-                n_ctx=self.pool.largest_ctx_per_slot())
+                n_ctx=self._pool(ctx).largest_ctx_per_slot())
         return errors.unavailable(decision.reason, ctx.request_id,
                                   retry_after_s=decision.retry_after_s,
                                   queue_position=decision.queue_position)
@@ -332,6 +346,8 @@ class ProxyHandler:
                ("X-Spillway-Attempts", str(attempt.number))]
         if ctx.failover_kind:
             own.append(("X-Spillway-Failover", ctx.failover_kind))
+        if ctx.model is not None:
+            own.append(("X-Spillway-Model", ctx.model))
         if ctx.wait_estimate_s is not None and ctx.waited_s is not None:
             # W3C Server-Timing (browsers' dev tools show it): the time this request spent in
             # the waiting line, and the estimate it was given on joining, which is what a 503's
@@ -349,7 +365,8 @@ class ProxyHandler:
     async def _after_failure(self, request: web.Request, ctx: RequestCtx,
                              failure: AttemptFailure,
                              episodes: list[_Episode]) -> Answered | Broken:
-        other = self.pool.failover_target(failure.child)
+        pool = self._pool(ctx)
+        other = pool.failover_target(failure.child)
         left = self._deadline_left(ctx)
         decision = replay.decide(replay.ReplayCase(
             verdict=failure.verdict,
@@ -361,11 +378,11 @@ class ProxyHandler:
             opted_out=_opted_out(ctx),
             attempts=len(ctx.attempts),
             deadline_left_s=left,
-            target_expected_s=self.pool.expected_seconds(
+            target_expected_s=pool.expected_seconds(
                 other, len(ctx.body), estimate.requested_tokens(ctx.payload)),
-            target_available=self.pool.can_take_replay(other),
+            target_available=pool.can_take_replay(other),
         ))
-        lease = await self.pool.replay_lease(other, left) if decision.replay else None
+        lease = await pool.replay_lease(other, left) if decision.replay else None
         if decision.replay and lease is None:
             decision = replay.ReplayDecision(False, f"{replay.Refusal.NO_TARGET}: the {other}"
                                                     " child did not become ready in time",
@@ -390,8 +407,9 @@ class ProxyHandler:
     def _controlled_error(self, ctx: RequestCtx, failure: AttemptFailure,
                           decision: replay.ReplayDecision) -> web.Response:
         v = failure.verdict
-        back = self.pool.retry_after_s(failure.child)
-        what = f"the {failure.child} child failed ({v.kind}: {v.evidence})"
+        back = self._pool(ctx).retry_after_s(failure.child)
+        what = f"the {failure.child} child failed ({v.kind}: {v.evidence})" if ctx.model is None \
+            else f"model {ctx.model} on the {failure.child} child failed ({v.kind}: {v.evidence})"
         if failure.timed_out:
             return errors.json_error(
                 504, "upstream_error", f"{what}; not replayed: {decision.reason}",
@@ -411,7 +429,7 @@ class ProxyHandler:
         f = episode.failure
         self.incidents.write(Incident(
             id=new_incident_id(),
-            episode=self.pool.episode_id(f.child, f.generation),
+            episode=self._pool(ctx).episode_id(f.child, f.generation),
             time=rfc3339(time.time()),
             request_id=ctx.request_id,
             child=f.child,
@@ -428,6 +446,7 @@ class ProxyHandler:
             replay_child=episode.replay_child,
             attempts=len(ctx.attempts),
             stream=ctx.stream,
+            model=ctx.model,
         ))
 
     def _early(self, ctx: RequestCtx | None, request: web.Request, rid: str,

@@ -48,7 +48,9 @@ async def count(session: aiohttp.ClientSession, child: Upstream, path: str,
             return None
         if not isinstance(prompt, (str, list)):
             return None
-        body = {"content": prompt, "add_special": True, "parse_special": True}
+        body: dict[str, Any] = {"content": prompt, "add_special": True, "parse_special": True}
+        if isinstance(payload.get("model"), str):
+            body["model"] = payload["model"]  # a router sends it to the model's instance
         async with session.post(f"{child.base_url}/tokenize", headers=headers,
                                 data=json.dumps(body), timeout=timeout) as r:
             if r.status != 200:

@@ -1,0 +1,132 @@
+"""One model's capacity, for admission: the pool's CapacitySource over its two upstreams.
+
+The figures are Resources' (resources.py) with the model's own file, `/props?model=M` and
+instance, and one rule more: a model that is not loaded may be loaded on demand only when the
+load would fit. On the GPU router that is the article's scenario prevented: a second model whose
+weights and KV cache (from its GGUF metadata, or the most it was seen using) plus the headroom do
+not fit the free VRAM is not loaded on the card; its work goes to the CPU router or waits. Without
+an NVML reading (no NVIDIA driver) the VRAM check is skipped, as the headroom rule is in
+single-model mode. A router's `--models-max` is kept too: at the limit, an idle loaded model is
+unloaded first (the least recently used); when all are busy, nothing more is loaded there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+from urllib.parse import quote
+
+from ..config import Config
+from ..gpu import MIB, GpuMonitor
+from ..policy.lifecycle import ChildState
+from ..resources import Resources
+from .upstream import ModelUpstream
+
+log = logging.getLogger("spillway.router")
+
+EVICT_WAIT_S = 30.0
+
+
+def models_max(config: Config, child: str) -> int:
+    """The router's --models-max (0: no limit)."""
+    return config.child(child).models_max
+
+
+class ModelResources(Resources):
+    def __init__(self, config: Config, upstreams: Mapping[str, ModelUpstream],
+                 monitor: GpuMonitor, model: str,
+                 neighbours: Callable[[str], Sequence[ModelUpstream]]) -> None:
+        self.model = model
+        self.upstreams = upstreams
+        # The other models' upstreams on the same router (for --models-max).
+        self.neighbours = neighbours
+        self.path = ""
+        super().__init__(config, upstreams, monitor)
+        for name, upstream in upstreams.items():
+            upstream.load_guard = functools.partial(self.load_refusal, name)
+
+    def model_path(self) -> str:
+        return self.path
+
+    def props_path(self) -> str:
+        return f"/props?model={quote(self.model, safe='')}"
+
+    # --- may it be loaded now? -------------------------------------------------------------------
+
+    def load_refusal(self, name: str) -> str | None:
+        """Why loading the model on `name` now would not fit, or None."""
+        if name in self.paused:
+            return f"the {name} child is paused"
+        if name == "gpu":
+            short = self._vram_short()
+            if short is not None:
+                return short
+        elif not self.cpu_ram_ok(cold=True):
+            return (f"not enough free RAM (needs about {self.cpu_need_bytes() // MIB} MiB, "
+                    f"{(self.ram_available or 0) // MIB} MiB available)")
+        limit = models_max(self.config, name)
+        if limit and self._running_elsewhere(name) >= limit and self._idle_victim(name) is None:
+            return f"the {name} router has its --models-max ({limit}) models loaded, all busy"
+        return None
+
+    def _vram_short(self) -> str | None:
+        free = self.vram_free_mib()
+        if free is None:
+            return None  # no NVML reading: the check does not apply
+        need = self.gpu_need_bytes() / MIB
+        if free >= need:
+            return None
+        return (f"loading it needs about {need:.0f} MiB of VRAM (weights, KV cache, headroom); "
+                f"{free:.0f} MiB free")
+
+    def _running_elsewhere(self, name: str) -> int:
+        return sum(1 for u in self.neighbours(name)
+                   if u.model != self.model and u.state in
+                   (ChildState.STARTING, ChildState.READY, ChildState.DRAINING,
+                    ChildState.STOPPING))
+
+    def _idle_victim(self, name: str) -> ModelUpstream | None:
+        idle = [u for u in self.neighbours(name)
+                if u.model != self.model and u.state is ChildState.READY
+                and u.load.in_flight == 0]
+        return min(idle, key=lambda u: u.loaded_at or 0.0) if idle else None
+
+    def startable(self, name: str, state: ChildState) -> tuple[bool, bool]:
+        ram_ok = name == "gpu" or self.cpu_ram_ok(
+            cold=state not in (ChildState.READY, ChildState.STARTING))
+        if state is not ChildState.STOPPED:
+            return False, ram_ok
+        return self.load_refusal(name) is None, ram_ok
+
+    def start_child(self, name: str) -> None:
+        """Load the model on `name`; at the router's --models-max, unload an idle model
+        first and load when it is gone."""
+        upstream = self.upstreams[name]
+        limit = models_max(self.config, name)
+        victim = self._idle_victim(name) if limit and \
+            self._running_elsewhere(name) >= limit else None
+        if victim is None:
+            upstream.start()
+            return
+        victim.unload(f"--models-max ({limit}) reached: making room for {self.model}")
+        asyncio.get_running_loop().create_task(self._start_after(victim, upstream))
+
+    async def _start_after(self, victim: ModelUpstream, upstream: ModelUpstream) -> None:
+        began = time.monotonic()
+        await victim.wait_state(ChildState.STOPPED, ChildState.EXITED, ChildState.BACKOFF,
+                                timeout=EVICT_WAIT_S)
+        log.info("[%s:%s] unloaded in %.2f s to make room for %s", victim.name, victim.model,
+                 time.monotonic() - began, self.model)
+        upstream.start()
+
+    def to_json(self, name: str, busy: int) -> dict[str, Any]:
+        out = super().to_json(name, busy)
+        out.update(self.upstreams[name].to_json())
+        if name == "gpu":
+            out["vram_needs_bytes_to_load"] = self.gpu_need_bytes()
+        out["file"] = self.path or None
+        return out

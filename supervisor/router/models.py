@@ -1,0 +1,186 @@
+"""Every model the routers serve: its two upstreams (one on each router), its capacity and its
+pool. A model gets its entry the first time a router names it (its listing, an event, a spawn
+line), and keeps it: the pool of a model that was removed from the folder just finds both
+upstreams not loaded.
+
+Each model has a pool of its own, because its capacity is its own: an instance has its own
+slots, context and failures, and a request for `qwen` must not wait behind requests for `gemma`
+that only `gemma`'s slots can serve. The roles stay the two of single-model mode: a request for
+M that fails on the GPU router is replayed on the CPU router for M.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from ..children import Child
+from ..config import Config
+from ..gpu import GpuMonitor
+from ..metrics import Metrics
+from ..policy.lifecycle import ChildState
+from ..pool import Pool
+from .capacity import ModelResources
+from .upstream import ModelUpstream
+from .watch import RouterWatch
+
+log = logging.getLogger("spillway.router")
+
+
+@dataclass
+class ModelEntry:
+    name: str
+    upstreams: dict[str, ModelUpstream]
+    resources: ModelResources
+    pool: Pool
+
+
+ModelListener = Callable[[ModelUpstream, ChildState, ChildState, str], None]
+
+
+class RouterModels:
+    def __init__(self, config: Config, children: Mapping[str, Child], monitor: GpuMonitor,
+                 paused: set[str], session: Callable[[], aiohttp.ClientSession], *,
+                 metrics: Metrics | None = None, boot: str = "",
+                 on_change: ModelListener | None = None) -> None:
+        self.config = config
+        self.children = children
+        self.monitor = monitor
+        self.paused = paused  # the operator's (shared with the routers' own pool)
+        self.session = session
+        self.metrics = metrics
+        self.boot = boot
+        self.on_change = on_change
+        self.entries: dict[str, ModelEntry] = {}
+        self.aliases: dict[str, str] = {}
+        self.watches = {name: RouterWatch(child, functools.partial(self.upstream, name), session,
+                                          on_loaded=self._loaded)
+                        for name, child in children.items()}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def find(self, name: str | None) -> ModelEntry | None:
+        """The entry of a model named by a request (its name or an alias), if known."""
+        if name is None:
+            return None
+        entry = self.entries.get(name)
+        if entry is None and name in self.aliases:
+            entry = self.entries.get(self.aliases[name])
+        return entry
+
+    def upstream(self, child: str, model: str) -> ModelUpstream:
+        return self.entry(model).upstreams[child]
+
+    def entry(self, model: str) -> ModelEntry:
+        found = self.entries.get(model)
+        if found is not None:
+            return found
+        cfg = self.config
+        upstreams = {
+            name: ModelUpstream(
+                child, model, self.watches[name],
+                vram_probe=self.monitor.vram_before if name == "gpu" else None,
+                vram_short_mib=max(256.0, float(cfg.gpu.vram_headroom_mib)),
+                drain_timeout_s=cfg.failover.drain_timeout_s)
+            for name, child in self.children.items()}
+        resources = ModelResources(cfg, upstreams, self.monitor, model, self.neighbours)
+        resources.paused = self.paused
+        pool = Pool(resources, upstreams, cfg.queue.max_waiting, cfg.queue.max_wait_s,
+                    metrics=self.metrics, boot=f"{self.boot}-{model}")
+        for name, upstream in upstreams.items():
+            upstream.listeners.append(self._changed)
+            if self.metrics is not None:
+                self.metrics.set_model_state(name, model, upstream.state)  # 0s, not absent
+        entry = self.entries[model] = ModelEntry(model, upstreams, resources, pool)
+        log.info("model %s: served by both routers", model)
+        return entry
+
+    def configure(self, config: Config) -> None:
+        """A reload: the new limits for every model's pool and figures."""
+        self.config = config
+        for entry in self.entries.values():
+            entry.resources.config = config
+            entry.resources.refresh()
+            entry.pool.max_wait_s = config.queue.max_wait_s
+            entry.pool.line.max_waiting = config.queue.max_waiting
+            for upstream in entry.upstreams.values():
+                upstream.drain_timeout_s = config.failover.drain_timeout_s
+
+    def neighbours(self, child: str) -> list[ModelUpstream]:
+        """Every model's upstream on one router."""
+        return [e.upstreams[child] for e in self.entries.values()]
+
+    def pools(self) -> list[Pool]:
+        return [e.pool for e in self.entries.values()]
+
+    def _changed(self, upstream: ModelUpstream, old: ChildState, new: ChildState,
+                 reason: str) -> None:
+        if self.on_change is not None:
+            self.on_change(upstream, old, new, reason)
+
+    def _loaded(self, upstream: ModelUpstream) -> None:
+        """A model became READY on a router: learn its file (once), its slots and context."""
+        entry = self.entry(upstream.model)
+        info = upstream.info
+        for alias in info.aliases if info is not None else ():
+            self.aliases.setdefault(alias, entry.name)
+        self._spawn(self._learn(entry, upstream))
+
+    async def _learn(self, entry: ModelEntry, upstream: ModelUpstream) -> None:
+        res = entry.resources
+        if not res.path:
+            path = self._path_of(entry.name)
+            if path:
+                res.path = path
+                await asyncio.to_thread(res.read_model)
+        await res.fetch_profile(self.session(), upstream.name)
+        entry.pool.dispatch()
+
+    def _path_of(self, model: str) -> str | None:
+        for entry in (self.entries[model].upstreams[n].info for n in self.children):
+            if entry is not None and entry.path:
+                return entry.path
+        return None
+
+    def sample(self) -> None:
+        for entry in self.entries.values():
+            entry.resources.sample()
+
+    def dispatch(self) -> None:
+        for entry in self.entries.values():
+            entry.pool.dispatch()
+
+    def listing(self) -> list[str]:
+        """The models in the routers' own order (the GPU router's first)."""
+        names: list[str] = []
+        for watch in self.watches.values():
+            names += [n for n in watch.listed if n not in names]
+        names += [n for n in self.entries if n not in names]
+        return names
+
+    def to_json(self, child: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for name in self.listing():
+            entry = self.entries.get(name)
+            if entry is not None:
+                out[name] = entry.resources.to_json(child, entry.pool.busy(child))
+        return out
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for watch in self.watches.values():
+            await watch.close()
+        for entry in self.entries.values():
+            for upstream in entry.upstreams.values():
+                await upstream.close()
