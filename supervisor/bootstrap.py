@@ -273,11 +273,47 @@ mode = "hot"
 """
 
 
+DEFAULT_ROUTER_CONFIG = """\
+# Written by `spillway quickstart --router`; edit freely. Router mode: both children are
+# llama-server routers over the models folder below, each loading one instance per model on
+# demand; put more .gguf files (or folders of them) there and each is served by its file
+# name. Every key is documented in examples/spillway.toml and examples/router.toml.
+
+[server]
+listen = "{listen}"
+
+[model]
+llama_server = "{llama_server}"
+args = ["--models-dir", "{models_dir}", "-c", "8192", "-np", "2"]   # given to both routers
+
+[gpu]
+args = ["-ngl", "99", "--models-max", "2"]   # {gpu_note}
+
+[cpu]
+args = ["--device", "none", "-ngl", "0", "--models-max", "2"]
+mode = "hot"
+"""
+
+
+def router_models_dir(model: Path) -> Path:
+    """The quickstart router's models folder: the embedded model, linked (not copied)."""
+    folder = cache_dir() / "router-models"
+    folder.mkdir(parents=True, exist_ok=True)
+    link = folder / model.name
+    if not link.exists():
+        link.symlink_to(model)
+    return folder
+
+
 def write_default_config(path: Path, llama_server: Path, model: Path, devices: list[str],
-                         listen: str = "127.0.0.1:8080") -> None:
+                         listen: str = "127.0.0.1:8080", router: bool = False) -> None:
     gpu_note = (f"layers on {devices[0].split(':')[0]}" if devices else
                 "this llama-server lists no GPU device: the GPU child runs CPU-only")
-    text = DEFAULT_CONFIG.format(llama_server=llama_server, model=model, gpu_note=gpu_note,
-                                 listen=listen)
+    if router:
+        text = DEFAULT_ROUTER_CONFIG.format(llama_server=llama_server, gpu_note=gpu_note,
+                                            listen=listen, models_dir=router_models_dir(model))
+    else:
+        text = DEFAULT_CONFIG.format(llama_server=llama_server, model=model, gpu_note=gpu_note,
+                                     listen=listen)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

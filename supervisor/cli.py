@@ -103,8 +103,11 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         return EXIT_FAIL
     devices = bootstrap.list_devices(str(binary))
     path = Path(args.config).expanduser()
+    if args.router and args.config == str(bootstrap.cache_dir() / "quickstart.toml"):
+        path = path.with_name("quickstart-router.toml")  # the default one stays single-model
     if not path.exists() or args.rewrite_config:
-        bootstrap.write_default_config(path, binary, model, devices, listen=args.listen)
+        bootstrap.write_default_config(path, binary, model, devices, listen=args.listen,
+                                       router=args.router)
         print(f"spillway: wrote {path}", file=sys.stderr)
     else:
         print(f"spillway: using the existing {path} (--rewrite-config replaces it)",
@@ -164,6 +167,8 @@ def format_status(status: dict[str, Any]) -> str:
             out.append(f"  {c['why']}")
         if c.get("runs_on"):
             out.append(f"  runs on: {c['runs_on']}")
+    if status.get("router"):
+        out += ["", _format_models(status), ""]
     gpu = status.get("gpu")
     if gpu:
         used = gpu.get("children_used_bytes", {}).get("gpu")
@@ -182,6 +187,24 @@ def format_status(status: dict[str, Any]) -> str:
     if last:
         out += ["", "last incidents:", format_incidents(last)]
     return "\n".join(out)
+
+
+def _format_models(status: dict[str, Any]) -> str:
+    """Router mode: each model on each child."""
+    rows = []
+    for model in status.get("models") or []:
+        for name, c in status["children"].items():
+            m = (c.get("models") or {}).get(model)
+            if m is None:
+                continue
+            last = m.get("last_exit")
+            rows.append([model, name, m["state"], m.get("pid") or "-",
+                         f"{m.get('busy', 0)}/{m.get('cap', '-')}", m.get("loads"),
+                         m.get("failures"),
+                         f"{last['kind']}: {last['evidence']}"[:50] if last else
+                         (m.get("reason") or "")[:50]])
+    return tables.render(["model", "child", "state", "pid", "busy", "loads", "failures",
+                          "last exit or reason"], rows)
 
 
 def format_incidents(records: list[dict[str, Any]]) -> str:
@@ -337,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the address written into a new config (default: 127.0.0.1:8080)")
     p.add_argument("--rewrite-config", action="store_true",
                    help="write the default config even if the file exists")
+    p.add_argument("--router", action="store_true",
+                   help="router mode: both children as llama-server routers over a models "
+                        "folder (the embedded model; add your own .gguf files to it); the "
+                        "config goes to quickstart-router.toml unless --config says otherwise")
     p.set_defaults(func=cmd_quickstart)
     return parser
 

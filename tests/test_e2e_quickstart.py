@@ -63,3 +63,45 @@ def test_quickstart_serves_gemma_through_the_openai_client(tmp_path: Path,
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         log.close()
+
+
+def test_quickstart_router_serves_gemma_by_name_through_the_openai_client(
+        tmp_path: Path, llama_server: Path) -> None:
+    port = free_port()
+    config_path = tmp_path / "quickstart-router.toml"
+    log = open(tmp_path / "quickstart.log", "wb")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("LLAMA_SERVER", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "supervisor", "quickstart", "--router", "--config",
+         str(config_path), "--listen", f"127.0.0.1:{port}"], stdout=log,
+        stderr=subprocess.STDOUT, env=env)
+    try:
+        oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                           max_retries=0, timeout=120)
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, (tmp_path / "quickstart.log").read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/spillway/status",
+                                            timeout=5) as r:
+                    status = json.loads(r.read())
+                if all(c["state"] == "READY" for c in status["children"].values()) \
+                        and status["models"]:
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "quickstart --router never became ready"
+            time.sleep(0.5)
+        assert "--models-dir" in config_path.read_text() and status["router"] is True
+        name = bootstrap.model_path().stem  # the model is served by its file's name
+        assert [m.id for m in oa.models.list()] == [name]
+        raw = oa.chat.completions.with_raw_response.create(
+            model=name, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)
+        assert raw.headers["X-Spillway-Child"] == "gpu"
+        assert raw.headers["X-Spillway-Model"] == name
+        assert raw.parse().choices[0].message.content
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        log.close()
