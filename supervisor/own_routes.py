@@ -235,9 +235,14 @@ class OwnRoutes:
             entry = self.models.find(str(model)) if self.models is not None else None
             if entry is None:
                 return json_response({"error": f"no model {model!r} on the routers"}, 404)
-            entry.upstreams["gpu"].arm(None if disarm else signal.SIGABRT)
+            when = body.get("when", "task")
+            if when not in ("task", "neighbour_load"):
+                return json_response({"error": "when: 'task' (its next task launches) or "
+                                               "'neighbour_load' (another model loads)"}, 400)
+            entry.upstreams["gpu"].arm(None if disarm else signal.SIGABRT,
+                                       on_neighbour_load=when == "neighbour_load")
             return json_response({"armed": not disarm, "child": "gpu", "model": entry.name,
-                                  "signal": "SIGABRT"})
+                                  "signal": "SIGABRT", "when": when})
         self.children["gpu"].arm(None if disarm else signal.SIGABRT)
         return json_response({"armed": not disarm, "child": "gpu", "signal": "SIGABRT"})
 

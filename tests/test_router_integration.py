@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from harness import Spillway, eventually, write_json
+from harness import Spillway, eventually, eventually_async, write_json
 from tinymodel import write_tiny_model
 
 from conftest import SpillwayFactory
@@ -230,3 +230,29 @@ async def test_a_model_that_would_not_fit_the_free_vram_goes_to_the_cpu_router(
             assert code == 200
             child = headers["X-Spillway-Child"]
         assert child == "gpu"
+
+
+@pytest.mark.asyncio
+async def test_a_second_model_loading_kills_the_first_ones_instance_and_its_work_is_not_lost(
+        spillway: SpillwayFactory, llama_server: Path, models_dir: Path) -> None:
+    # The article's scenario, simulated: while a request for alpha runs on the GPU router,
+    # beta is loaded there and alpha's instance dies (SIGABRT as beta's instance is spawned,
+    # standing in for the allocation that fails when beta takes the last VRAM).
+    s = spillway(router_config(llama_server, models_dir))
+    async with aiohttp.ClientSession() as http:
+        assert (await post(http, s, chat("alpha")))[0] == 200
+        code, armed = s.post("/spillway/drill/arm", {"model": "alpha", "when": "neighbour_load"})
+        assert code == 200 and armed["when"] == "neighbour_load", armed
+        running = asyncio.create_task(post(http, s, chat(
+            "alpha", "a long answer", max_tokens=6000, ignore_eos=True)))
+        assert await eventually_async(
+            lambda: s.child("gpu")["models"]["alpha"]["in_flight"] == 1, 10)
+        async with http.post(f"{s.url}/models/load", json={"model": "beta"}) as r:
+            assert r.status == 200
+        code, headers, body = await running
+    assert code == 200, body
+    assert headers["X-Spillway-Attempts"] == "2" and headers["X-Spillway-Child"] == "cpu"
+    assert headers["X-Spillway-Model"] == "alpha"
+    wait_model(s, "gpu", "beta")
+    [incident] = s.wait_incidents(1)
+    assert incident["model"] == "alpha" and incident["decision"] == "replayed"

@@ -60,7 +60,8 @@ class RouterModels:
         self.entries: dict[str, ModelEntry] = {}
         self.aliases: dict[str, str] = {}
         self.watches = {name: RouterWatch(child, functools.partial(self.upstream, name), session,
-                                          on_loaded=self._loaded)
+                                          on_loaded=self._loaded,
+                                          neighbours=functools.partial(self.neighbours, name))
                         for name, child in children.items()}
         self._tasks: set[asyncio.Task[None]] = set()
 

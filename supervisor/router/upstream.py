@@ -122,6 +122,7 @@ class ModelUpstream:
         self._exits: dict[int, asyncio.Future[ModelExit]] = {}
         self._planned_end = False
         self.armed_signal: int | None = None  # the drill's (see arm)
+        self.armed_on_neighbour_load = False
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._seen_state = self.state
@@ -286,14 +287,23 @@ class ModelUpstream:
 
     def heard_instance_line(self, text: str) -> None:
         self.instance_lines.append(text)
-        if self.armed_signal is not None and "launch_slot_" in text:
+        if self.armed_signal is not None and not self.armed_on_neighbour_load \
+                and "launch_slot_" in text:
             self._fire_armed()
 
-    def arm(self, sig: int | None) -> None:
+    def arm(self, sig: int | None, on_neighbour_load: bool = False) -> None:
         """The drill without a GPU: send `sig` to this model's instance as its next task
-        launches (during its prompt processing), standing in for a GPU that runs out of
-        memory. None disarms."""
+        launches (during its prompt processing), or, `on_neighbour_load`, as another model's
+        instance is spawned on the same router (a second model taking the last VRAM),
+        standing in for a GPU that runs out of memory. None disarms."""
         self.armed_signal = sig
+        self.armed_on_neighbour_load = sig is not None and on_neighbour_load
+
+    def heard_neighbour_load(self, model: str) -> None:
+        """Another model's instance is being spawned on this router."""
+        if self.armed_signal is not None and self.armed_on_neighbour_load:
+            log.warning("[%s:%s] drill: %s is loading next to it", self.name, self.model, model)
+            self._fire_armed()
 
     def _fire_armed(self) -> None:
         sig, self.armed_signal = self.armed_signal, None

@@ -44,8 +44,10 @@ UpstreamFor = Callable[[str], ModelUpstream]
 class RouterWatch:
     def __init__(self, child: Child, upstream_for: UpstreamFor,
                  session: Callable[[], aiohttp.ClientSession],
-                 on_loaded: Callable[[ModelUpstream], None] | None = None) -> None:
+                 on_loaded: Callable[[ModelUpstream], None] | None = None,
+                 neighbours: Callable[[], list[ModelUpstream]] | None = None) -> None:
         self.child = child
+        self.neighbours = neighbours  # every model's upstream on this router
         self.upstream_for = upstream_for
         self.session = session
         self.on_loaded = on_loaded  # a model became READY here (profile, pid)
@@ -67,6 +69,9 @@ class RouterWatch:
         elif r.kind == "spawn" and r.model is not None and r.port is not None:
             self._ports[r.port] = r.model
             self.upstream_for(r.model).heard_spawn(r.port)
+            for other in self.neighbours() if self.neighbours is not None else ():
+                if other.model != r.model:
+                    other.heard_neighbour_load(r.model)
         elif r.kind == "exit" and r.model is not None and r.status is not None:
             self.upstream_for(r.model).heard_exit(r.status)
         elif (m := _EVICTION.search(line)) is not None:
