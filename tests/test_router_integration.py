@@ -110,8 +110,9 @@ async def test_router_mode_serves_each_model_and_lists_them_once(
     assert states[("gpu", "alpha", "READY")] == 1 and states[("gpu", "alpha", "STOPPED")] == 0
     assert states[("cpu", "beta", "STOPPED")] == 1
     # `spillway status` shows each model on each child.
-    table = subprocess.run([sys.executable, "-m", "supervisor", "status", "--url", s.url],
-                           capture_output=True, text=True, timeout=60).stdout
+    table = (await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "supervisor", "status", "--url", s.url],
+        capture_output=True, text=True, timeout=60)).stdout
     rows = [line.split() for line in table.splitlines() if line.startswith(("alpha", "beta"))]
     assert ["alpha", "gpu", "READY", str(instance)] == rows[0][:4], table
     assert {(r[0], r[1], r[2]) for r in rows} >= {("beta", "gpu", "READY"),
@@ -142,6 +143,12 @@ async def test_router_routes_pass_through_and_act_on_the_gpu_router(
         wait_model(s, "gpu", "beta", "STOPPED")
         # An unload (even one the router reports as status 1) is no failure.
         assert s.child("gpu")["models"]["beta"]["failures"] == 0
+        # The router's web UI (this build has none: its own 404), passed through as it is.
+        async with http.get(f"http://127.0.0.1:{s.child('gpu')['port']}/") as r:
+            direct = (r.status, r.headers.get("Content-Type"), await r.read())
+        async with http.get(f"{s.url}/") as r:
+            assert (r.status, r.headers.get("Content-Type"), await r.read()) == direct
+            assert r.headers["X-Spillway-Child"] == "gpu"
         # CORS preflight is llama-server's own behaviour, passed through.
         async with http.options(f"{s.url}/v1/chat/completions",
                                 headers={"Origin": "http://example.test",
@@ -212,6 +219,14 @@ async def test_a_model_that_would_not_fit_the_free_vram_goes_to_the_cpu_router(
     async with aiohttp.ClientSession() as http:
         code, headers, _ = await post(http, s, chat("alpha"))
         assert code == 200 and headers["X-Spillway-Child"] == "gpu"
+        # NVML's per-process figure for alpha's instance (a grandchild: found by its port) is
+        # what alpha is seen using, and what a later load of it must fit.
+        instance = s.child("gpu")["models"]["alpha"]["pid"]
+        write_json(nvml, total_mib=24576, free_mib=20000, processes={str(instance): 3000})
+        assert await eventually_async(
+            lambda: s.child("gpu")["models"]["alpha"]["vram_peak_bytes"] == 3000 * 1048576)
+        assert s.child("gpu")["models"]["alpha"]["vram_needs_bytes_to_load"] >= \
+            (3000 + 1024) * 1048576
         # Another process takes the card: beta's weights, KV cache and the headroom no longer
         # fit. Its requests go to the CPU router; the card is not asked to load it.
         write_json(nvml, total_mib=24576, free_mib=900)

@@ -265,16 +265,15 @@ async def test_a_load_the_router_refuses_leaves_it_stopped_without_a_failure() -
 @pytest.mark.asyncio
 async def test_the_drill_arm_fires_on_the_task_or_on_a_neighbour_load() -> None:
     import signal
-    import subprocess
     upstream, _, _, _ = make()
     loaded(upstream)
     for when_neighbour in (False, True):
-        proc = subprocess.Popen(["sleep", "30"])
+        proc = await asyncio.create_subprocess_exec("sleep", "30")
         upstream.pid = proc.pid
         upstream.arm(signal.SIGABRT, on_neighbour_load=when_neighbour)
         upstream.heard_instance_line("slot launch_slot_: id  1 | task 3 | processing task")
         if when_neighbour:
-            assert proc.poll() is None  # a task launching is not the trigger
+            assert upstream.armed_signal is not None  # a task launching is not the trigger
             upstream.heard_neighbour_load("beta")
-        assert proc.wait(5) == -signal.SIGABRT
+        assert await asyncio.wait_for(proc.wait(), 5) == -signal.SIGABRT
         assert upstream.armed_signal is None  # once

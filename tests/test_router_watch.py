@@ -1,0 +1,130 @@
+"""The watch of one router (supervisor/router/watch.py), functional: against a fake router on
+loopback (an aiohttp app standing in for llama-server's /models and /models/sse, named for what
+it is) whose event stream drops; the watch reads the listing again and reconnects, and what it
+missed meanwhile is not left wrong. The router's output lines come from the captured fixture."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from test_router_upstream import FakeLoader, FakeRouter
+
+from supervisor.policy.lifecycle import ChildState as S
+from supervisor.policy.router import StatusChange
+from supervisor.router.upstream import ModelUpstream
+from supervisor.router.watch import RouterWatch
+
+FIXTURES = Path(__file__).parent / "fixtures" / "llama-server" / "router"
+
+
+class FakeRouterServer:
+    """/models answers the current listing; /models/sse sends the queued events, then drops the
+    connection (as a router that restarted its stream would)."""
+
+    def __init__(self) -> None:
+        self.status = {"alpha": "unloaded", "beta": "unloaded"}
+        self.events: list[dict[str, Any]] = []
+        self.listings = 0
+        self.streams = 0
+        self.keys: list[str | None] = []
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_get("/models", self.models)
+        app.router.add_get("/models/sse", self.sse)
+        return app
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.listings += 1
+        self.keys.append(request.headers.get("Authorization"))
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "status": {"value": value, "args": ["--port", "5100"]}}
+            for name, value in self.status.items()]})
+
+    async def sse(self, request: web.Request) -> web.StreamResponse:
+        self.streams += 1
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        while self.events:
+            event = self.events.pop(0)
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        await asyncio.sleep(0.05)
+        return resp  # the stream ends: the watch must reconnect
+
+
+@pytest.mark.asyncio
+async def test_a_dropped_event_stream_is_reconnected_and_the_listing_read_again() -> None:
+    fake = FakeRouterServer()
+    fake.events.append({"model": "alpha", "event": "status_change",
+                        "data": {"status": "loaded", "info": {"meta": {"n_ctx": 1024}}}})
+    server = TestServer(fake.app())
+    await server.start_server()
+    router = FakeRouter()
+    router.base_url = f"http://127.0.0.1:{server.port}"
+    router.line_listeners = []  # type: ignore[attr-defined]
+    router.pid = None  # type: ignore[attr-defined]
+    loader = FakeLoader()
+    upstreams: dict[str, ModelUpstream] = {}
+
+    def upstream_for(model: str) -> ModelUpstream:
+        if model not in upstreams:
+            upstreams[model] = ModelUpstream(router, model, loader)  # type: ignore[arg-type]
+        return upstreams[model]
+
+    async with aiohttp.ClientSession() as session:
+        watch = RouterWatch(router, upstream_for, lambda: session)  # type: ignore[arg-type]
+        router.to(S.STARTING)
+        router.to(S.READY)  # the watch starts following
+        for _ in range(100):
+            if "alpha" in upstreams and upstreams["alpha"].state is S.READY:
+                break
+            await asyncio.sleep(0.02)
+        assert upstreams["alpha"].state is S.READY and upstreams["beta"].state is S.STOPPED
+        # While the stream is down, alpha's instance died and nobody sent the event: the
+        # listing read on reconnecting says so.
+        fake.status["alpha"] = "unloaded"
+        for _ in range(100):
+            if fake.streams >= 2 and upstreams["alpha"].state is not S.READY:
+                break
+            await asyncio.sleep(0.02)
+        assert fake.listings >= 2 and fake.streams >= 2
+        assert upstreams["alpha"].state is S.STOPPED  # an instance gone without a failure code
+        assert set(fake.keys) == {"Bearer k"}  # the router's private key, on every question
+        await watch.close()
+    await server.close()
+
+
+@pytest.mark.asyncio
+async def test_the_routers_output_lines_tell_which_instance_is_which_model() -> None:
+    router = FakeRouter()
+    router.line_listeners = []  # type: ignore[attr-defined]
+    loader = FakeLoader()
+    upstreams: dict[str, ModelUpstream] = {}
+
+    def upstream_for(model: str) -> ModelUpstream:
+        if model not in upstreams:
+            upstreams[model] = ModelUpstream(router, model, loader)  # type: ignore[arg-type]
+        return upstreams[model]
+
+    watch = RouterWatch(router, upstream_for, lambda: None,  # type: ignore[arg-type,return-value]
+                        neighbours=lambda: list(upstreams.values()))
+    lines = (FIXTURES / "router.log").read_text().splitlines()
+    for line in lines:
+        watch.heard_line(line)
+        if "proxy_reques" in line and upstreams["alpha"].state is S.STARTING:
+            # (the router's "loaded" comes as an event, not a line)
+            upstreams["alpha"].heard_status(StatusChange("alpha", "loaded", None, None, 1024,
+                                                         None))
+    alpha = upstreams["alpha"]
+    # The fixture: alpha spawned on 52251, killed (status 1), spawned again on 53723.
+    assert alpha.failures >= 1 and alpha.last_exit is not None
+    assert alpha.instance_port != 52251
+    assert any("llama_server: model loaded" in line for line in alpha.instance_lines)
+    assert "beta" in upstreams  # its spawn line made its upstream
