@@ -305,6 +305,17 @@ def wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
     return alive
 
 
+def router_config(llama_server: Path, models_dir: Path,
+                  **sections: Mapping[str, Any]) -> dict[str, Any]:
+    """Router mode: both children are real llama-server routers over `models_dir`, each
+    instance with one thread (as real_config's children)."""
+    cfg = real_config(llama_server, models_dir, **sections)
+    model = cfg["model"]
+    del model["path"]
+    model["args"] = ["--models-dir", str(models_dir), *model["args"]]
+    return cfg
+
+
 def real_config(llama_server: Path, model_path: Path,
                 **sections: Mapping[str, Any]) -> dict[str, Any]:
     """Both children on the real llama-server with the tiny model, one thread each (two cores

@@ -11,6 +11,7 @@ import sys
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -21,32 +22,48 @@ from supervisor import bootstrap
 pytestmark = [pytest.mark.integration]
 
 
-def test_quickstart_serves_gemma_through_the_openai_client(tmp_path: Path,
-                                                           llama_server: Path) -> None:
-    port = free_port()
-    config_path = tmp_path / "quickstart.toml"
+def start_quickstart(tmp_path: Path, config_path: Path, port: int,
+                     *extra: str) -> tuple[subprocess.Popen[bytes], Any, dict[str, Any]]:
+    """`spillway quickstart` as a new user runs it; returns once both children are READY (and,
+    in router mode, the routers have listed their models): the process, its log and the status."""
     log = open(tmp_path / "quickstart.log", "wb")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("LLAMA_SERVER", None)  # the embedded default: the cached build
     proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "quickstart", "--config", str(config_path),
+        [sys.executable, "-m", "supervisor", "quickstart", *extra, "--config", str(config_path),
          "--listen", f"127.0.0.1:{port}"], stdout=log, stderr=subprocess.STDOUT, env=env)
+    deadline = time.monotonic() + 600  # a first run fetches the model
+    while True:
+        assert proc.poll() is None, (tmp_path / "quickstart.log").read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/spillway/status",
+                                        timeout=5) as r:
+                status = json.loads(r.read())
+            if all(c["state"] == "READY" for c in status["children"].values()) and (
+                    not status.get("router") or status["models"]):
+                return proc, log, status
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("quickstart never became ready")
+        time.sleep(0.5)
+
+
+def stop_quickstart(proc: subprocess.Popen[bytes], log: Any) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(60) == 0
+    log.close()
+
+
+def test_quickstart_serves_gemma_through_the_openai_client(tmp_path: Path,
+                                                           llama_server: Path) -> None:
+    port = free_port()
+    config_path = tmp_path / "quickstart.toml"
+    proc, log, status = start_quickstart(tmp_path, config_path, port)
     try:
         oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                            max_retries=0, timeout=120)
-        deadline = time.monotonic() + 600  # a first run fetches the model
-        while True:
-            assert proc.poll() is None, (tmp_path / "quickstart.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/spillway/status",
-                                            timeout=5) as r:
-                    status = json.loads(r.read())
-                if all(c["state"] == "READY" for c in status["children"].values()):
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "quickstart never became ready"
-            time.sleep(0.5)
         text = config_path.read_text()
         assert str(bootstrap.model_path()) in text
         assert f'listen = "127.0.0.1:{port}"' in text
@@ -60,39 +77,17 @@ def test_quickstart_serves_gemma_through_the_openai_client(tmp_path: Path,
         assert answer.choices[0].message.content
         assert "gemma-3-270m" in answer.model
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-        log.close()
+        stop_quickstart(proc, log)
 
 
 def test_quickstart_router_serves_gemma_by_name_through_the_openai_client(
         tmp_path: Path, llama_server: Path) -> None:
     port = free_port()
     config_path = tmp_path / "quickstart-router.toml"
-    log = open(tmp_path / "quickstart.log", "wb")
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    env.pop("LLAMA_SERVER", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "supervisor", "quickstart", "--router", "--config",
-         str(config_path), "--listen", f"127.0.0.1:{port}"], stdout=log,
-        stderr=subprocess.STDOUT, env=env)
+    proc, log, status = start_quickstart(tmp_path, config_path, port, "--router")
     try:
         oa = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                            max_retries=0, timeout=120)
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, (tmp_path / "quickstart.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/spillway/status",
-                                            timeout=5) as r:
-                    status = json.loads(r.read())
-                if all(c["state"] == "READY" for c in status["children"].values()) \
-                        and status["models"]:
-                    break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "quickstart --router never became ready"
-            time.sleep(0.5)
         assert "--models-dir" in config_path.read_text() and status["router"] is True
         name = bootstrap.model_path().stem  # the model is served by its file's name
         assert [m.id for m in oa.models.list()] == [name]
@@ -102,6 +97,4 @@ def test_quickstart_router_serves_gemma_by_name_through_the_openai_client(
         assert raw.headers["X-Spillway-Model"] == name
         assert raw.parse().choices[0].message.content
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
-        log.close()
+        stop_quickstart(proc, log)

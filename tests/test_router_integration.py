@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from harness import Spillway, eventually, eventually_async, write_json
+from harness import Spillway, eventually, eventually_async, router_config, write_json
 from tinymodel import write_tiny_model
 
 from conftest import SpillwayFactory
@@ -32,20 +32,6 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_tiny_model(folder / "alpha.gguf")
     write_tiny_model(folder / "beta.gguf", n_embd=128, n_layer=2, n_ff=256)
     return folder
-
-
-def router_config(llama_server: Path, models_dir: Path, **sections: Any) -> dict[str, Any]:
-    base: dict[str, Any] = {
-        "model": {"llama_server": str(llama_server),
-                  "args": ["--models-dir", str(models_dir), "-c", "2048", "-np", "2",
-                           "-t", "1", "-tb", "1"]},
-        "gpu": {"args": ["-ngl", "99"]},
-        "cpu": {"args": ["--device", "none", "-ngl", "0"]},
-        "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 2.0},
-    }
-    for name, values in sections.items():
-        base[name] = {**base.get(name, {}), **values}
-    return base
 
 
 def chat(model: str, content: str = "hello there", **extra: Any) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -59,6 +60,19 @@ class FakeRouterServer:
         return resp  # the stream ends: the watch must reconnect
 
 
+def upstream_maker(router: FakeRouter) -> tuple[dict[str, ModelUpstream],
+                                                Callable[[str], ModelUpstream]]:
+    """Each model's upstream on the fake router, made on first sight (as RouterModels does)."""
+    loader = FakeLoader()
+    upstreams: dict[str, ModelUpstream] = {}
+
+    def upstream_for(model: str) -> ModelUpstream:
+        if model not in upstreams:
+            upstreams[model] = ModelUpstream(router, model, loader)  # type: ignore[arg-type]
+        return upstreams[model]
+    return upstreams, upstream_for
+
+
 @pytest.mark.asyncio
 async def test_a_dropped_event_stream_is_reconnected_and_the_listing_read_again() -> None:
     fake = FakeRouterServer()
@@ -70,14 +84,7 @@ async def test_a_dropped_event_stream_is_reconnected_and_the_listing_read_again(
     router.base_url = f"http://127.0.0.1:{server.port}"
     router.line_listeners = []  # type: ignore[attr-defined]
     router.pid = None  # type: ignore[attr-defined]
-    loader = FakeLoader()
-    upstreams: dict[str, ModelUpstream] = {}
-
-    def upstream_for(model: str) -> ModelUpstream:
-        if model not in upstreams:
-            upstreams[model] = ModelUpstream(router, model, loader)  # type: ignore[arg-type]
-        return upstreams[model]
-
+    upstreams, upstream_for = upstream_maker(router)
     async with aiohttp.ClientSession() as session:
         watch = RouterWatch(router, upstream_for, lambda: session)  # type: ignore[arg-type]
         router.to(S.STARTING)
@@ -105,14 +112,7 @@ async def test_a_dropped_event_stream_is_reconnected_and_the_listing_read_again(
 async def test_the_routers_output_lines_tell_which_instance_is_which_model() -> None:
     router = FakeRouter()
     router.line_listeners = []  # type: ignore[attr-defined]
-    loader = FakeLoader()
-    upstreams: dict[str, ModelUpstream] = {}
-
-    def upstream_for(model: str) -> ModelUpstream:
-        if model not in upstreams:
-            upstreams[model] = ModelUpstream(router, model, loader)  # type: ignore[arg-type]
-        return upstreams[model]
-
+    upstreams, upstream_for = upstream_maker(router)
     watch = RouterWatch(router, upstream_for, lambda: None,  # type: ignore[arg-type,return-value]
                         neighbours=lambda: list(upstreams.values()))
     lines = (FIXTURES / "router.log").read_text().splitlines()
