@@ -277,3 +277,11 @@ async def test_the_drill_arm_fires_on_the_task_or_on_a_neighbour_load() -> None:
             upstream.heard_neighbour_load("beta")
         assert await asyncio.wait_for(proc.wait(), 5) == -signal.SIGABRT
         assert upstream.armed_signal is None  # once
+
+
+@pytest.mark.asyncio
+async def test_an_instance_still_running_gives_no_exit_record_after_the_wait() -> None:
+    upstream, _, _, _ = make()
+    loaded(upstream)
+    assert await upstream.exit_of(1, 0.05) is None  # still running: the caller decides
+    assert await upstream.exit_of(7, 0.05) is None  # no such instance

@@ -178,9 +178,11 @@ class ModelUpstream:
             return None
         try:
             return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except (TimeoutError, asyncio.CancelledError):
+        except TimeoutError:
+            return None
+        except asyncio.CancelledError:
             if fut.cancelled():
-                return None
+                return None  # the model's upstream was closed, not the caller
             raise
 
     def next_try_in_s(self) -> float | None:
