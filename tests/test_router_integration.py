@@ -187,6 +187,11 @@ async def test_an_instance_death_replays_on_the_cpu_router_for_the_same_model(
     assert gpu_alpha["failures"] == 1 and gpu_alpha["last_exit"]["kind"] == "crash"
     # Spillway loads alpha again on the GPU router after its back-off, by itself.
     wait_model(s, "gpu", "alpha")
+    code, text = s.get("/spillway/metrics")
+    reloads = {(x.labels["child"], x.labels["model"], x.labels["reason"]): x.value
+               for f in text_string_to_metric_families(text) if f.name == "spillway_model_reloads"
+               for x in f.samples if x.name.endswith("_total")}
+    assert reloads == {("gpu", "alpha", "crash"): 1.0}, reloads
     assert s.child("gpu")["models"]["alpha"]["pid"] not in (None, victim)
     assert s.child("gpu")["models"]["beta"]["failures"] == 0
     async with aiohttp.ClientSession() as http:
