@@ -128,3 +128,28 @@ async def test_the_routers_output_lines_tell_which_instance_is_which_model() -> 
     assert alpha.instance_port != 52251
     assert any("llama_server: model loaded" in line for line in alpha.instance_lines)
     assert "beta" in upstreams  # its spawn line made its upstream
+
+
+@pytest.mark.asyncio
+async def test_an_instance_loaded_before_its_spawn_line_is_read_gets_its_pid_then() -> None:
+    # On busy cores the router's output is read behind its event stream: `loaded` arrives
+    # while the port known is the previous instance's (dead), so no pid is found at load; the
+    # spawn line read just after names the new port, and the pid is found there (the drill's
+    # SIGABRT and NVML's per-process figure need it).
+    router = FakeRouter()
+    router.line_listeners = []  # type: ignore[attr-defined]
+    upstreams, upstream_for = upstream_maker(router)
+    watch = RouterWatch(router, upstream_for, lambda: None)  # type: ignore[arg-type,return-value]
+    pids = {5200: 4242}
+    watch.instance_pid = pids.get  # type: ignore[assignment,method-assign]
+    watch.heard_line("srv          load: spawning server instance with name=alpha on port 5100")
+    alpha = upstreams["alpha"]
+    alpha.heard_status(StatusChange("alpha", "loaded", None, None, 1024, None))
+    watch._loaded(alpha)
+    alpha.heard_exit(1)  # killed; loaded again, and its `loaded` comes before its spawn line
+    alpha.heard_status(StatusChange("alpha", "loading", None, None, None, None))
+    alpha.heard_status(StatusChange("alpha", "loaded", None, None, 1024, None))
+    watch._loaded(alpha)
+    assert alpha.state is S.READY and alpha.pid is None
+    watch.heard_line("srv          load: spawning server instance with name=alpha on port 5200")
+    assert alpha.instance_port == 5200 and alpha.pid == 4242

@@ -68,7 +68,12 @@ class RouterWatch:
                 self.upstream_for(model).heard_instance_line(r.text)
         elif r.kind == "spawn" and r.model is not None and r.port is not None:
             self._ports[r.port] = r.model
-            self.upstream_for(r.model).heard_spawn(r.port)
+            upstream = self.upstream_for(r.model)
+            upstream.heard_spawn(r.port)
+            if upstream.is_ready and upstream.pid is None:
+                # Its `loaded` event came first (the output is read behind the event stream
+                # when the cores are busy), when its port was not known: its pid is found now.
+                upstream.pid = self.instance_pid(r.port)
             for other in self.neighbours() if self.neighbours is not None else ():
                 if other.model != r.model:
                     other.heard_neighbour_load(r.model)
