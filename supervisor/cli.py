@@ -258,11 +258,16 @@ def cmd_drill(args: argparse.Namespace) -> int:
     try:
         result = asyncio.run(drill.run(
             target, how=args.ballast, only=only, prompt_tokens=args.prompt_tokens,
-            model_path=cfg.model.path if cfg else None,
-            binary=cfg.gpu.llama_server if cfg else None))
+            model_path=cfg.model.path or None if cfg else None,
+            binary=cfg.gpu.llama_server if cfg else None, model=args.model,
+            second_model=args.second_model))
         if args.profiles:
             if cfg is None:
                 print("spillway drill --profiles needs --config (the model and llama-server)",
+                      file=sys.stderr)
+                return EXIT_CONFIG
+            if cfg.router:
+                print("spillway drill --profiles needs single-model mode (model.path)",
                       file=sys.stderr)
                 return EXIT_CONFIG
             result["profiles"] = asyncio.run(profiles.run(cfg, target))
@@ -340,12 +345,19 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=("auto", "simulate", "torch", "llama-server"),
                    help="how to run the GPU out of memory (auto: PyTorch if importable, else "
                         "a second llama-server; simulated when there is no GPU)")
-    p.add_argument("--only", default=None, help="scenarios to run, e.g. 1,2 (default: all)")
+    p.add_argument("--only", default=None, help="scenarios to run, e.g. 1,2 (default: all; 6 "
+                                                "runs in router mode only)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="the size of the request over the GPU's profile (default: 60%% of a "
                         "slot's context, at most 24000)")
     p.add_argument("--profiles", action="store_true",
                    help="also compare GPU-resident, split and CPU profiles on one prompt set")
+    p.add_argument("--model", default=None,
+                   help="router mode: the model every request names (default: the routers' "
+                        "first)")
+    p.add_argument("--second-model", default=None,
+                   help="router mode: the model scenario 6 loads next to it (default: the "
+                        "routers' second)")
     p.set_defaults(func=cmd_drill)
 
     default_config = bootstrap.cache_dir() / "quickstart.toml"

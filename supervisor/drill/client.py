@@ -29,6 +29,7 @@ class Sent:
     status: int | None = None  # None: no answer (the client left, or the connection broke)
     attempts: int = 0
     child: str | None = None
+    model: str | None = None  # X-Spillway-Model (router mode)
     failover: str | None = None
     complete: bool = False  # a whole answer: JSON with choices, or a stream ending in [DONE]
     error_event: bool = False  # a stream ended by Spillway's error event
@@ -62,11 +63,28 @@ class Sent:
         return out
 
 
+def state_of(status: dict[str, Any], child: str, model: str | None = None) -> str | None:
+    """A child's state; in router mode (`model`), that model's state on that router (the
+    router's own when the router itself is not READY)."""
+    info = status["children"][child]
+    if model is None or info["state"] != "READY":
+        return str(info["state"])
+    found = (info.get("models") or {}).get(model)
+    return None if found is None else str(found["state"])
+
+
+def model_info(status: dict[str, Any], child: str, model: str) -> dict[str, Any]:
+    """One model's entry on one router in the status ({} when it has none)."""
+    found: dict[str, Any] = (status["children"][child].get("models") or {}).get(model) or {}
+    return found
+
+
 @dataclass
 class DrillClient:
     target: Target
     session: aiohttp.ClientSession
     sent: list[Sent] = field(default_factory=list)
+    model: str | None = None  # router mode: every request names it
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -85,6 +103,12 @@ class DrillClient:
                                      headers=self._headers()) as r:
             return await r.json()
 
+    async def post(self, path: str, body: Any) -> tuple[int, str]:
+        """(status, body text), whatever the answer is."""
+        async with self.session.post(self.target.url + path, data=json.dumps(body),
+                                     headers=self._headers()) as r:
+            return r.status, await r.text(errors="replace")
+
     async def status(self) -> dict[str, Any]:
         result: dict[str, Any] = await self.get("/spillway/status")
         return result
@@ -94,10 +118,12 @@ class DrillClient:
         records: list[dict[str, Any]] = body["incidents"]
         return records
 
-    async def wait_state(self, child: str, states: tuple[str, ...], timeout: float) -> bool:
+    async def wait_state(self, child: str, states: tuple[str, ...], timeout: float,
+                         model: str | None = None) -> bool:
+        """Until the child (in router mode: `model` on that router) is in one of `states`."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if (await self.status())["children"][child]["state"] in states:
+            if state_of(await self.status(), child, model) in states:
                 return True
             await asyncio.sleep(0.1)
         return False
@@ -107,12 +133,15 @@ class DrillClient:
 
     async def chat(self, scenario: int, messages: list[dict[str, str]], max_tokens: int,
                    stream: bool = False, headers: dict[str, str] | None = None,
-                   leave_after_first_event: bool = False) -> Sent:
+                   leave_after_first_event: bool = False,
+                   extra: dict[str, Any] | None = None) -> Sent:
         rid = f"drill-{scenario}-{uuid.uuid4().hex[:10]}"
         sent = Sent(scenario, rid, stream, time.time())
         self.sent.append(sent)
-        body = {"messages": messages, "max_tokens": max_tokens, "stream": stream,
-                "temperature": 0}
+        body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens,
+                                "stream": stream, "temperature": 0, **(extra or {})}
+        if self.model is not None:
+            body["model"] = self.model
         try:
             async with self.session.post(self.target.url + CHAT, data=json.dumps(body),
                                          headers=self._headers({"X-Request-Id": rid,
@@ -120,6 +149,7 @@ class DrillClient:
                 sent.status = r.status
                 sent.attempts = int(r.headers.get("X-Spillway-Attempts", "0"))
                 sent.child = r.headers.get("X-Spillway-Child")
+                sent.model = r.headers.get("X-Spillway-Model")
                 sent.failover = r.headers.get("X-Spillway-Failover")
                 sent.request_id_kept = r.headers.get("X-Request-Id") == rid
                 if stream and r.status == 200:

@@ -9,7 +9,9 @@
   it can come back.
 - Simulated (no GPU): Spillway is asked to send SIGABRT to the GPU child the moment its next
   task launches, during prompt processing, which is when a CUDA build aborts. Every result is
-  labelled "simulated".
+  labelled "simulated". In router mode it is the drilled model's instance on the GPU router
+  that gets it; scenario 6 (a second model loading next to it) arms it to fire as the other
+  model's instance is spawned there.
 """
 
 from __future__ import annotations
@@ -45,19 +47,44 @@ class Provoker(Protocol):
 
 
 class SimulatedFailure:
-    simulated = True
-    description = ("simulated: no GPU here, so Spillway sends SIGABRT to the GPU child as the "
-                   "request's task launches (prompt processing), where a CUDA build aborts on "
-                   "an out-of-memory")
+    """Spillway's drill arm: SIGABRT to the GPU child (single-model mode), or to one model's
+    instance on the GPU router (router mode: `model`), as its next task launches or, `when` =
+    "neighbour_load", as another model's instance is spawned on the GPU router."""
 
-    def __init__(self, client: DrillClient) -> None:
+    simulated = True
+
+    def __init__(self, client: DrillClient, model: str | None = None,
+                 when: str = "task") -> None:
         self.client = client
+        self.model = model
+        self.when = when
+        if model is None:
+            self.description = (
+                "simulated: no GPU here, so Spillway sends SIGABRT to the GPU child as the "
+                "request's task launches (prompt processing), where a CUDA build aborts on an "
+                "out-of-memory")
+        elif when == "task":
+            self.description = (
+                f"simulated: no GPU here, so Spillway sends SIGABRT to model {model}'s "
+                "instance on the GPU router as the request's task launches (prompt "
+                "processing), where a CUDA build aborts on an out-of-memory")
+        else:
+            self.description = (
+                f"simulated: Spillway sends SIGABRT to model {model}'s instance on the GPU "
+                "router as another model's instance is spawned there, standing in for the "
+                "allocation that fails when the second model takes the last VRAM")
+
+    def _body(self, **more: object) -> dict[str, object]:
+        body: dict[str, object] = {} if self.model is None else {"model": self.model}
+        if self.model is not None and self.when != "task":
+            body["when"] = self.when
+        return {**body, **more}
 
     async def arm(self) -> None:
-        await self.client.post_json("/spillway/drill/arm", {})
+        await self.client.post_json("/spillway/drill/arm", self._body())
 
     async def after_failure(self) -> None:
-        await self.client.post_json("/spillway/drill/arm", {"disarm": True})
+        await self.client.post_json("/spillway/drill/arm", self._body(disarm=True))
 
     async def close(self) -> None:
         await self.after_failure()
@@ -156,11 +183,12 @@ def torch_available() -> bool:
 
 async def choose(client: DrillClient, status: dict[str, Any], how: str,
                  model_path: str | None, binary: str | None) -> Provoker:
-    """`how`: auto, simulate, torch or llama-server."""
+    """`how`: auto, simulate, torch or llama-server. In router mode (the client names a
+    model) the failure is that model's instance's on the GPU router."""
     gpu = status.get("gpu")
     real_gpu = gpu is not None and status.get("gpu_child_on_cpu") is False
     if how == "simulate" or (how == "auto" and not real_gpu):
-        return SimulatedFailure(client)
+        return SimulatedFailure(client, client.model)
     if not real_gpu:
         raise RuntimeError("no GPU behind this Spillway (status shows none): use --ballast "
                            "simulate")

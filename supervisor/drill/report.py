@@ -1,5 +1,7 @@
 """The drill's report: a table for the terminal, a JSON file, and a self-contained HTML page with
-an SVG timeline (the children's states over time; each request a bar coloured by outcome)."""
+an SVG timeline (the children's states over time, in router mode also the drilled models' on
+each router; each request a bar coloured by outcome). A scenario that did not run (scenario 6
+outside router mode) is listed as skipped, with the reason."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import html
 import json
 from pathlib import Path
 from typing import Any
+from xml.sax.saxutils import quoteattr
 
 from .. import tables
 
@@ -50,32 +53,56 @@ def summary(scenario: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _result(scenario: dict[str, Any], report: dict[str, Any]) -> str:
+    """PASS or FAIL; "(simulated)" when this scenario was, and the rest of the drill not."""
+    word = "PASS" if scenario["passed"] else "FAIL"
+    return word + (" (simulated)" if scenario["simulated"] and not report["simulated"] else "")
+
+
+def gpu_states_after(scenario: dict[str, Any]) -> str | None:
+    """Scenario 6: each model's state on the GPU router at the end, in words."""
+    states = (scenario.get("models") or {}).get("gpu_states_after")
+    if not states:
+        return None
+    return "on the GPU router at the end: " + ", ".join(f"{m} {st}" for m, st in states.items())
+
+
 def table(report: dict[str, Any]) -> str:
     rows = []
     for s in report["scenarios"]:
         m = summary(s)
         effects = m["tool_effects"]
         rows.append([
-            s["number"], s["name"][:38], "PASS" if s["passed"] else "FAIL",
+            s["number"], s["name"][:38], _result(s, report),
             (m["first_error"] or "")[:40], (m["decision"] or "")[:28],
             "-" if m["cpu_start_s"] is None else f"{m['cpu_start_s']:.2f}",
             m["final"][:28], "-" if m["latency_s"] is None else f"{m['latency_s']:.2f}",
             {True: "yes", False: "no", None: "-"}[m["connection_survived"]],
             "-" if effects is None else ",".join(str(v) for v in effects.values()),
         ])
-    return tables.render(["#", "scenario", "result", "first error", "decision", "cpu start s",
-                          "final", "latency s", "connection", "tools"], rows)
+    text = tables.render(["#", "scenario", "result", "first error", "decision",
+                          "cpu start s", "final", "latency s", "connection", "tools"], rows)
+    for s in report["scenarios"]:
+        after = gpu_states_after(s)
+        if after:
+            text += f"\n[{s['number']}] {after}"
+    for skipped in report.get("skipped", []):
+        text += f"\n[{skipped['number']}] {skipped['name']}: skipped ({skipped['why']})"
+    return text
 
 
 def write_json(report: dict[str, Any], path: Path) -> None:
     path.write_text(json.dumps(report, indent=1, default=str))
 
 
-def _intervals(events: list[dict[str, Any]], child: str, start: float,
-               end: float) -> list[tuple[float, float, str]]:
-    """(from, to, state) for one child over [start, end]."""
-    mine = sorted((e for e in events if e["child"] == child), key=lambda e: e["time"])
-    state = "READY"
+def _intervals(events: list[dict[str, Any]], child: str, start: float, end: float,
+               model: str | None = None,
+               initial: str = "READY") -> list[tuple[float, float, str]]:
+    """(from, to, state) for one child (router mode: one model on that router) over
+    [start, end]."""
+    mine = sorted((e for e in events if e["child"] == child and e.get("model") == model),
+                  key=lambda e: e["time"])
+    state = initial
     for e in mine:
         if e["time"] <= start:
             state = e["state"]
@@ -102,20 +129,28 @@ def svg_timeline(report: dict[str, Any], width: int = 1000) -> str:
         return left + (min(max(t, start), end) - start) / span * (width - left - 10)
 
     requests = [(s["number"], r) for s in report["scenarios"] for r in s["requests"]]
-    height = 40 + 2 * (lane_h + gap) + len(requests) * (bar_h + gap) + 30
+    # The children, then (router mode) each drilled model on each router.
+    lanes: list[tuple[str, str | None]] = [("gpu", None), ("cpu", None)]
+    lanes += [(child, m) for m in timeline.get("models", []) for child in ("gpu", "cpu")]
+    height = 40 + len(lanes) * (lane_h + gap) + len(requests) * (bar_h + gap) + 30
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" class="timeline" role="img" '
              'aria-label="child states and requests over time">']
     y = 20
-    for child in ("gpu", "cpu"):
-        parts.append(f'<g class="lane" data-child="{child}">')
-        parts.append(f'<text x="4" y="{y + 15}" class="lane-label">{child} child</text>')
-        for a, b, state in _intervals(timeline["events"], child, start, end):
+    initial = timeline.get("initial", {})
+    for child, model in lanes:
+        first = "READY" if model is None else initial.get(f"{child}/{model}") or "STOPPED"
+        name = f"{child} child" if model is None else f"{child}: {model}"
+        parts.append(f'<g class="lane" data-child="{child}"'
+                     f'{"" if model is None else f" data-model={quoteattr(model)}"}>')
+        parts.append(f'<text x="4" y="{y + 15}" class="lane-label">'
+                     f'{html.escape(name[:16])}</text>')
+        for a, b, state in _intervals(timeline["events"], child, start, end, model, first):
             colour = STATE_COLOURS.get(state, "#eeeeee")
             parts.append(f'<rect class="state state-{state}" data-state="{state}" '
                          f'x="{x(a):.1f}" y="{y}" width="{max(x(b) - x(a), 1):.1f}" '
-                         f'height="{lane_h}" fill="{colour}"><title>{child}: {state} '
-                         f'({b - a:.2f} s)</title></rect>')
+                         f'height="{lane_h}" fill="{colour}"><title>{html.escape(name)}: '
+                         f'{state} ({b - a:.2f} s)</title></rect>')
         parts.append("</g>")
         y += lane_h + gap
     y += 10
@@ -142,6 +177,19 @@ def svg_timeline(report: dict[str, Any], width: int = 1000) -> str:
     return "\n".join(parts)
 
 
+def _after(scenario: dict[str, Any]) -> str:
+    after = gpu_states_after(scenario)
+    return f" ({after})" if after else ""
+
+
+def _router_line(report: dict[str, Any]) -> str:
+    if not report.get("router"):
+        return ""
+    second = report.get("second_model")
+    return (f"<p>Router mode: every request is for model {html.escape(str(report['model']))}"
+            f"{f'; the second model is {html.escape(second)}' if second else ''}.</p>")
+
+
 def write_html(report: dict[str, Any], path: Path) -> None:
     e = html.escape
     rows = []
@@ -157,7 +205,13 @@ def write_html(report: dict[str, Any], path: Path) -> None:
             f'<td>{e(str(m["tool_effects"] or "-"))}</td>'
             f'<td class="ids">{e(" ".join(m["request_ids"]))}</td></tr>'
             f'<tr class="bar"><td></td><td colspan="10">bar: {e(s["bar"])} &mdash; '
-            f'{e(s["verdict"])}</td></tr>')
+            f'{e(s["verdict"])}{e(_after(s))}</td></tr>')
+    for skipped in report.get("skipped", []):
+        rows.append(
+            f'<tr class="skipped" data-scenario="{skipped["number"]}">'
+            f'<td>{skipped["number"]}</td><td>{e(skipped["name"])}</td><td>SKIPPED</td>'
+            f'<td colspan="8">{e(skipped["why"])}</td></tr>'
+            f'<tr class="bar"><td></td><td colspan="10">bar: {e(skipped["bar"])}</td></tr>')
     legend = " ".join(f'<span class="key" style="background:{c}"></span>{k}'
                       for k, c in OUTCOME_COLOURS.items())
     states = " ".join(f'<span class="key" style="background:{c}"></span>{k}'
@@ -185,6 +239,7 @@ td, th {{ border: 1px solid #ccc; padding: 4px 6px; vertical-align: top; }}
 tr.pass td:nth-child(3) {{ color: #2e7d32; font-weight: bold; }}
 tr.fail td:nth-child(3) {{ color: #c62828; font-weight: bold; }}
 tr.bar td {{ color: #555; font-size: 12px; border-top: none; }}
+tr.skipped td:nth-child(3) {{ color: #757575; font-weight: bold; }}
 td.ids {{ font-family: monospace; font-size: 11px; max-width: 18em; word-break: break-all; }}
 .key {{ display: inline-block; width: 12px; height: 12px; margin: 0 4px 0 12px; }}
 svg text {{ font-size: 12px; }}
@@ -195,6 +250,7 @@ svg text {{ font-size: 12px; }}
 <p>Machine: {e(str(machine.get("host")))}, {e(str(machine.get("cpu")))},
 GPU: {e(str(machine.get("gpu")))}</p>
 <p>How the failure was provoked: {e(report["provoked_by"])}</p>
+{_router_line(report)}
 <h2>Scenarios</h2>
 <table><tr><th>#</th><th>scenario</th><th>result</th><th>first error</th><th>decision</th>
 <th>CPU start s</th><th>final</th><th>latency s</th><th>connection survived</th>

@@ -1,8 +1,13 @@
-"""The five scenarios of the drill, in order, each with the bar it must meet.
+"""The six scenarios of the drill, in order, each with the bar it must meet.
 
 Every figure in the report comes from the daemon's own incident records, matched by request
 id; the drill adds only what a client alone can know (did the connection survive, what did the
 simulated tool do).
+
+In router mode every request names the drilled model (A), the failure is A's instance's on the
+GPU router, and "back" means A READY on the GPU router again. Scenario 6, a second model (B)
+loading on the GPU router while A's requests run there, is router mode's alone: elsewhere it is
+skipped, with the reason, and counts as neither passed nor failed.
 """
 
 from __future__ import annotations
@@ -10,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .client import DrillClient, Sent
-from .provoke import Provoker
+from .client import DrillClient, Sent, model_info, state_of
+from .provoke import Provoker, SimulatedFailure
 
 WORDS = ("the quick brown fox jumps over the lazy dog while the model reads a long document "
          "about memory and servers ").split()
@@ -33,6 +39,10 @@ class ScenarioResult:
     tool_effects: dict[int, int] | None = None
     executions: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    # Scenario 6: the drilled and the second model, the second one's load answer, and each
+    # one's state on the GPU router at the end.
+    models: dict[str, Any] | None = None
+    skipped: str | None = None  # why it did not run (scenario 6 outside router mode)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -40,8 +50,12 @@ class ScenarioResult:
             "simulated": self.simulated, "passed": self.passed, "verdict": self.verdict,
             "requests": [r.to_json() for r in self.requests],
             "tool_effects": self.tool_effects, "executions": self.executions,
-            "notes": self.notes,
+            "notes": self.notes, "models": self.models,
         }
+
+    def skip_json(self) -> dict[str, Any]:
+        return {"number": self.number, "name": self.name, "bar": self.bar,
+                "why": self.skipped}
 
 
 Progress = Callable[[str], None]
@@ -49,13 +63,22 @@ Progress = Callable[[str], None]
 
 class Drill:
     def __init__(self, client: DrillClient, provoker: Provoker, progress: Progress,
-                 prompt_tokens: int, settle_s: float = 180.0) -> None:
+                 prompt_tokens: int, settle_s: float = 180.0,
+                 second_model: str | None = None) -> None:
         self.client = client
         self.provoker = provoker
         self.say = progress
         self.prompt_tokens = prompt_tokens
         self.settle_s = settle_s
+        self.model = client.model  # router mode: the drilled model (A); None: single-model
+        self.second = second_model  # router mode: the model that loads next to it (B)
         self._words_per_token: float | None = None
+
+    @property
+    def gpu(self) -> str:
+        """What must be back: the GPU child, or A on the GPU router."""
+        return "the GPU child" if self.model is None else \
+            f"model {self.model} on the GPU router"
 
     # --- helpers ------------------------------------------------------------------------------
 
@@ -63,8 +86,13 @@ class Drill:
         """About `tokens` tokens of text, as the model's own tokenizer counts them."""
         if self._words_per_token is None:
             sample = " ".join(WORDS * 10)
+            body: dict[str, Any] = {"content": sample}
+            path = "/tokenize"
+            if self.model is not None:  # the model's own tokenizer, on a router
+                body["model"] = self.model
+                path += f"?model={urllib.parse.quote(self.model)}"
             try:
-                counted = await self.client.post_json("/tokenize", {"content": sample})
+                counted = await self.client.post_json(path, body)
                 n = len(counted.get("tokens", [])) or len(WORDS) * 10
             except Exception:  # noqa: BLE001 - a rough prompt is still a prompt
                 n = len(WORDS) * 10
@@ -77,27 +105,30 @@ class Drill:
         return [{"role": "user", "content": f"{note} Summarise: {text}"}]
 
     async def settle(self) -> None:
-        """Wait until the GPU child is back before the next scenario."""
-        if not await self.client.wait_state("gpu", ("READY",), self.settle_s):
-            self.say("  the GPU child is not back; going on")
+        """Wait until the GPU child (router mode: A on the GPU router) is back before the next
+        scenario."""
+        if not await self.client.wait_state("gpu", ("READY",), self.settle_s, self.model):
+            self.say(f"  {self.gpu} is not back; going on")
 
     @contextlib.asynccontextmanager
-    async def failing(self) -> AsyncIterator[None]:
-        """The failure armed for what follows; released as soon as the GPU child is down."""
-        await self.provoker.arm()
-        watcher = asyncio.create_task(self._release_when_down())
+    async def failing(self, provoker: Provoker | None = None) -> AsyncIterator[None]:
+        """The failure armed for what follows; released as soon as the GPU child (router mode:
+        A's instance on the GPU router) is down."""
+        provoker = provoker or self.provoker
+        await provoker.arm()
+        watcher = asyncio.create_task(self._release_when_down(provoker))
         try:
             yield
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
-            await self.provoker.after_failure()
+            await provoker.after_failure()
 
-    async def _release_when_down(self) -> None:
-        while (await self.client.status())["children"]["gpu"]["state"] == "READY":
+    async def _release_when_down(self, provoker: Provoker) -> None:
+        while state_of(await self.client.status(), "gpu", self.model) == "READY":
             await asyncio.sleep(0.05)
-        await self.provoker.after_failure()
+        await provoker.after_failure()
 
     async def attach_incidents(self, results: list[ScenarioResult]) -> None:
         by_id = {r["request_id"]: r for r in await self.client.incidents()}
@@ -108,8 +139,13 @@ class Drill:
     # --- the scenarios ------------------------------------------------------------------------
 
     def _new(self, number: int, name: str, bar: str) -> ScenarioResult:
-        self.say(f"[{number}/5] {name}")
+        self.say(f"[{number}/6] {name}")
         return ScenarioResult(number, name, bar, self.provoker.simulated)
+
+    def _skip(self, r: ScenarioResult, why: str) -> ScenarioResult:
+        self.say(f"  skipped: {why}")
+        r.skipped = why
+        return r
 
     async def _executions(self, before: dict[str, int]) -> dict[str, int]:
         after = await self.client.tasks_started()
@@ -146,9 +182,12 @@ class Drill:
         # The CPU child must let go of the abandoned replay (llama-server notices a closed
         # stream at its next write). Polled slowly: /slots answers wake llama-server's waits.
         deadline = time.monotonic() + 15
+        path = "/slots" if self.model is None else \
+            f"/slots?model={urllib.parse.quote(self.model)}"
         while time.monotonic() < deadline:
-            slots = await self.client.get("/slots", **{"X-Spillway-Child": "cpu"})
-            if not any(s.get("is_processing") for s in slots):
+            slots = await self.client.get(path, **{"X-Spillway-Child": "cpu"})
+            # (A router whose model is not loaded answers with an error object: no slots.)
+            if not isinstance(slots, list) or not any(s.get("is_processing") for s in slots):
                 break
             await asyncio.sleep(1.0)
         else:
@@ -208,6 +247,91 @@ class Drill:
                 return f"answer {step}"
             await asyncio.sleep(2.0)
         return None
+
+    # --- scenario 6: a second model takes the last VRAM (router mode) -------------------------
+
+    async def second_model(self, clients: int = 4) -> ScenarioResult:
+        a, b = self.model or "A", self.second or "B"
+        r = self._new(6, "a second model takes the last VRAM",
+                      f"every request for {a} completed or got a controlled error (503/502 "
+                      f"JSON, or one SSE error event); {a}'s non-streaming work replayed on the "
+                      f"CPU router and completed; {b} READY on the GPU router")
+        r.simulated = True  # the neighbour's load is simulated, even on a GPU
+        if self.model is None:
+            return self._skip(r, "router mode only: this Spillway serves one model")
+        if self.second is None:
+            return self._skip(r, f"the routers list fewer than two models (only "
+                                 f"{self.model}): there is no second model to load")
+        if not self.provoker.simulated:
+            self.say(f"  simulated, even on this GPU: {b}'s load kills {a}'s instance by "
+                     "Spillway's SIGABRT")
+        models: dict[str, Any] = {"model": a, "second_model": b}
+        r.models = models
+        await self._unloaded(b)  # so that loading it spawns its instance
+        await self.settle()
+        max_tokens = await self._long_answer()
+        async with self.failing(SimulatedFailure(self.client, a, when="neighbour_load")):
+            r.requests.extend(await self._while_loading(models, max_tokens, clients))
+        ready = await self.client.wait_state("gpu", ("READY",), self.settle_s, b)
+        states = {b: state_of(await self.client.status(), "gpu", b)}
+        if not ready:
+            self.say(f"  model {b} is not READY on the GPU router")
+        await self.settle()
+        states[a] = state_of(await self.client.status(), "gpu", a)
+        models["gpu_states_after"] = states
+        return r
+
+    async def _unloaded(self, model: str) -> None:
+        """The model not loaded on the GPU router (unloaded when it is)."""
+        if state_of(await self.client.status(), "gpu", model) == "STOPPED":
+            return
+        self.say(f"  unloading {model} from the GPU router first, so that loading it is a load")
+        await self.client.post("/models/unload", {"model": model})
+        await self.client.wait_state("gpu", ("STOPPED",), self.settle_s, model)
+
+    async def _long_answer(self, seconds: float = 4.0) -> int:
+        """max_tokens for an answer of about `seconds` on the GPU router (A's own speed, from a
+        short request's timings), so that A's requests are still running when B loads."""
+        body = {"model": self.model, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+                "messages": await self.messages(16, "Warm up.")}
+        try:
+            answer = await self.client.post_json("/v1/chat/completions", body)
+            per_s = float((answer.get("timings") or {}).get("predicted_per_second") or 0)
+        except Exception:  # noqa: BLE001 - a guess is still a length
+            per_s = 0.0
+        return 256 if per_s <= 0 else max(64, min(4096, int(per_s * seconds)))
+
+    async def _while_loading(self, models: dict[str, Any], max_tokens: int,
+                             clients: int) -> list[Sent]:
+        """A's requests on the GPU router, first a non-streaming one, then a stream and
+        `clients` more (streamed and not), and B loaded there while they run; what was in
+        flight and the load's answer go into `models`."""
+        second = models["second_model"]
+        extra = {"ignore_eos": True}
+        first = asyncio.create_task(self.client.chat(
+            6, await self.messages(16, "Write a long story."), max_tokens, extra=extra))
+        await self._in_flight_on_gpu(1)
+        rest = [asyncio.create_task(self.client.chat(
+            6, await self.messages(16, f"Client {i}: write a long story."), max_tokens,
+            stream=i % 2 == 0, extra=extra)) for i in range(clients + 1)]
+        cap = int(model_info(await self.client.status(), "gpu", self.model or "")
+                  .get("cap") or 1)
+        models["in_flight_on_gpu"] = await self._in_flight_on_gpu(min(2, cap))
+        self.say(f"  {models['in_flight_on_gpu']} request(s) for {self.model} in flight on "
+                 f"the GPU router; loading {second} there")
+        code, text = await self.client.post("/models/load", {"model": second})
+        models.update(load_status=code, load_answer=text[:300])
+        return list(await asyncio.gather(first, *rest))
+
+    async def _in_flight_on_gpu(self, count: int, timeout: float = 5.0) -> int:
+        """Until `count` requests for A run on the GPU router; how many do."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = int(model_info(await self.client.status(), "gpu", self.model or "")
+                        .get("in_flight") or 0)
+            if found >= count or time.monotonic() > deadline:
+                return found
+            await asyncio.sleep(0.02)
 
 
 def _identity(s: Sent) -> list[str]:
@@ -274,8 +398,46 @@ def _judge_agent(r: ScenarioResult) -> list[str]:
     return problems + r.notes
 
 
+def _judge_second_model(r: ScenarioResult) -> list[str]:
+    """Scenario 6: every request for A ended complete or with a controlled error, none of A's
+    non-streaming work was lost (replayed on the CPU router for A), and B is READY on the GPU
+    router."""
+    models = r.models or {}
+    a, b = models.get("model"), models.get("second_model")
+    problems = []
+    for s in r.requests:
+        problems += _identity(s)
+        if not (s.complete or s.controlled or s.error_event):
+            problems.append(f"{s.request_id}: neither completed nor a controlled error "
+                            f"({s.status}, {s.note})")
+        if s.model is not None and s.model != a:
+            problems.append(f"{s.request_id}: answered for model {s.model}, not {a}")
+    whole = [s for s in r.requests if not s.stream]
+    lost = [s.request_id for s in whole if not s.complete]
+    if lost:
+        problems.append(f"{a}'s work lost: {', '.join(lost)} never completed")
+    caught = [s for s in whole if s.incident is not None]
+    for s in caught:
+        inc = s.incident or {}
+        if (inc.get("decision"), inc.get("replay_child"), inc.get("model")) != \
+                ("replayed", "cpu", a):
+            problems.append(f"{s.request_id}: its incident says {inc.get('decision')} on "
+                            f"{inc.get('replay_child')} for {inc.get('model')}, not replayed "
+                            f"on the CPU router for {a}")
+    if not caught:
+        problems.append(f"no non-streaming request for {a} was caught on the GPU router when "
+                        f"{b} loaded")
+    if models.get("load_status") != 200:
+        problems.append(f"loading {b} answered {models.get('load_status')}: "
+                        f"{models.get('load_answer')}")
+    state = (models.get("gpu_states_after") or {}).get(b)
+    if state != "READY":
+        problems.append(f"{b} is {state} on the GPU router, not READY")
+    return problems
+
+
 _JUDGES = {1: _judge_failover, 2: _judge_failover, 3: _judge_cancellation,
-           4: _judge_concurrent, 5: _judge_agent}
+           4: _judge_concurrent, 5: _judge_agent, 6: _judge_second_model}
 
 
 def judge(r: ScenarioResult) -> None:
