@@ -332,6 +332,22 @@ class GpuMonitorConfig:
     sample_interval_s: float = field(metadata=key("number", 1.0, check=_positive))
 
 
+def _address_or_off(v: Any) -> str | None:
+    if v == "":
+        return None
+    try:
+        parse_listen(v)
+    except ValueError as e:
+        return f"{e}; or \"\" for off"
+    return None
+
+
+@dataclass(frozen=True)
+class BalancerConfig:
+    # HAProxy's agent-check on a TCP port of its own ("host:port"); "" is off.
+    agent_listen: str = field(metadata=key("str", "", check=_address_or_off))
+
+
 @dataclass(frozen=True)
 class Config:
     """One field per TOML section, in the order they are read and listed."""
@@ -347,6 +363,7 @@ class Config:
     incidents: IncidentsConfig
     idempotency: IdempotencyConfig
     monitor: GpuMonitorConfig
+    balancer: BalancerConfig
 
     def child(self, name: str) -> ChildConfig:
         return self.gpu if name == "gpu" else self.cpu
@@ -779,7 +796,8 @@ def known_keys() -> list[str]:
 
 __all__ = [
     "Config", "ConfigError", "Problem", "ChildConfig", "ServerConfig", "ModelConfig",
-    "RestartConfig", "GpuMonitorConfig", "FailoverConfig", "IncidentsConfig", "QueueConfig",
+    "RestartConfig", "GpuMonitorConfig", "BalancerConfig", "FailoverConfig",
+    "IncidentsConfig", "QueueConfig",
     "IdempotencyConfig", "ListenAddress", "load", "build",
     "known_keys", "parse_listen", "SCHEMA", "SECTIONS", "Key", "key", "derived",
     "section_keys", "CHILD_NAMES", "diff", "command_changed",

@@ -24,6 +24,7 @@ from aiohttp import web
 
 from . import __version__, bootstrap, config as config_module
 from .children import Child
+from .balancer import AgentServer
 from .config import CHILD_NAMES, Config
 from .gpu import MIB, GpuMonitor
 from .idempotency import IdempotencyStore
@@ -31,6 +32,7 @@ from .incidents import IncidentLog, default_path
 from .metrics import Metrics
 from .policy.lifecycle import ChildState
 from .own_routes import OwnRoutes, status_line
+from .policy.balancer import agent_reply
 from .pool import Pool
 from .pools import Pools
 from .proxy.app import build_app
@@ -54,7 +56,7 @@ log = logging.getLogger("spillway")
 UPSTREAM_KEEPALIVE_S = 4.0
 
 # Changes a reload cannot apply: noted in status, they take effect when spillway restarts.
-RESTART_KEYS = ("server.listen", "gpu.device")
+RESTART_KEYS = ("server.listen", "gpu.device", "balancer.agent_listen")
 
 
 # --- settings from the config: one function each, used at start and on every reload -----------
@@ -124,6 +126,8 @@ class Daemon:
         self._tasks: list[asyncio.Task[None]] = []
         self.devices_listed = False  # whether gpu_devices is known yet
         self._runner: web.AppRunner | None = None
+        self.agent: AgentServer | None = None  # HAProxy's agent-check port, when configured
+        self.stopping = False
         self._session: aiohttp.ClientSession | None = None
         self._upstream: UpstreamClient | None = None
         self.listening: list[str] = []
@@ -453,6 +457,16 @@ class Daemon:
             log.error("cannot listen on %s: %s", addr, e)
             await self._shutdown()
             return 1
+        if self.config.balancer.agent_listen:
+            self.agent = AgentServer(self.config.balancer.agent_listen,
+                                     lambda: self._agent_line(routes))
+            try:
+                await self.agent.start()
+            except OSError as e:
+                log.error("cannot listen on %s (balancer.agent_listen): %s",
+                          self.config.balancer.agent_listen, e)
+                await self._shutdown()
+                return 1
         log.info("spillway %s listening on %s", __version__, ", ".join(self.listening))
         log.info("incidents go to %s", self.incidents.path)
         # Listing devices takes a moment (a CUDA build initialises the driver): do it while the
@@ -474,6 +488,13 @@ class Daemon:
         await self._shutdown()
         return 0
 
+    def _agent_line(self, routes: OwnRoutes) -> str:
+        if self.stopping:
+            # Out of the balancer's rotation while in-flight requests drain (HAProxy takes a
+            # refused agent connection for no news, so the agent says it, to the end).
+            return "down #spillway is stopping"
+        return agent_reply(routes.machine_health())
+
     def _on_sighup(self) -> None:
         if self.reloader is not None:
             self._spawn(self._reload("SIGHUP"))
@@ -494,6 +515,7 @@ class Daemon:
 
     async def _shutdown(self) -> None:
         self.notifier.stopping()
+        self.stopping = True  # the balancer's agent says "down" from now on
         if self.reloader is not None:
             self.reloader.stop()
         if self._runner is not None:
@@ -526,6 +548,8 @@ class Daemon:
         if self._session is not None:
             await self._session.close()
         await self.monitor.close()
+        if self.agent is not None:
+            await self.agent.close()
         log.info("stopped")
 
     async def _second_signal(self) -> None:

@@ -26,6 +26,7 @@ from .incidents import IncidentLog
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .pool import Pool
+from .policy.balancer import MachineHealth
 from .policy.evidence import FailureKind
 from .policy.lifecycle import ChildState
 from .proxy.app import OwnRoute, json_response
@@ -161,6 +162,25 @@ class OwnRoutes:
             "router": self.models is not None,
             "models": self.models.listing() if self.models is not None else None,
         }
+
+    def machine_health(self) -> MachineHealth:
+        """What a load balancer is told (policy/balancer.py): is the GPU side serving, can the
+        CPU side, and how much of the GPU's capacity is free (router mode: over the models
+        loaded on the GPU router)."""
+        gpu, cpu = self.children["gpu"], self.children["cpu"]
+        if self.models is None:
+            slots, busy = self.res.cap("gpu"), self.pool.busy("gpu")
+        else:
+            loaded = [e for e in self.models.entries.values() if e.upstreams["gpu"].is_ready]
+            slots = sum(e.resources.cap("gpu") for e in loaded)
+            busy = sum(e.pool.busy("gpu") for e in loaded)
+        cpu_startable = self.host.config.cpu.mode == "on-demand" and \
+            cpu.state is ChildState.STOPPED and "cpu" not in self.pool.paused
+        status = None if gpu.is_ready or cpu.is_ready else self.status()
+        return MachineHealth(
+            gpu_serving=gpu.is_ready and "gpu" not in self.pool.paused,
+            cpu_serving=cpu.is_ready or cpu_startable, gpu_slots=slots, gpu_busy=busy,
+            why_not=(status or {}).get("why_not_serving") or "")
 
     def _child_status(self, name: str, child: Child) -> dict[str, Any]:
         info = child.to_json()
