@@ -170,6 +170,19 @@ class Spillway:
     def child(self, name: str, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         return dict(self.status(headers)["children"][name])
 
+    def tasks_started(self, headers: Mapping[str, str] | None = None) -> int:
+        """Executions on both children, as the children count them (`launch_slot_` lines)."""
+        return sum(c["tasks_started"] for c in self.status(headers)["children"].values())
+
+    def agent_line(self, timeout: float = 5.0) -> str:
+        """The agent-check port's line (balancer.agent_listen), read as HAProxy reads it."""
+        host, port = self.config["balancer"]["agent_listen"].rsplit(":", 1)
+        data = b""
+        with socket.create_connection((host.strip("[]"), int(port)), timeout) as c:
+            while b"\n" not in data and (chunk := c.recv(256)):
+                data += chunk
+        return data.decode().strip()
+
     def wait_listening(self, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
