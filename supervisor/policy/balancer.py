@@ -9,8 +9,9 @@ reason. So:
 - the GPU child serves: `up ready N%`, N the share of the GPU's slots that are free (at least
   1%, so a full machine still gets the requests the others cannot take);
 - the GPU child is not serving (paused, draining, restarting, FATAL) but the CPU child is:
-  `up drain`, so new work goes to machines whose GPU is up, and this one still takes what the
-  balancer sends it when every machine is draining;
+  `up drain`, so new work goes to machines whose GPU is up. HAProxy sends a drained server
+  nothing new at all, so when every machine is draining its CPU children serve through
+  `backup` lines without the agent (examples/haproxy.cfg);
 - no child can serve: `down #why`.
 """
 
