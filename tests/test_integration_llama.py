@@ -107,6 +107,9 @@ async def test_a_client_that_leaves_frees_the_childs_slot(
     # result wakes it) and cancels the task, long before 8000 tokens.
     released = eventually(lambda: cancelled_tasks(s.log_text(), "gpu"), 10)
     assert released and released[0] < 8000
+    # A client leaving is no error of Spillway's: no traceback in its log.
+    assert "Error handling request" not in s.log_text()
+    assert "Traceback" not in s.log_text()
 
 
 def test_a_killed_gpu_child_comes_back_and_the_cpu_child_serves_meanwhile(

@@ -147,6 +147,11 @@ class ProxyHandler:
         self.idle.clear()
         try:
             return await self._handle(request)
+        except ConnectionError:
+            # The client left while its answer was being written (recorded as 499 on the
+            # way out). A response handed back is finished by aiohttp, which takes the closed
+            # connection quietly; the exception would be logged as an error of the server's.
+            return web.Response(status=CLIENT_CLOSED)
         finally:
             self.open_requests -= 1
             if self.open_requests == 0:
