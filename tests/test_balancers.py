@@ -350,6 +350,16 @@ class Answer:
         return self.headers.get("Idempotent-Replayed") == "true"
 
 
+async def conversation_homes(client: Client, url: str, tally: Tally) -> dict[str, str]:
+    """Where each conversation lives: the machine that served its first request."""
+    home = {}
+    for c in CONVERSATIONS:
+        answer = await client.send(url, headers=conversation(c))
+        tally.add(answer)
+        home[c] = answer.machine
+    return home
+
+
 @dataclass
 class Tally:
     """Every request of a scenario, counted."""
@@ -436,11 +446,7 @@ async def test_haproxy_sends_new_work_away_from_a_paused_gpu_and_back_after_resu
         client = Client(http, {"A": a, "B": b})
         await client.learn()
         # Where each conversation lives while both machines are up.
-        home = {}
-        for c in CONVERSATIONS:
-            answer = await client.send(ha.url, headers=conversation(c))
-            tally.add(answer)
-            home[c] = answer.machine
+        home = await conversation_homes(client, ha.url, tally)
         assert set(home.values()) == {"A", "B"}, home  # the ten spread over both
 
         paused = await client.send(a.url, {}, path="/spillway/gpu/pause")
@@ -577,11 +583,7 @@ async def test_a_machine_stopped_mid_flight_finishes_its_requests_and_none_is_lo
     async with aiohttp.ClientSession() as http:
         client = Client(http, {"A": a, "B": b})
         await client.learn()
-        home = {}
-        for c in CONVERSATIONS:
-            answer = await client.send(lb.url, headers=conversation(c))
-            tally.add(answer)
-            home[c] = answer.machine
+        home = await conversation_homes(client, lb.url, tally)
         on_a = [c for c in CONVERSATIONS if home[c] == "A"]
         on_b = [c for c in CONVERSATIONS if home[c] == "B"]
         assert on_a and on_b, home
