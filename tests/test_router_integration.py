@@ -18,7 +18,14 @@ from typing import Any
 import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from harness import Spillway, eventually, eventually_async, router_config, write_json
+from harness import (
+    Spillway,
+    eventually,
+    eventually_async,
+    free_port,
+    router_config,
+    write_json,
+)
 from tinymodel import write_tiny_model
 
 from conftest import SpillwayFactory
@@ -262,3 +269,21 @@ async def test_a_second_model_loading_kills_the_first_ones_instance_and_its_work
     wait_model(s, "gpu", "beta")
     [incident] = s.wait_incidents(1)
     assert incident["model"] == "alpha" and incident["decision"] == "replayed"
+
+
+@pytest.mark.asyncio
+async def test_in_router_mode_the_agent_weighs_the_gpu_routers_loaded_models(
+        spillway: SpillwayFactory, llama_server: Path, models_dir: Path) -> None:
+    s = spillway(router_config(llama_server, models_dir,
+                               balancer={"agent_listen": f"127.0.0.1:{free_port()}"}))
+    assert s.agent_line() == "up ready 100%"  # the GPU router is up, nothing loaded yet
+    async with aiohttp.ClientSession() as http:
+        assert (await post(http, s, chat("alpha")))[0] == 200  # alpha: 2 slots on the GPU
+        running = asyncio.create_task(post(http, s, chat(
+            "alpha", "a long answer", max_tokens=6000, ignore_eos=True)))
+        assert await eventually_async(
+            lambda: s.child("gpu")["models"]["alpha"]["in_flight"] == 1, 10)
+        assert s.agent_line() == "up ready 50%"  # one of alpha's two GPU slots is busy
+        code, _, _ = await running
+    assert code == 200
+    assert s.agent_line() == "up ready 100%"
