@@ -30,6 +30,16 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A models folder for router mode: `alpha` (the tiny model) and `beta` (a second one,
+    with other dimensions)."""
+    folder = tmp_path_factory.mktemp("models")
+    write_tiny_model(folder / "alpha.gguf")
+    write_tiny_model(folder / "beta.gguf", n_embd=128, n_layer=2, n_ff=256)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fake_server_script(tmp_path_factory.mktemp("fake"))
 

@@ -13,21 +13,12 @@ from typing import Any
 
 import pytest
 from harness import REPO, Spillway, real_config, router_config
-from tinymodel import write_tiny_model
 
 from conftest import SpillwayFactory
 from supervisor.drill.client import Sent
 from supervisor.drill.scenarios import ScenarioResult, judge
 
 integration = pytest.mark.integration
-
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("models")
-    write_tiny_model(folder / "alpha.gguf")
-    write_tiny_model(folder / "beta.gguf", n_embd=128, n_layer=2, n_ff=256)
-    return folder
 
 
 def drill(s: Spillway, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:

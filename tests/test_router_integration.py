@@ -26,19 +26,10 @@ from harness import (
     router_config,
     write_json,
 )
-from tinymodel import write_tiny_model
 
 from conftest import SpillwayFactory
 
 pytestmark = [pytest.mark.integration]
-
-
-@pytest.fixture(scope="module")
-def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    folder = tmp_path_factory.mktemp("models")
-    write_tiny_model(folder / "alpha.gguf")
-    write_tiny_model(folder / "beta.gguf", n_embd=128, n_layer=2, n_ff=256)
-    return folder
 
 
 def chat(model: str, content: str = "hello there", **extra: Any) -> dict[str, Any]:
@@ -228,14 +219,14 @@ async def test_a_model_that_would_not_fit_the_free_vram_goes_to_the_cpu_router(
         # Another process takes the card: beta's weights, KV cache and the headroom no longer
         # fit. Its requests go to the CPU router; the card is not asked to load it.
         write_json(nvml, total_mib=24576, free_mib=900)
-        await asyncio.sleep(0.5)
+        assert await eventually_async(lambda: s.status()["gpu"]["free_mib"] == 900)
         for _ in range(2):
             code, headers, _ = await post(http, s, chat("beta"))
             assert code == 200 and headers["X-Spillway-Child"] == "cpu"
         assert model_state(s, "gpu", "beta") == "STOPPED"
         # The card has room again: beta loads on the GPU router on demand.
         write_json(nvml, total_mib=24576, free_mib=20000)
-        await asyncio.sleep(0.5)
+        assert await eventually_async(lambda: s.status()["gpu"]["free_mib"] == 20000)
         deadline = time.monotonic() + 20
         child = ""
         while time.monotonic() < deadline and child != "gpu":
