@@ -376,14 +376,20 @@ def _judge_cancellation(r: ScenarioResult) -> list[str]:
 
 def _judge_concurrent(r: ScenarioResult) -> list[str]:
     """Scenario 4: every request completed or got a controlled error; some were caught."""
+    problems = _each_ended_well(r)
+    if not any(s.incident for s in r.requests):
+        problems.append("no request was caught in the failure")
+    return problems
+
+
+def _each_ended_well(r: ScenarioResult) -> list[str]:
+    """Each request kept its identity and ended complete or with a controlled error."""
     problems = []
     for s in r.requests:
         problems += _identity(s)
         if not (s.complete or s.controlled or s.error_event):
             problems.append(f"{s.request_id}: neither completed nor a controlled error "
                             f"({s.status}, {s.note})")
-    if not any(s.incident for s in r.requests):
-        problems.append("no request was caught in the failure")
     return problems
 
 
@@ -404,14 +410,9 @@ def _judge_second_model(r: ScenarioResult) -> list[str]:
     router."""
     models = r.models or {}
     a, b = models.get("model"), models.get("second_model")
-    problems = []
-    for s in r.requests:
-        problems += _identity(s)
-        if not (s.complete or s.controlled or s.error_event):
-            problems.append(f"{s.request_id}: neither completed nor a controlled error "
-                            f"({s.status}, {s.note})")
-        if s.model is not None and s.model != a:
-            problems.append(f"{s.request_id}: answered for model {s.model}, not {a}")
+    problems = _each_ended_well(r)
+    problems += [f"{s.request_id}: answered for model {s.model}, not {a}"
+                 for s in r.requests if s.model is not None and s.model != a]
     whole = [s for s in r.requests if not s.stream]
     lost = [s.request_id for s in whole if not s.complete]
     if lost:
