@@ -523,8 +523,11 @@ async def test_a_full_machines_503s_are_retried_on_the_other_and_the_client_sees
         kind: str, spillway: SpillwayFactory, balancer: BalancerFactory, llama_server: Path,
         tiny_model: Path) -> None:
     # A: one slot per child, and no waiting line: two long requests fill it.
+    # --context-shift: its long answers go on past the context, for as long as the burst takes
+    # (a full machine can take seconds to refuse large bodies: see the README).
     full = machine_config(llama_server, tiny_model,
-                          model={"args": ["-c", "4096", "-np", "1", "-t", "1", "-tb", "1"]},
+                          model={"args": ["-c", "4096", "-np", "1", "-t", "1", "-tb", "1",
+                                          "--context-shift"]},
                           gpu={"max_concurrency": 1}, cpu={"max_concurrency": 1},
                           queue={"max_waiting": 0})
     a, b = start_machines(spillway, full, machine_config(llama_server, tiny_model))
@@ -535,7 +538,7 @@ async def test_a_full_machines_503s_are_retried_on_the_other_and_the_client_sees
         client = Client(http, {"A": a, "B": b})
         await client.learn()
         # Occupy both of A's children with long streams, straight to A.
-        occupy = [asyncio.create_task(client.send(a.url, long_chat(3900, stream=True),
+        occupy = [asyncio.create_task(client.send(a.url, long_chat(60000, stream=True),
                                                   timeout=120)) for _ in range(2)]
         assert await eventually_async(lambda: a.tasks_started(AUTH) == 2 and {
             c["busy"] for c in a.status(AUTH)["children"].values()} == {1}, 10)
