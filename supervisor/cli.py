@@ -9,12 +9,13 @@ import argparse
 import asyncio
 import json
 import os
+import shlex
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import __version__, bootstrap, client, config, logs, tables
+from . import __version__, bootstrap, client, config, config_edit, logs, tables
 
 EXIT_OK = 0
 EXIT_FAIL = 1
@@ -68,13 +69,14 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_daemon(cfg: config.Config) -> int:
+def _run_daemon(cfg: config.Config,
+                on_ready: Callable[[Sequence[str]], None] | None = None) -> int:
     from .daemon import Daemon  # imported late: `check-config` and `version` stay light
 
     logs.setup(cfg.server.log_level)
 
     async def main() -> int:
-        return await Daemon(cfg).run()
+        return await Daemon(cfg, on_ready=on_ready).run()
 
     return asyncio.run(main())
 
@@ -112,6 +114,10 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     else:
         print(f"spillway: using the existing {path} (--rewrite-config replaces it)",
               file=sys.stderr)
+        if bootstrap.lacks_chat_template(path):
+            print("spillway: that config was written before the quickstart gave Gemma its chat "
+                  "template, so its answers may echo template tokens; --rewrite-config writes "
+                  "the current one", file=sys.stderr)
     if devices:
         print(f"spillway: GPU child on {devices[0]}", file=sys.stderr)
     else:
@@ -123,7 +129,30 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     except config.ConfigError as e:
         _print_problems(e)
         return EXIT_CONFIG
-    return _run_daemon(cfg)
+    bootstrap.remember_quickstart_config(path)
+    return _run_daemon(cfg, on_ready=_quickstart_welcome(cfg, model if cfg.router else None))
+
+
+def _quickstart_welcome(cfg: config.Config,
+                        model: Path | None) -> Callable[[Sequence[str]], None]:
+    """Once Spillway serves: the newcomer's three lines (a chat, the status, the page)."""
+    from . import quickstart
+
+    try:
+        found = client.find_config(None)
+    except config.ConfigError:
+        found = None
+    # The client commands find this config by themselves unless the service's is there too.
+    same = found is not None and cfg.path is not None and \
+        Path(found).resolve() == Path(cfg.path)
+    flag = "" if same else f" --config {shlex.quote(str(cfg.path))}"
+
+    def show(listening: Sequence[str]) -> None:
+        text = quickstart.welcome(cfg, listening, quickstart.own_command(), flag,
+                                  model=model.stem if model else None)
+        print(f"\n{text}\n", file=sys.stderr, flush=True)
+
+    return show
 
 
 def _target(args: argparse.Namespace) -> client.Target:
@@ -288,10 +317,60 @@ def cmd_drill(args: argparse.Namespace) -> int:
     return EXIT_OK if result["passed"] else EXIT_FAIL
 
 
+def cmd_config(args: argparse.Namespace) -> int:
+    """get|set|unset one key of the TOML file, keeping its comments and layout."""
+    try:
+        path = Path(client.find_config(args.config))
+        if args.action == "get":
+            value, found = config_edit.get(path, args.key)
+            if value is None:
+                print(f"{args.key} is not set in {path} and has no default", file=sys.stderr)
+                return EXIT_FAIL
+            print(value)
+            if not found:
+                print(f"({args.key} is not set in {path}: that is its default)", file=sys.stderr)
+            return EXIT_OK
+        if args.action == "set" and args.value is None:
+            print("spillway config set KEY VALUE: give the value", file=sys.stderr)
+            return EXIT_CONFIG
+        change = config_edit.edit(path, args.key, args.value if args.action == "set" else None)
+    except config.ConfigError as e:
+        _print_problems(e)
+        return EXIT_CONFIG
+    except config_edit.EditError as e:
+        print(f"spillway config: {e}", file=sys.stderr)
+        for p in e.problems:
+            print(f"  {p}", file=sys.stderr)
+        return EXIT_CONFIG
+    except OSError as e:
+        print(f"spillway config: cannot write {path}: {e}", file=sys.stderr)
+        return EXIT_FAIL
+    _report_change(path, change)
+    return EXIT_OK
+
+
+def _report_change(path: Path, change: config_edit.Change) -> None:
+    if change.unchanged:
+        print(f"{change.key} is already {change.after or 'unset'} in {path}; nothing written")
+        return
+    was = change.before if change.before is not None else "not set"
+    now = change.after if change.after is not None else "unset (its default)"
+    print(f"{change.key} = {now} (was {was}) in {path}")
+    section_key = ".".join(change.key.split(".")[:2])
+    if section_key in config.RESTART_KEYS:
+        print(f"  {section_key} takes effect when spillway restarts "
+              "(`systemctl restart spillway`)")
+    else:
+        print("  a running spillway reloads the file by itself (or: systemctl reload spillway)")
+    for p in change.already_wrong:
+        print(f"  warning, already in the file: {p}", file=sys.stderr)
+
+
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default=None,
                    help=f"the daemon's config, for its address and key (default: "
-                        f"$SPILLWAY_CONFIG or {client.DEFAULT_CONFIG})")
+                        f"$SPILLWAY_CONFIG, {client.DEFAULT_CONFIG}, or the one "
+                        "`spillway quickstart` last ran)")
     p.add_argument("--url", default=None, help="the daemon's address, e.g. "
                                                "http://127.0.0.1:8080 (instead of --config)")
     p.add_argument("--api-key", default=None, help="the key (default: $SPILLWAY_API_KEY or "
@@ -359,6 +438,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router mode: the model scenario 6 loads next to it (default: the "
                         "routers' second)")
     p.set_defaults(func=cmd_drill)
+
+    p = sub.add_parser("config", help="read or change one key of the config file in place, "
+                                      "keeping its comments; a change is validated first and "
+                                      "a running spillway reloads it")
+    p.add_argument("action", choices=("get", "set", "unset"),
+                   help="get: print the value as TOML (its default when unset); set: change "
+                        "it; unset: remove it from the file (back to its default)")
+    p.add_argument("key", help="section.name, e.g. queue.max_waiting or gpu.env.NAME")
+    p.add_argument("value", nargs="?", default=None,
+                   help="for set: a TOML value (7, true, \"hot\", [\"-ngl\", \"99\"]); a bare "
+                        "word for a string key")
+    p.add_argument("--config", "-c", default=None,
+                   help=f"the file (default: $SPILLWAY_CONFIG, {client.DEFAULT_CONFIG}, or the "
+                        "quickstart's)")
+    p.set_defaults(func=cmd_config)
 
     default_config = bootstrap.cache_dir() / "quickstart.toml"
     p = sub.add_parser("quickstart", help="build/fetch llama-server and a small model, write "

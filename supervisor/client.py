@@ -13,7 +13,7 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Any
 
-from . import config
+from . import bootstrap, config
 
 DEFAULT_CONFIG = "/etc/spillway/spillway.toml"
 
@@ -34,14 +34,31 @@ class Target:
     api_key: str | None
 
 
+def find_config(given: str | None) -> str:
+    """The config a client command means: --config, else $SPILLWAY_CONFIG, else
+    /etc/spillway/spillway.toml (the service's), else the one `spillway quickstart` last ran.
+    Raises ConfigError saying which flag to add when there is none."""
+    if given:
+        return given
+    from_env = os.environ.get("SPILLWAY_CONFIG")
+    if from_env:
+        return from_env
+    if os.path.exists(DEFAULT_CONFIG):
+        return DEFAULT_CONFIG
+    quickstart = bootstrap.last_quickstart_config()
+    if quickstart is not None:
+        return str(quickstart)
+    raise config.ConfigError(DEFAULT_CONFIG, [config.Problem(
+        "", "no config given, none at this path, and no quickstart has run here: add "
+            "--config FILE (the daemon's TOML), or set SPILLWAY_CONFIG")])
+
+
 def target_from(url: str | None, config_path: str | None, api_key: str | None) -> Target:
-    """--url wins; else the first listen address of the config (--config, $SPILLWAY_CONFIG,
-    or /etc/spillway/spillway.toml)."""
+    """--url wins; else the first listen address of the config (see find_config)."""
     key = api_key or os.environ.get("SPILLWAY_API_KEY") or None
     if url:
         return Target(url.rstrip("/"), key)
-    path = config_path or os.environ.get("SPILLWAY_CONFIG") or DEFAULT_CONFIG
-    cfg = config.load(path, check_paths=False)
+    cfg = config.load(find_config(config_path), check_paths=False)
     addr = cfg.server.listen[0]
     host = addr.host
     if host in ("0.0.0.0", "::", ""):

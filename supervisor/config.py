@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 CHILD_NAMES = ("gpu", "cpu")
+# Changes a reload cannot apply: noted in status, they take effect when spillway restarts.
+RESTART_KEYS = ("server.listen", "gpu.device", "balancer.agent_listen")
 CPU_MODES = ("hot", "on-demand")
 
 
@@ -800,7 +802,7 @@ __all__ = [
     "IncidentsConfig", "QueueConfig",
     "IdempotencyConfig", "ListenAddress", "load", "build",
     "known_keys", "parse_listen", "SCHEMA", "SECTIONS", "Key", "key", "derived",
-    "section_keys", "CHILD_NAMES", "diff", "command_changed",
+    "section_keys", "CHILD_NAMES", "RESTART_KEYS", "diff", "command_changed",
 ]
 
 

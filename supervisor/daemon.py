@@ -16,6 +16,7 @@ import logging
 import signal
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
@@ -55,8 +56,6 @@ log = logging.getLogger("spillway")
 # look like a child dying mid-request, so idle upstream connections are dropped a bit sooner.
 UPSTREAM_KEEPALIVE_S = 4.0
 
-# Changes a reload cannot apply: noted in status, they take effect when spillway restarts.
-RESTART_KEYS = ("server.listen", "gpu.device", "balancer.agent_listen")
 
 
 # --- settings from the config: one function each, used at start and on every reload -----------
@@ -100,8 +99,12 @@ def _incident_limits(config: Config) -> tuple[Path, int, int]:
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config,
+                 on_ready: Callable[[Sequence[str]], None] | None = None) -> None:
         self.config = config
+        # Called once, with the listening addresses, when Spillway first serves (when systemd
+        # is told READY=1): the quickstart prints its newcomer's lines then.
+        self.on_ready = on_ready
         self.started = time.monotonic()
         self.boot = f"{int(time.time()):x}"
         self.monitor = GpuMonitor(config.gpu.device, config.monitor.sample_interval_s)
@@ -301,6 +304,8 @@ class Daemon:
     def _maybe_ready(self) -> None:
         if not self.notifier.ready_sent and self.listening and self.can_serve():
             self.notifier.ready(self.status_line())
+            if self.on_ready is not None:
+                self.on_ready(list(self.listening))
 
     def status_line(self) -> str:
         """systemd's STATUS=: one line."""
@@ -362,7 +367,7 @@ class Daemon:
             log.warning("%s", note)
             self.restart_notes.append(note)
             return self.config
-        for key in RESTART_KEYS:
+        for key in config_module.RESTART_KEYS:
             if key in changes:
                 note = f"{key} changed: it takes effect when spillway restarts"
                 log.warning("%s", note)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import openai
 import pytest
 from harness import REPO, free_port
 
-from supervisor import bootstrap
+from supervisor import bootstrap, client, quickstart
 
 pytestmark = [pytest.mark.integration]
 
@@ -50,6 +51,33 @@ def start_quickstart(tmp_path: Path, config_path: Path, port: int,
         time.sleep(0.5)
 
 
+# What leaks into an answer when the chat template is not the model's own (ChatML's and Gemma's
+# turn markers).
+TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>")
+
+
+def ask(oa: openai.OpenAI, model: str) -> Any:
+    """The newcomer's first question (the one the quickstart's welcome suggests)."""
+    return oa.chat.completions.with_raw_response.create(
+        model=model, messages=[{"role": "user", "content": quickstart.QUESTION}],
+        max_tokens=32)
+
+
+def assert_no_template_tokens(text: str | None) -> None:
+    assert text
+    leaked = [t for t in TEMPLATE_TOKENS if t in text]
+    assert not leaked, f"the answer carries template tokens {leaked}: {text!r}"
+
+
+def welcome_of(tmp_path: Path) -> list[str]:
+    """The welcome lines in the quickstart's output, which come after "listening"."""
+    out = (tmp_path / "quickstart.log").read_text()
+    assert "listening on" in out
+    after = out[out.index("listening on"):]
+    assert "Spillway is serving on" in after, out[-3000:]
+    return after[after.index("Spillway is serving on"):].splitlines()[:5]
+
+
 def stop_quickstart(proc: subprocess.Popen[bytes], log: Any) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
@@ -70,12 +98,24 @@ def test_quickstart_serves_gemma_through_the_openai_client(tmp_path: Path,
         assert status["gpu_child_on_cpu"] in (True, False)
         if status["gpu_child_on_cpu"]:
             assert "runs CPU-only" in status["children"]["gpu"]["runs_on"]
-        raw = oa.chat.completions.with_raw_response.create(
-            model="gemma", messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)
+        raw = ask(oa, "gemma")
         answer = raw.parse()
         assert raw.headers["X-Spillway-Child"] == "gpu"
-        assert answer.choices[0].message.content
+        assert_no_template_tokens(answer.choices[0].message.content)
         assert "gemma-3-270m" in answer.model
+        # The welcome's status line works as printed, with no flag: the client commands find
+        # the quickstart's config by themselves.
+        welcome = welcome_of(tmp_path)
+        assert f"http://127.0.0.1:{port}/spillway/" in welcome[4]
+        status_cmd = shlex.split(welcome[3].split("#")[0])
+        assert status_cmd[-1] == "status", welcome
+        env = {k: v for k, v in os.environ.items() if k != "SPILLWAY_CONFIG"}
+        if os.path.exists(client.DEFAULT_CONFIG):
+            assert "--config" in status_cmd  # the service's config would win: said so
+        done = subprocess.run(status_cmd, capture_output=True, text=True, timeout=60,
+                              env={**env, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr
+        assert f"listening on 127.0.0.1:{port}" in done.stdout
     finally:
         stop_quickstart(proc, log)
 
@@ -91,10 +131,10 @@ def test_quickstart_router_serves_gemma_by_name_through_the_openai_client(
         assert "--models-dir" in config_path.read_text() and status["router"] is True
         name = bootstrap.model_path().stem  # the model is served by its file's name
         assert [m.id for m in oa.models.list()] == [name]
-        raw = oa.chat.completions.with_raw_response.create(
-            model=name, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8)
+        raw = ask(oa, name)
         assert raw.headers["X-Spillway-Child"] == "gpu"
         assert raw.headers["X-Spillway-Model"] == name
-        assert raw.parse().choices[0].message.content
+        assert_no_template_tokens(raw.parse().choices[0].message.content)
+        assert f'"model": "{name}"' in "\n".join(welcome_of(tmp_path))
     finally:
         stop_quickstart(proc, log)

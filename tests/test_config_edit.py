@@ -1,0 +1,166 @@
+"""`spillway config get|set|unset`: one key edited in place, comments and layout kept, checked by
+the daemon's own rules before anything is written, written atomically, and picked up by a
+running daemon's watcher."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from harness import REPO, eventually, fake_config
+
+from conftest import SpillwayFactory
+from supervisor import config_edit
+
+CONFIG = """\
+# My Spillway: edited by hand, and the comments matter.
+[server]
+listen = "127.0.0.1:8099"   # where the clients go
+
+[model]
+llama_server = "{binary}"
+path = "model.gguf"
+args = ["-c", "8192", "-np", "2"]   # both children
+
+[queue]
+max_waiting = 32   # how many may wait
+# the next key is left at its default on purpose
+"""
+
+
+@pytest.fixture
+def cfg_file(tmp_path: Path) -> Path:
+    (tmp_path / "model.gguf").write_bytes(b"GGUF")
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    path = tmp_path / "spillway.toml"
+    path.write_text(CONFIG.format(binary=binary))
+    path.chmod(0o640)
+    return path
+
+
+def spillway_config(*args: str, env: dict[str, str] | None = None
+                    ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "supervisor", "config", *args],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO), **(env or {})})
+
+
+def test_get_prints_the_bare_toml_value_or_the_default(cfg_file: Path) -> None:
+    assert config_edit.get(cfg_file, "queue.max_waiting") == ("32", True)
+    assert config_edit.get(cfg_file, "server.listen") == ('"127.0.0.1:8099"', True)
+    assert config_edit.get(cfg_file, "model.args") == ('["-c", "8192", "-np", "2"]', True)
+    assert config_edit.get(cfg_file, "cpu.mode") == ('"hot"', False)  # the default
+    assert config_edit.get(cfg_file, "queue.max_wait_s") == ("60.0", False)
+    out = spillway_config("get", "queue.max_waiting", "--config", str(cfg_file))
+    assert (out.returncode, out.stdout) == (0, "32\n")
+    out = spillway_config("get", "cpu.mode", "--config", str(cfg_file))
+    assert (out.returncode, out.stdout) == (0, '"hot"\n')
+    assert "not set" in out.stderr and "default" in out.stderr
+
+
+def test_set_changes_one_line_and_keeps_every_comment(cfg_file: Path) -> None:
+    before = cfg_file.read_text()
+    out = spillway_config("set", "queue.max_waiting", "7", "--config", str(cfg_file))
+    assert out.returncode == 0, out.stderr
+    assert "queue.max_waiting = 7 (was 32)" in out.stdout
+    after = cfg_file.read_text()
+    assert after == before.replace("max_waiting = 32   #", "max_waiting = 7   #")
+    assert config_edit.get(cfg_file, "queue.max_waiting") == ("7", True)
+
+
+def test_a_bare_word_is_a_string_for_a_string_key(cfg_file: Path) -> None:
+    config_edit.edit(cfg_file, "cpu.mode", "on-demand")
+    config_edit.edit(cfg_file, "gpu.env.CUDA_VISIBLE_DEVICES", "1")
+    config_edit.edit(cfg_file, "gpu.args", '["-ngl", "40"]')
+    assert config_edit.get(cfg_file, "cpu.mode") == ('"on-demand"', True)
+    assert config_edit.get(cfg_file, "gpu.env.CUDA_VISIBLE_DEVICES") == ('"1"', True)
+    assert config_edit.get(cfg_file, "gpu.args") == ('["-ngl", "40"]', True)
+    assert "# My Spillway" in cfg_file.read_text()
+
+
+def test_an_invalid_value_is_refused_with_its_key_path_and_nothing_is_written(
+        cfg_file: Path) -> None:
+    before = cfg_file.read_bytes()
+    mtime = cfg_file.stat().st_mtime_ns
+    for key, value, said in [
+            ("queue.max_waiting", "-1", "queue.max_waiting: must be 0 or more"),
+            ("cpu.mode", "lukewarm", "cpu.mode: must be one of 'hot', 'on-demand'"),
+            ("server.listen", "0.0.0.0:8080", "server.listen: 0.0.0.0:8080 is not a loopback"),
+            ("gpu.args", '["--port", "9000"]', "gpu.args[0]: '--port' is chosen by Spillway"),
+            ("queue.max_wait_s", "soon", "not a TOML value"),
+            ("queue.max_waitin", "3", "did you mean 'max_waiting'"),
+            ("queu.max_waiting", "3", "did you mean 'queue'")]:
+        out = spillway_config("set", key, value, "--config", str(cfg_file))
+        assert out.returncode == 2, (key, out.stdout, out.stderr)
+        assert said in out.stderr, (key, out.stderr)
+    assert cfg_file.read_bytes() == before
+    assert cfg_file.stat().st_mtime_ns == mtime
+    # No temporary file is left behind either.
+    assert sorted(p.name for p in cfg_file.parent.iterdir()) == [
+        "llama-server", "model.gguf", "spillway.toml"]
+
+
+def test_the_write_is_atomic_and_keeps_the_mode_and_a_symlink(cfg_file: Path) -> None:
+    link = cfg_file.parent / "link.toml"
+    link.symlink_to(cfg_file)
+    inode = cfg_file.stat().st_ino
+    config_edit.edit(link, "queue.max_waiting", "5")
+    assert link.is_symlink()  # the file it points to was replaced, not the link
+    assert cfg_file.stat().st_ino != inode  # a new file renamed over the old
+    assert stat.S_IMODE(cfg_file.stat().st_mode) == 0o640
+    assert config_edit.get(cfg_file, "queue.max_waiting") == ("5", True)
+
+
+def test_unset_goes_back_to_the_default(cfg_file: Path) -> None:
+    change = config_edit.edit(cfg_file, "queue.max_waiting", None)
+    assert (change.before, change.after) == ("32", None)
+    assert config_edit.get(cfg_file, "queue.max_waiting") == ("32", False)  # the default
+    assert "max_waiting" not in cfg_file.read_text()
+    assert config_edit.edit(cfg_file, "queue.max_waiting", None).unchanged
+
+
+def test_a_problem_already_in_the_file_does_not_block_an_unrelated_edit(cfg_file: Path) -> None:
+    """The daemon's key may come from a variable only systemd sets (api_key_env): editing
+    another key from a shell without it is still allowed, and the old problem is reported."""
+    text = cfg_file.read_text().replace('listen = "127.0.0.1:8099"',
+                                        'listen = "127.0.0.1:8099"\napi_key_env = "SW_KEY_X"')
+    cfg_file.write_text(text)
+    env = {k: v for k, v in os.environ.items() if k != "SW_KEY_X"}
+    out = subprocess.run([sys.executable, "-m", "supervisor", "config", "set",
+                          "queue.max_waiting", "9", "--config", str(cfg_file)],
+                         capture_output=True, text=True, timeout=60,
+                         env={**env, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert "warning, already in the file: server.api_key_env" in out.stderr
+    assert config_edit.get(cfg_file, "queue.max_waiting") == ("9", True)
+
+
+def test_restart_keys_say_so(cfg_file: Path) -> None:
+    out = spillway_config("set", "server.listen", "127.0.0.1:8100", "--config", str(cfg_file))
+    assert out.returncode == 0, out.stderr
+    assert "takes effect when spillway restarts" in out.stdout
+
+
+def test_the_config_is_found_as_the_other_client_commands_find_it(cfg_file: Path) -> None:
+    out = spillway_config("get", "queue.max_waiting", env={"SPILLWAY_CONFIG": str(cfg_file)})
+    assert (out.returncode, out.stdout) == (0, "32\n")
+
+
+def test_a_running_daemon_picks_up_a_set_through_its_watcher(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
+    s = spillway(fake_config(fake_server, tiny_model))
+    assert s.status()["queue"]["max_waiting"] == 32
+    out = spillway_config("set", "queue.max_waiting", "7", "--config", str(s.config_path))
+    assert out.returncode == 0, out.stderr
+    eventually(lambda: s.status()["queue"]["max_waiting"] == 7, 10)
+    assert s.status()["config"]["error"] is None
+    # A refused value leaves the daemon's config (and the file) as they were.
+    out = spillway_config("set", "queue.max_waiting", "-3", "--config", str(s.config_path))
+    assert out.returncode == 2
+    assert s.status()["queue"]["max_waiting"] == 7

@@ -1,0 +1,82 @@
+"""The quickstart's newcomer lines, and how the client commands find a config with no flag."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+import pytest
+
+from supervisor import bootstrap, client, config, quickstart
+
+
+def make_config(tmp_path: Path, extra: str = "") -> config.Config:
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    path = tmp_path / "q.toml"
+    path.write_text(f'[server]\nlisten = "127.0.0.1:8123"\n{extra}\n[model]\n'
+                    'llama_server = "/bin/true"\npath = "m.gguf"\n')
+    return config.load(path)
+
+
+def test_welcome_gives_a_chat_the_status_and_the_page(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path)
+    text = quickstart.welcome(cfg, ["127.0.0.1:8123"], "spillway", "")
+    lines = text.splitlines()
+    assert lines[0] == "Spillway is serving on http://127.0.0.1:8123. Try:"
+    curl = " ".join(line.rstrip("\\ ") for line in lines[1:3])
+    words = shlex.split(curl)
+    assert words[:3] == ["curl", "-s", "http://127.0.0.1:8123/v1/chat/completions"]
+    body = json.loads(words[words.index("-d") + 1])
+    assert body == {"messages": [{"role": "user", "content": quickstart.QUESTION}]}
+    assert "Authorization" not in text
+    assert lines[3].split("#")[0].strip() == "spillway status"
+    assert lines[4].split("#")[0].strip() == "http://127.0.0.1:8123/spillway/"
+
+
+def test_welcome_in_router_mode_names_the_model_and_a_key_is_sent(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("QS_KEY", "secret")
+    cfg = make_config(tmp_path, 'api_key_env = "QS_KEY"')
+    text = quickstart.welcome(cfg, ["0.0.0.0:8123"], ".venv/bin/spillway", " --config /x.toml",
+                              model="gemma-3-270m")
+    words = shlex.split(" ".join(line.rstrip("\\ ") for line in text.splitlines()[1:3]))
+    assert json.loads(words[words.index("-d") + 1])["model"] == "gemma-3-270m"
+    assert "Authorization: Bearer $SPILLWAY_API_KEY" in words
+    assert "http://127.0.0.1:8123/v1/chat/completions" in words  # 0.0.0.0 is this machine too
+    assert ".venv/bin/spillway status --config /x.toml" in text
+    assert "secret" not in text  # the key is never printed
+
+
+def test_own_command_is_what_reruns_spillway(tmp_path: Path) -> None:
+    assert quickstart.own_command("/some/where/supervisor/__main__.py").endswith(
+        " -m supervisor")
+    assert quickstart.own_command(".venv/bin/spillway") == ".venv/bin/spillway"
+    assert quickstart.base_url("[::]:8080") == "http://[::1]:8080"
+    assert quickstart.base_url("[::1]:8080") == "http://[::1]:8080"
+
+
+def test_find_config_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPILLWAY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPILLWAY_CONFIG", raising=False)
+    service = tmp_path / "etc" / "spillway.toml"
+    monkeypatch.setattr(client, "DEFAULT_CONFIG", str(service))
+    # Nothing anywhere: the error says which flag to add.
+    with pytest.raises(config.ConfigError) as e:
+        client.find_config(None)
+    assert "--config FILE" in str(e.value)
+    # The quickstart's config, once a quickstart ran here.
+    cfg = make_config(tmp_path)
+    bootstrap.remember_quickstart_config(Path(str(cfg.path)))
+    assert client.find_config(None) == cfg.path
+    # The service's config wins over the quickstart's; $SPILLWAY_CONFIG over both; --config
+    # over everything.
+    service.parent.mkdir()
+    service.write_text("")
+    assert client.find_config(None) == str(service)
+    monkeypatch.setenv("SPILLWAY_CONFIG", "/from/env.toml")
+    assert client.find_config(None) == "/from/env.toml"
+    assert client.find_config("/given.toml") == "/given.toml"
+    # A quickstart config that is gone is not offered.
+    Path(str(cfg.path)).unlink()
+    assert bootstrap.last_quickstart_config() is None
