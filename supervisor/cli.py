@@ -83,16 +83,26 @@ def _run_daemon(cfg: config.Config,
 
 def cmd_run(args: argparse.Namespace) -> int:
     try:
-        cfg = config.load(args.config)
+        path = client.find_config(args.config)
+        cfg = config.load(path)
     except config.ConfigError as e:
         _print_problems(e)
         return EXIT_CONFIG
+    if args.config is None:
+        print(f"spillway: running {cfg.path}", file=sys.stderr)
     return _run_daemon(cfg)
 
 
 def cmd_version(args: argparse.Namespace) -> int:
     print(f"spillway {__version__}")
     return EXIT_OK
+
+
+def cmd_init(args: argparse.Namespace) -> int:
+    """Turn a llama-server command line, unit or llama-swap model into a config."""
+    from . import init  # imported late: the other commands stay light
+
+    return init.run(args)
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
@@ -369,8 +379,8 @@ def _report_change(path: Path, change: config_edit.Change) -> None:
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", "-c", default=None,
                    help=f"the daemon's config, for its address and key (default: "
-                        f"$SPILLWAY_CONFIG, {client.DEFAULT_CONFIG}, or the one "
-                        "`spillway quickstart` last ran)")
+                        f"$SPILLWAY_CONFIG, ./{client.LOCAL_CONFIG}, {client.DEFAULT_CONFIG}, "
+                        "or the one `spillway quickstart` last ran)")
     p.add_argument("--url", default=None, help="the daemon's address, e.g. "
                                                "http://127.0.0.1:8080 (instead of --config)")
     p.add_argument("--api-key", default=None, help="the key (default: $SPILLWAY_API_KEY or "
@@ -384,7 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("run", help="run the daemon")
-    p.add_argument("--config", "-c", required=True, help="the TOML configuration file")
+    p.add_argument("--config", "-c", default=None,
+                   help=f"the TOML configuration file (default: $SPILLWAY_CONFIG, "
+                        f"./{client.LOCAL_CONFIG}, {client.DEFAULT_CONFIG}, or the one "
+                        "`spillway quickstart` last ran)")
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("check-config", help="validate a configuration file (exit 0 or 2); in "
@@ -395,6 +408,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("version", help="print the version")
     p.set_defaults(func=cmd_version)
+
+    from .init import arguments as init_arguments  # argparse only: the rest loads on use
+
+    p = sub.add_parser("init", help="write a config from the llama-server command line you run "
+                                    "(after --), a systemd unit (--from-unit) or a llama-swap "
+                                    "model (--from-llama-swap)")
+    init_arguments.add_arguments(p)
+    p.set_defaults(func=cmd_init)
 
     p = sub.add_parser("status", help="children, states, GPU memory, waiting line, incidents "
                                       "(exit 3 when the daemon does not answer)")
@@ -450,8 +471,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="for set: a TOML value (7, true, \"hot\", [\"-ngl\", \"99\"]); a bare "
                         "word for a string key")
     p.add_argument("--config", "-c", default=None,
-                   help=f"the file (default: $SPILLWAY_CONFIG, {client.DEFAULT_CONFIG}, or the "
-                        "quickstart's)")
+                   help=f"the file (default: $SPILLWAY_CONFIG, ./{client.LOCAL_CONFIG}, "
+                        f"{client.DEFAULT_CONFIG}, or the quickstart's)")
     p.set_defaults(func=cmd_config)
 
     default_config = bootstrap.cache_dir() / "quickstart.toml"

@@ -34,23 +34,30 @@ class Target:
     api_key: str | None
 
 
+LOCAL_CONFIG = "spillway.toml"  # in the current folder, where `spillway init` writes it
+
+
 def find_config(given: str | None) -> str:
-    """The config a client command means: --config, else $SPILLWAY_CONFIG, else
-    /etc/spillway/spillway.toml (the service's), else the one `spillway quickstart` last ran.
-    Raises ConfigError saying which flag to add when there is none."""
+    """The config a command means: --config, else $SPILLWAY_CONFIG, else ./spillway.toml
+    (`spillway init`'s, when not root), else /etc/spillway/spillway.toml (the service's), else
+    the one `spillway quickstart` last ran. Raises ConfigError saying which flag to add when
+    there is none."""
     if given:
         return given
     from_env = os.environ.get("SPILLWAY_CONFIG")
     if from_env:
         return from_env
+    if os.path.isfile(LOCAL_CONFIG):
+        return os.path.abspath(LOCAL_CONFIG)
     if os.path.exists(DEFAULT_CONFIG):
         return DEFAULT_CONFIG
     quickstart = bootstrap.last_quickstart_config()
     if quickstart is not None:
         return str(quickstart)
     raise config.ConfigError(DEFAULT_CONFIG, [config.Problem(
-        "", "no config given, none at this path, and no quickstart has run here: add "
-            "--config FILE (the daemon's TOML), or set SPILLWAY_CONFIG")])
+        "", f"no config given, none here ({LOCAL_CONFIG}) or at this path, and no quickstart "
+            "has run: add --config FILE (the daemon's TOML; `spillway init` writes one), or "
+            "set SPILLWAY_CONFIG")])
 
 
 def target_from(url: str | None, config_path: str | None, api_key: str | None) -> Target:

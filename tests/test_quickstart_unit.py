@@ -57,6 +57,9 @@ def test_own_command_is_what_reruns_spillway(tmp_path: Path) -> None:
 
 
 def test_find_config_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
     monkeypatch.setenv("SPILLWAY_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("SPILLWAY_CONFIG", raising=False)
     service = tmp_path / "etc" / "spillway.toml"
@@ -74,6 +77,9 @@ def test_find_config_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     service.parent.mkdir()
     service.write_text("")
     assert client.find_config(None) == str(service)
+    # `spillway init`'s file in this folder wins over the service's.
+    (here / "spillway.toml").write_text("")
+    assert client.find_config(None) == str(here / "spillway.toml")
     monkeypatch.setenv("SPILLWAY_CONFIG", "/from/env.toml")
     assert client.find_config(None) == "/from/env.toml"
     assert client.find_config("/given.toml") == "/given.toml"
