@@ -108,6 +108,7 @@ class Daemon:
         self.started = time.monotonic()
         self.boot = f"{int(time.time()):x}"
         self.monitor = GpuMonitor(config.gpu.device, config.monitor.sample_interval_s)
+        self.monitor.owners = self._gpu_owners
         self.children: dict[str, Child] = {}
         self.gpu_devices: list[str] = []
         self.config_error: str | None = None
@@ -157,6 +158,18 @@ class Daemon:
         elif self.config.gpu.device is not None and self.config.gpu.device.isdigit():
             env["CUDA_VISIBLE_DEVICES"] = self.config.gpu.device
         return env
+
+    def _gpu_owners(self) -> dict[str, list[int] | None]:
+        """Each child's processes, for the GPU chart: in router mode its models' instances
+        (where the VRAM is) count as the router's own."""
+        owners: dict[str, list[int] | None] = {}
+        for name, child in self.children.items():
+            pids = [child.pid] if child.pid is not None else []
+            if self.models is not None:
+                pids += [pid for e in self.models.entries.values()
+                         if (pid := e.upstreams[name].pid) is not None]
+            owners[name] = pids or None
+        return owners
 
     def _make_child(self, name: str) -> Child:
         cfg = self.config.child(name)

@@ -3,7 +3,8 @@
 NVML calls block, so sampling runs in a worker thread on an interval. Without a driver
 (`NVMLError_LibraryNotFound`, `NVMLError_DriverNotLoaded`, ...) the monitor says so in `note` and
 samples nothing; nothing else changes. The samples feed the status, the VRAM headroom rule of
-admission and the evidence of a GPU child's death.
+admission, the evidence of a GPU child's death and the status page's chart (the last minutes,
+kept here: gpu_history.py).
 """
 
 from __future__ import annotations
@@ -12,14 +13,20 @@ import asyncio
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .gpu_history import GpuHistory, MemoryPoint
 from .policy.evidence import VramSample
 
 log = logging.getLogger("spillway.gpu")
 
 MIB = 1024 * 1024
+
+# Who is on the card: child name -> the pids that are its own (a router's instances count as
+# the router's), or None while it has no process. Asked on the event loop at each sample.
+Owners = Callable[[], Mapping[str, Iterable[int] | None]]
 
 
 @dataclass(frozen=True)
@@ -69,6 +76,9 @@ class GpuMonitor:
         # A short history, so the evidence of a death is the sample from just *before* it (after
         # the death the child's own memory is free again and the figure says nothing).
         self.history: deque[GpuSample] = deque(maxlen=64)
+        # The last minutes of memory figures, each child's own among them, for the status page.
+        self.chart = GpuHistory()
+        self.owners: Owners = lambda: {}  # set by the daemon once the children exist
         self.note: str | None = "GPU monitor not started"
         self._nvml: Any = None
         self._handle: Any = None
@@ -161,6 +171,7 @@ class GpuMonitor:
             sample = await asyncio.to_thread(self._sample)
             self.latest = sample
             self.history.append(sample)
+            self.chart.add(self._point(sample))
             self.note = None
         except Exception as e:  # noqa: BLE001 - a lost GPU must not take the daemon down
             self.note = f"GPU sampling failed: {e}"
@@ -184,6 +195,15 @@ class GpuMonitor:
                 await asyncio.to_thread(self._nvml.nvmlShutdown)
             except Exception:  # noqa: BLE001
                 pass
+
+    def _point(self, s: GpuSample) -> MemoryPoint:
+        """The sample as a chart point, each owner's processes summed under its name (read
+        now, at the sample: pids change when a child restarts)."""
+        children = {name: None if pids is None else
+                    sum(s.process_bytes.get(pid, 0) for pid in pids)
+                    for name, pids in self.owners().items()}
+        return MemoryPoint(monotonic=s.monotonic, wall=s.wall, total_bytes=s.total_bytes,
+                           free_bytes=s.free_bytes, used_bytes=s.used_bytes, children=children)
 
     def vram_before(self, moment: float) -> VramSample | None:
         """The last sample taken before `moment` (monotonic), as evidence, with its age then."""

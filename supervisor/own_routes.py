@@ -5,7 +5,8 @@ that never change once wired (the children, the estimates, the waiting line, the
 the records) are given to the constructor; what the daemon itself keeps and changes while it
 runs (the config after a reload, a refused reload, the listening addresses, the devices the
 GPU child's llama-server lists) is read through `Host`. The routes act only on the GPU child:
-the operator's `spillway gpu` actions and the drill's arm.
+the operator's `spillway gpu` actions and the drill's arm. The status page that reads them from
+a browser (/spillway/) is served by status_page.py; its chart's history is the GPU monitor's.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from .policy.lifecycle import ChildState
 from .proxy.app import OwnRoute, json_response
 from .resources import Resources
 from .router.models import RouterModels
+from .status_page import StatusPage
 
 GPU_ACTIONS = ("restart", "drain", "pause", "resume")
 
@@ -119,10 +121,12 @@ class OwnRoutes:
             ("GET", "/spillway/incidents"): self.incidents_route,
             ("GET", "/spillway/metrics"): self.metrics_route,
             ("GET", "/spillway/timeline"): self.timeline_route,
+            ("GET", "/spillway/gpu/history"): self.gpu_history_route,
             ("POST", "/spillway/drill/arm"): self.drill_arm,
         }
         for action in GPU_ACTIONS:
             routes[("POST", f"/spillway/gpu/{action}")] = self._gpu_action(action)
+        routes.update(StatusPage.load().routes())  # the page at /spillway/ (status_page.py)
         return routes
 
     # --- the status -------------------------------------------------------------------------
@@ -241,6 +245,19 @@ class OwnRoutes:
         events = [e for e in self.timeline if e["time"] >= since]
         now = {name: str(c.state) for name, c in self.children.items()}
         return json_response({"events": events, "now": now, "time": time.time()})
+
+    async def gpu_history_route(self, request: web.Request) -> web.StreamResponse:
+        """The GPU's memory over the last minutes (the status page's chart): the points taken
+        after `since` (wall-clock seconds, as `time` in the answer)."""
+        try:
+            since = float(request.query.get("since", "0"))
+        except ValueError:
+            since = 0.0
+        chart = self.monitor.chart
+        points = chart.since(since, now=time.monotonic())
+        return json_response({"time": time.time(), "span_s": chart.span_s,
+                              "step_s": chart.step_s, "note": self.monitor.note,
+                              "points": [p.to_json() for p in points]})
 
     async def drill_arm(self, request: web.Request) -> web.StreamResponse:
         """The drill without a GPU: SIGABRT to the GPU child as its next task launches."""

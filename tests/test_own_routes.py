@@ -74,6 +74,9 @@ def test_the_route_table_is_spillways_routes(tmp_path: Path) -> None:
         ("GET", "/spillway/timeline"), ("POST", "/spillway/drill/arm"),
         ("POST", "/spillway/gpu/restart"), ("POST", "/spillway/gpu/drain"),
         ("POST", "/spillway/gpu/pause"), ("POST", "/spillway/gpu/resume"),
+        ("GET", "/spillway/gpu/history"),
+        # The status page (status_page.py), and the redirect to it.
+        ("GET", "/spillway/"), ("HEAD", "/spillway/"), ("GET", "/spillway"), ("HEAD", "/spillway"),
     }
 
 

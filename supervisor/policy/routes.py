@@ -25,6 +25,10 @@ DONE_SENTINEL_ROUTES = frozenset({
 # The open routes: llama-server answers them without a key, and so does Spillway.
 PUBLIC_ROUTES = frozenset({"/health", "/v1/health", "/spillway/health"})
 
+# Open for GET and HEAD only: Spillway's status page (and the redirect to it). It carries no data;
+# the routes it reads keep asking for the key.
+PUBLIC_PAGES = frozenset({"/spillway", "/spillway/"})
+
 
 class RouteClass(enum.StrEnum):
     OWN = "own"  # Spillway's own, under /spillway/

@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from ..policy.routes import PUBLIC_ROUTES
+from ..policy.routes import PUBLIC_PAGES, PUBLIC_ROUTES
 from . import errors
 from .identity import request_id_of
 
@@ -32,9 +32,11 @@ def _is_public(request: web.Request) -> bool:
         return True
     if request.path in PUBLIC_ROUTES:
         return True
-    if request.method in ("GET", "HEAD") and not request.path.startswith("/spillway"):
-        return request.path == "/" or bool(_UI_ASSET.match(request.path))
-    return False
+    if request.method not in ("GET", "HEAD"):
+        return False
+    if request.path.startswith("/spillway"):
+        return request.path in PUBLIC_PAGES  # the page, never the data it reads
+    return request.path == "/" or bool(_UI_ASSET.match(request.path))
 
 
 def presented_key(request: web.Request) -> str | None:
