@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import os
+import tomllib
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from . import bootstrap, config
@@ -60,12 +62,53 @@ def find_config(given: str | None) -> str:
             "set SPILLWAY_CONFIG")])
 
 
+ENV_FILE = "env"  # beside the config: the unit's EnvironmentFile, where `spillway init` writes
+
+
+def _load_for_client(path: str, given_key: str | None) -> config.Config:
+    """The config, for its address and key. The key's variable (server.api_key_env) is often
+    set only in the daemon's environment (systemd reads /etc/spillway/env): a key given here
+    stands in for it, else the environment file beside the config is read when it can be."""
+    try:
+        return config.load(path, check_paths=False)
+    except config.ConfigError as e:
+        if not e.problems or any(p.path != "server.api_key_env" for p in e.problems):
+            raise
+        missing = e
+    from .init.unit import parse_env_file
+
+    variable = _key_variable(path)
+    if given_key is not None and variable:
+        return config.load(path, environ={**os.environ, variable: given_key},
+                           check_paths=False)
+    env_file = Path(path).resolve().parent / ENV_FILE
+    try:
+        found = dict(parse_env_file(env_file.read_text(encoding="utf-8")))
+    except (OSError, UnicodeDecodeError):
+        found = {}
+    if not found.get(variable or ""):
+        raise config.ConfigError(missing.source, [*missing.problems, config.Problem(
+            "", f"give the key with --api-key or $SPILLWAY_API_KEY, export {variable}, or run "
+                f"as a user who can read {env_file}")])
+    return config.load(path, environ={**os.environ, **found}, check_paths=False)
+
+
+def _key_variable(path: str) -> str | None:
+    """server.api_key_env's value, read from the file as it is."""
+    try:
+        raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None
+    value = raw.get("server", {}).get("api_key_env")
+    return value if isinstance(value, str) else None
+
+
 def target_from(url: str | None, config_path: str | None, api_key: str | None) -> Target:
     """--url wins; else the first listen address of the config (see find_config)."""
     key = api_key or os.environ.get("SPILLWAY_API_KEY") or None
     if url:
         return Target(url.rstrip("/"), key)
-    cfg = config.load(find_config(config_path), check_paths=False)
+    cfg = _load_for_client(find_config(config_path), key)
     addr = cfg.server.listen[0]
     host = addr.host
     if host in ("0.0.0.0", "::", ""):

@@ -85,6 +85,11 @@ def test_from_a_llama_server_command_line_to_a_watched_spillway(
         assert raw.headers["X-Spillway-Child"] == "gpu"
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        # `spillway status` in this folder, with the key only in init's env file.
+        shown = subprocess.run(["spillway", "status"], cwd=home, env=env, capture_output=True,
+                               text=True, timeout=60)
+        assert shown.returncode == 0, shown.stderr
+        assert f"listening on 127.0.0.1:{port}" in shown.stdout
         # A key edited from the command line, found in this folder, reloaded by the daemon.
         edit = subprocess.run(["spillway", "config", "set", "queue.max_waiting", "7"],
                               cwd=home, env=env, capture_output=True, text=True, timeout=60)

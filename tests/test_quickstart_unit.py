@@ -86,3 +86,26 @@ def test_find_config_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> N
     # A quickstart config that is gone is not offered.
     Path(str(cfg.path)).unlink()
     assert bootstrap.last_quickstart_config() is None
+
+
+def test_a_key_set_only_in_the_daemons_environment_file_is_read_from_there(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`spillway init` puts the key in an env file beside the config (systemd reads it): the
+    client commands read it there too, or take --api-key, or say what to do."""
+    monkeypatch.delenv("SW_TEST_KEY", raising=False)
+    monkeypatch.delenv("SPILLWAY_API_KEY", raising=False)
+    cfg_path = Path(str(make_config(tmp_path).path))
+    cfg_path.write_text(cfg_path.read_text().replace(
+        '[server]\n', '[server]\napi_key_env = "SW_TEST_KEY"\n'))
+    with pytest.raises(config.ConfigError) as e:
+        client.target_from(None, str(cfg_path), None)
+    assert "--api-key" in str(e.value) and str(tmp_path / "env") in str(e.value)
+    assert client.target_from(None, str(cfg_path), "given").api_key == "given"
+    (tmp_path / "env").write_text("# written by spillway init\nSW_TEST_KEY='from-the-file'\n")
+    target = client.target_from(None, str(cfg_path), None)
+    assert target == client.Target("http://127.0.0.1:8123", "from-the-file")
+    # Any other problem is still the config's.
+    cfg_path.write_text(cfg_path.read_text().replace("[server]\n", "[server]\nbogus = 1\n"))
+    with pytest.raises(config.ConfigError) as e:
+        client.target_from(None, str(cfg_path), None)
+    assert "server.bogus" in str(e.value)
