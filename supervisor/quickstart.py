@@ -42,8 +42,14 @@ def base_url(listen: str) -> str:
     return f"http://{host}:{port}"
 
 
+# A bound on the answer: the embedded Gemma is the pretrained model, which seldom ends its turn
+# by itself; without one the first answer would run to the slot's whole context (a minute here).
+MAX_TOKENS = 64
+
+
 def chat_body(model: str | None) -> str:
-    body: dict[str, object] = {"messages": [{"role": "user", "content": QUESTION}]}
+    body: dict[str, object] = {"messages": [{"role": "user", "content": QUESTION}],
+                               "max_tokens": MAX_TOKENS}
     if model:
         body = {"model": model, **body}
     return json.dumps(body)

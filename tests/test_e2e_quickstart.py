@@ -103,9 +103,16 @@ def test_quickstart_serves_gemma_through_the_openai_client(tmp_path: Path,
         assert raw.headers["X-Spillway-Child"] == "gpu"
         assert_no_template_tokens(answer.choices[0].message.content)
         assert "gemma-3-270m" in answer.model
+        # The welcome's curl line works as printed, and answers in bounded time.
+        welcome = welcome_of(tmp_path)
+        curl = subprocess.run(["bash", "-c", "\n".join(welcome[1:3])], capture_output=True,
+                              text=True, timeout=120)
+        assert curl.returncode == 0, curl.stderr
+        answer_json = json.loads(curl.stdout)
+        assert answer_json["usage"]["completion_tokens"] <= quickstart.MAX_TOKENS
+        assert_no_template_tokens(answer_json["choices"][0]["message"]["content"])
         # The welcome's status line works as printed, with no flag: the client commands find
         # the quickstart's config by themselves.
-        welcome = welcome_of(tmp_path)
         assert f"http://127.0.0.1:{port}/spillway/" in welcome[4]
         status_cmd = shlex.split(welcome[3].split("#")[0])
         assert status_cmd[-1] == "status", welcome

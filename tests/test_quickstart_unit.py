@@ -28,7 +28,8 @@ def test_welcome_gives_a_chat_the_status_and_the_page(tmp_path: Path) -> None:
     words = shlex.split(curl)
     assert words[:3] == ["curl", "-s", "http://127.0.0.1:8123/v1/chat/completions"]
     body = json.loads(words[words.index("-d") + 1])
-    assert body == {"messages": [{"role": "user", "content": quickstart.QUESTION}]}
+    assert body == {"messages": [{"role": "user", "content": quickstart.QUESTION}],
+                    "max_tokens": quickstart.MAX_TOKENS}
     assert "Authorization" not in text
     assert lines[3].split("#")[0].strip() == "spillway status"
     assert lines[4].split("#")[0].strip() == "http://127.0.0.1:8123/spillway/"
