@@ -433,7 +433,7 @@ def _make(cls: type[T], section: str, values: Mapping[str, Any], base_dir: Path,
 # --- reading ----------------------------------------------------------------------------------
 
 
-def _suggest(name: str, known: list[str]) -> str:
+def suggest(name: str, known: list[str]) -> str:
     close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
     return f"; did you mean '{close[0]}'?" if close else f"; known keys: {', '.join(known)}"
 
@@ -467,7 +467,7 @@ def _read_sections(raw: Mapping[str, Any], problems: list[Problem]) -> dict[str,
     """Validate names and types against SCHEMA; returns values with defaults filled in."""
     for section in raw:
         if section not in SCHEMA:
-            problems.append(Problem(section, "unknown section" + _suggest(section, list(SCHEMA))))
+            problems.append(Problem(section, "unknown section" + suggest(section, list(SCHEMA))))
     return {section: _read_section(section, keys, raw.get(section, {}), problems)
             for section, keys in SCHEMA.items()}
 
@@ -480,7 +480,7 @@ def _read_section(section: str, keys: dict[str, Key], given: Any,
     for name in given:
         if name not in keys:
             problems.append(
-                Problem(f"{section}.{name}", "unknown key" + _suggest(name, list(keys)))
+                Problem(f"{section}.{name}", "unknown key" + suggest(name, list(keys)))
             )
     out: dict[str, Any] = {}
     for name, spec in keys.items():
@@ -802,7 +802,7 @@ __all__ = [
     "IncidentsConfig", "QueueConfig",
     "IdempotencyConfig", "ListenAddress", "load", "build",
     "known_keys", "parse_listen", "SCHEMA", "SECTIONS", "Key", "key", "derived",
-    "section_keys", "CHILD_NAMES", "RESTART_KEYS", "diff", "command_changed",
+    "section_keys", "CHILD_NAMES", "RESTART_KEYS", "suggest", "diff", "command_changed",
 ]
 
 

@@ -12,10 +12,7 @@ provides (an `api_key_env` variable set by systemd's EnvironmentFile and not in 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +21,7 @@ import tomlkit
 from tomlkit.items import Item, Table
 
 from . import config
+from .files import write_atomically
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -56,13 +54,6 @@ class KeyPath:
         return "str" if self.entry is not None else self.spec.kind
 
 
-def _suggest(word: str, known: list[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
-    return f"; did you mean '{close[0]}'?" if close else ""
-
-
 def parse_key(text: str) -> KeyPath:
     """The key path, checked against the schema (unknown names suggest the nearest)."""
     parts = text.split(".")
@@ -71,11 +62,11 @@ def parse_key(text: str) -> KeyPath:
     section, name, rest = parts[0], parts[1], parts[2:]
     if section not in config.SCHEMA:
         raise EditError(f"{text}: unknown section {section!r}"
-                        + _suggest(section, list(config.SCHEMA)))
+                        + config.suggest(section, list(config.SCHEMA)))
     keys = config.SCHEMA[section]
     if name not in keys:
         raise EditError(f"{text}: unknown key {section}.{name}"
-                        + _suggest(name, list(keys)))
+                        + config.suggest(name, list(keys)))
     spec = keys[name]
     if rest and (spec.kind != "str_table" or len(rest) != 1 or not rest[0]):
         raise EditError(f"{text}: {section}.{name} has no entries to name"
@@ -218,30 +209,5 @@ def edit(path: Path, key_text: str, value_text: str | None) -> Change:
                     None if value is None else render(value), after_text == before_text,
                     old_problems)
     if not change.unchanged:
-        write_atomically(path, after_text)
+        write_atomically(path, after_text)  # with the old file's mode and owner
     return change
-
-
-def write_atomically(path: Path, text: str) -> None:
-    """A new file in the same folder, synced, given the old one's mode and owner, then renamed
-    over it: readers (and the daemon's watcher) see the old file or the new, never a mix."""
-    st = path.stat()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fchmod(f.fileno(), st.st_mode & 0o7777)
-            if os.geteuid() == 0:
-                os.fchown(f.fileno(), st.st_uid, st.st_gid)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

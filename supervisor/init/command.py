@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from .. import config
+from ..files import write_atomically
 from . import cmdline, envfile, hfcache, llama_swap, render, source, unit
 from .arguments import SYSTEM_CONFIG
 from .source import InitError
@@ -92,10 +93,8 @@ def _write(output: Path, text: str, plan: cmdline.Plan, force: bool) -> Path | N
     env_path = output.parent / "env" if plan.secrets else None
     if env_path is not None:
         envfile.write(env_path, plan.secrets, force)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output.with_name(f".{output.name}.tmp")
-    tmp.write_text(text, encoding="utf-8")  # the umask's mode: the daemon's user must read it
-    os.replace(tmp, output)
+    # The umask's mode (or the replaced file's): the daemon's user must read it.
+    write_atomically(output, text)
     return env_path
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
+from ..files import write_atomically
 from .source import InitError
 from .unit import parse_env_file
 
@@ -56,14 +56,5 @@ def write(path: Path, secrets: Mapping[str, str], force: bool) -> bool:
     if text == existing:
         os.chmod(path, 0o600)
         return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # mkstemp creates the file 0600: the secret is never readable by others, not even briefly.
-    fd, tmp = tempfile.mkstemp(prefix=".env.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+    write_atomically(path, text, mode=0o600)  # never readable by others, not even briefly
     return True
