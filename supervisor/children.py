@@ -43,7 +43,8 @@ from .config import ChildConfig, RestartConfig
 from .launcher import Launcher, Process, SubprocessLauncher
 from .load import Load
 from .launcher import pick_port as pick_port  # the drill's import
-from .policy import lifecycle
+from .hostcpu import HostCpu, host_cpu
+from .policy import lifecycle, signatures
 from .systemd import OWN_VARIABLES
 from .timefmt import rfc3339
 from .policy.evidence import (
@@ -58,6 +59,7 @@ from .policy.lifecycle import ChildState
 log = logging.getLogger("spillway.child")
 
 STDERR_TAIL_LINES = 200
+MARKER_LINES = 20
 HEALTH_POLL_S = 0.1  # while starting
 LIVENESS_POLL_S = 2.0  # while ready
 LIVENESS_TIMEOUT_S = 10.0
@@ -83,6 +85,7 @@ class ExitRecord:
     run_s: float
     planned: bool  # Spillway stopped it
     served: bool = False  # it had started work on at least one request
+    diagnosis: signatures.Diagnosis | None = None  # a known crash signature, if one matched
 
     @property
     def signal_name(self) -> str | None:
@@ -103,6 +106,7 @@ class ExitRecord:
             "time": rfc3339(self.wall),
             "run_s": round(self.run_s, 3),
             "planned": self.planned,
+            "diagnosis": self.diagnosis.to_json() if self.diagnosis else None,
         }
 
 
@@ -121,6 +125,7 @@ class Child:
         vram_probe: VramProbe | None = None,
         vram_short_mib: float = 512.0,
         extra_env: dict[str, str] | None = None,
+        cpu: HostCpu | None = None,
         rng: Callable[[], float] = random.random,
         clock: Clock | None = None,
         launcher: Launcher | None = None,
@@ -133,6 +138,7 @@ class Child:
         self.vram_probe = vram_probe
         self.vram_short_mib = vram_short_mib
         self.extra_env = dict(extra_env or {})
+        self.cpu = cpu or host_cpu()  # the crash signatures' facts (AMX, ...)
         self._rng = rng
         self._clock: Clock = clock or MonotonicClock()  # every timed wait
         # The processes and the health probe; a launcher made here is closed by `close`.
@@ -159,6 +165,11 @@ class Child:
         self.last_start_s: float | None = None  # spawn -> ready, of the last start
         self.tasks_started = 0  # `launch_slot_` lines: executions, counted by the child itself
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        # Lines a crash signature names (an "AMX model buffer" line at load), kept past the
+        # tail's bound for this process's whole life.
+        self.marker_lines: deque[str] = deque(maxlen=MARKER_LINES)
+        # The signature of each of the last unplanned exits (None: none matched), newest last.
+        self.recent_signatures: deque[str | None] = deque(maxlen=8)
         # Its requests in flight: counted by the pool (the one writer), read here.
         self.load = Load()
         self.listeners: list[StateListener] = []
@@ -198,12 +209,20 @@ class Child:
             "quick_failures": self.quick_failures,
             "next_try_in_s": self.next_try_in_s(),
             "last_exit": self.last_exit.to_json() if self.last_exit else None,
+            "diagnosis": self.diagnosis_json(),
             "uptime_s": round(now - self.started_at, 3) if self.started_at is not None else None,
             "last_start_s": round(self.last_start_s, 3) if self.last_start_s is not None else None,
             "in_flight": self.load.in_flight,
             "tasks_started": self.tasks_started,
             "command": self.cfg.command(self.port or 0, "")[:-2],
         }
+
+    def diagnosis_json(self) -> dict[str, str] | None:
+        """The known crash of the last exit, while it is the latest word on this child."""
+        last = self.last_exit
+        if last is None or last.diagnosis is None or self.state is ChildState.READY:
+            return None
+        return last.diagnosis.to_json()
 
     def next_try_in_s(self) -> float | None:
         """Seconds to the next start, in BACKOFF or FATAL; None in other states."""
@@ -384,6 +403,7 @@ class Child:
         if cmd == "restart":  # an operator, a reload, or the card's memory freed
             self.quick_failures = 0
             self.fatal_tries = 0
+            self.recent_signatures.clear()  # a changed config deserves its own two tries
             return reason
         left = (self.next_try_at or 0.0) - self._clock.now()
         if left > 0:
@@ -400,8 +420,11 @@ class Child:
         FATAL. The reason for the next start."""
         self.last_exit = record
         policy = self.backoff_policy()
+        self.recent_signatures.append(record.diagnosis.name if record.diagnosis else None)
+        same = signatures.repeats(self.recent_signatures)
         decision = lifecycle.after_exit(policy, self.quick_failures, record.run_s,
-                                        self._rng(), served=record.served)
+                                        self._rng(), served=record.served,
+                                        known_crash_repeats=same)
         self.quick_failures = decision.quick_failures
         if decision.quick_failures == 0:
             self.fatal_tries = 0  # a good run: the crash loop is over
@@ -413,6 +436,12 @@ class Child:
             self.next_try_at = self._clock.now() + wait
             # EXITED -> BACKOFF -> FATAL
             self._to(ChildState.BACKOFF, f"{record.kind}: {record.evidence}")
+            if same >= lifecycle.KNOWN_CRASH_LIMIT and record.diagnosis is not None:
+                # Restarting cannot mend it: say what it is and what to change.
+                self._to(ChildState.FATAL, f"the same crash {same} times in a row; "
+                                           f"{record.diagnosis.summary()}; "
+                                           f"next try in {wait:.0f} s")
+                return "restart after stop"
             self._to(ChildState.FATAL, f"{self.quick_failures} quick failures in a row; "
                                        f"last: {record.kind}: {record.evidence}; "
                                        f"next try in {wait:.0f} s")
@@ -477,6 +506,7 @@ class Child:
         self.started_at = spawned_at
         self.ready_at = None
         self.stderr_tail.clear()
+        self.marker_lines.clear()
         reader = asyncio.create_task(self._read_output(proc), name=f"child-{self.name}-output")
         waiter = asyncio.create_task(proc.wait(), name=f"child-{self.name}-wait")
         tasks_before = self.tasks_started
@@ -493,6 +523,8 @@ class Child:
             self._to(ChildState.STOPPED, f"stopped ({describe_exit(record.returncode)})")
         else:
             log.warning("[%s] exited: %s (%s)", self.name, record.kind, record.evidence)
+            if record.diagnosis is not None:
+                log.warning("[%s] %s", self.name, record.diagnosis.summary())
             self._to(ChildState.EXITED, f"{record.kind}: {record.evidence}")
         return record
 
@@ -553,8 +585,15 @@ class Child:
                                 vram_short_mib=self.vram_short_mib)
         evidence = f"{note} ({describe_exit(returncode)})" if note else verdict.evidence
         kind = FailureKind.CRASH if note else verdict.kind
+        diagnosis = None
+        if not planned and not note:  # a death of its own, not one Spillway dealt
+            diagnosis = signatures.diagnose(signatures.CrashFacts(
+                returncode=returncode, lines=[*self.marker_lines, *self.stderr_tail],
+                before_ready=self.ready_at is None, cpu_model=self.cpu.describe(),
+                cpu_flags=self.cpu.flags))
         return ExitRecord(generation, proc.pid, returncode, kind, evidence, time.time(), died,
-                          self._clock.now() - spawned, planned=planned, served=served)
+                          self._clock.now() - spawned, planned=planned, served=served,
+                          diagnosis=diagnosis)
 
     async def _until_ready(self, waiter: asyncio.Task[int]) -> str:
         """'ready' | 'exited' | 'timeout' | 'command'."""
@@ -641,6 +680,8 @@ class Child:
                 return
             line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
             self.stderr_tail.append(line)
+            if signatures.is_marker(line):
+                self.marker_lines.append(line)
             log.info("[%s] %s", self.name, line)
             for listener in self.line_listeners:
                 try:

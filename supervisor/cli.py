@@ -107,6 +107,14 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
     """Provide llama-server and a small model, write a config, run the daemon."""
+    path = Path(args.config).expanduser()
+    if args.router and args.config == str(bootstrap.cache_dir() / "quickstart.toml"):
+        path = path.with_name("quickstart-router.toml")  # the default one stays single-model
+    reuse = path.exists() and not args.rewrite_config
+    # Before the build: a taken port found after five minutes of compiling is a poor start.
+    listen = _quickstart_listen(args.listen, path if reuse else None)
+    if listen is None:
+        return EXIT_CONFIG
     try:
         binary = bootstrap.ensure_llama_server(args.llama_server)
         model = bootstrap.ensure_model()
@@ -114,20 +122,19 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         print(f"spillway quickstart: {e}", file=sys.stderr)
         return EXIT_FAIL
     devices = bootstrap.list_devices(str(binary))
-    path = Path(args.config).expanduser()
-    if args.router and args.config == str(bootstrap.cache_dir() / "quickstart.toml"):
-        path = path.with_name("quickstart-router.toml")  # the default one stays single-model
-    if not path.exists() or args.rewrite_config:
-        bootstrap.write_default_config(path, binary, model, devices, listen=args.listen,
+    if not reuse:
+        bootstrap.write_default_config(path, binary, model, devices, listen=listen,
                                        router=args.router)
         print(f"spillway: wrote {path}", file=sys.stderr)
     else:
         print(f"spillway: using the existing {path} (--rewrite-config replaces it)",
               file=sys.stderr)
-        if bootstrap.lacks_chat_template(path):
-            print("spillway: that config was written before the quickstart gave Gemma its chat "
-                  "template, so its answers may echo template tokens; --rewrite-config writes "
-                  "the current one", file=sys.stderr)
+        if listen != _config_listen(path):
+            config_edit.edit(path, "server.listen", json.dumps(listen))
+            print(f"spillway: server.listen = {listen!r} in {path}", file=sys.stderr)
+        hint = bootstrap.outdated_quickstart_config(path)
+        if hint:
+            print(f"spillway: {hint}", file=sys.stderr)
     if devices:
         print(f"spillway: GPU child on {devices[0]}", file=sys.stderr)
     else:
@@ -141,6 +148,41 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         return EXIT_CONFIG
     bootstrap.remember_quickstart_config(path)
     return _run_daemon(cfg, on_ready=_quickstart_welcome(cfg, model if cfg.router else None))
+
+
+def _config_listen(path: Path) -> str | None:
+    """The first server.listen of a config file, as written (None if it has none)."""
+    try:
+        doc = config_edit.read(path)
+    except (OSError, config_edit.EditError, ValueError):
+        return None
+    listen = doc.get("server", {}).get("listen")
+    if isinstance(listen, list):
+        listen = listen[0] if listen else None
+    return str(listen) if listen is not None else None
+
+
+def _quickstart_listen(wanted: str | None, reused: Path | None) -> str | None:
+    """The address the quickstart will listen on: --listen, else the reused config's, else
+    127.0.0.1:8080. When it is taken: who holds it, and the next free port (asked on a
+    terminal, printed as a --listen line otherwise). None: do not go on."""
+    from . import ports, quickstart
+
+    listen = wanted or (reused and _config_listen(reused)) or quickstart.DEFAULT_LISTEN
+    try:
+        addr = config.parse_listen(listen)
+        taken = ports.check(addr.host, addr.port)
+    except (ValueError, OSError) as e:
+        print(f"spillway quickstart: cannot listen on {listen}: {e}", file=sys.stderr)
+        return None
+    if taken is None:
+        return listen
+    print(quickstart.port_taken(taken, quickstart.own_command()), file=sys.stderr)
+    if taken.next_free is None or not sys.stdin.isatty():
+        return None
+    instead = quickstart.address(taken.host, taken.next_free)
+    answer = input(f"Listen on {instead} instead? [Y/n] ").strip().lower()
+    return instead if answer in ("", "y", "yes") else None
 
 
 def _quickstart_welcome(cfg: config.Config,
@@ -483,8 +525,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: $LLAMA_SERVER)")
     p.add_argument("--config", default=str(default_config),
                    help=f"where the default config is written (default: {default_config})")
-    p.add_argument("--listen", default="127.0.0.1:8080",
-                   help="the address written into a new config (default: 127.0.0.1:8080)")
+    p.add_argument("--listen", default=None,
+                   help="where to listen (default: the existing config's address, else "
+                        "127.0.0.1:8080); a taken port is named with its holder before "
+                        "anything is built")
     p.add_argument("--rewrite-config", action="store_true",
                    help="write the default config even if the file exists")
     p.add_argument("--router", action="store_true",

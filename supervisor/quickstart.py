@@ -16,8 +16,12 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .config import Config
+from .ports import PortTaken
 
-QUESTION = "Say hello in Swedish."
+DEFAULT_LISTEN = "127.0.0.1:8080"
+# The welcome's question, asked greedily (temperature 0): on the pinned build the embedded
+# SmolLM2-135M-Instruct answers "The capital of France is Paris." and ends its turn.
+QUESTION = "What is the capital of France? Answer in one word."
 
 
 def own_command(argv0: str | None = None) -> str:
@@ -42,14 +46,32 @@ def base_url(listen: str) -> str:
     return f"http://{host}:{port}"
 
 
-# A bound on the answer: the embedded Gemma is the pretrained model, which seldom ends its turn
-# by itself; without one the first answer would run to the slot's whole context (a minute here).
+# A bound on the answer all the same: a small model now and then talks on, and a newcomer's
+# first try should come back in a second or two, not after the slot's whole context.
 MAX_TOKENS = 64
+
+
+def address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def port_taken(taken: PortTaken, command: str) -> str:
+    """What to say when the quickstart's address is in use: by whom, and what to do."""
+    where = address(taken.host, taken.port)
+    lines = [f"spillway quickstart: {where} is in use by {taken.holder}."]
+    if "spillway" in taken.holder:
+        lines.append(f"  A Spillway already serves there: `{command} status` shows it.")
+    if taken.next_free is not None:
+        lines.append(f"  The next free port is {taken.next_free}: "
+                     f"{command} quickstart --listen {address(taken.host, taken.next_free)}")
+    else:
+        lines.append(f"  Choose a free address: {command} quickstart --listen HOST:PORT")
+    return "\n".join(lines)
 
 
 def chat_body(model: str | None) -> str:
     body: dict[str, object] = {"messages": [{"role": "user", "content": QUESTION}],
-                               "max_tokens": MAX_TOKENS}
+                               "max_tokens": MAX_TOKENS, "temperature": 0}
     if model:
         body = {"model": model, **body}
     return json.dumps(body)

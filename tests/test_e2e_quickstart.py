@@ -1,5 +1,6 @@
-"""End to end: `spillway quickstart` with the real Gemma 3 270M model, through the OpenAI
-Python client, as a new user would run it."""
+"""End to end: `spillway quickstart` with the real SmolLM2-135M-Instruct model, through the
+OpenAI Python client, as a new user would run it: a sensible first answer from both children,
+and a taken port named before anything is built."""
 
 from __future__ import annotations
 
@@ -52,15 +53,22 @@ def start_quickstart(tmp_path: Path, config_path: Path, port: int,
 
 
 # What leaks into an answer when the chat template is not the model's own (ChatML's and Gemma's
-# turn markers).
+# turn markers; SmolLM2 speaks ChatML, so its own markers must never show either).
 TEMPLATE_TOKENS = ("<|im_start|>", "<|im_end|>", "<start_of_turn>", "<end_of_turn>")
 
 
 def ask(oa: openai.OpenAI, model: str) -> Any:
-    """The newcomer's first question (the one the quickstart's welcome suggests)."""
+    """The newcomer's first question (the one the quickstart's welcome suggests), greedily."""
     return oa.chat.completions.with_raw_response.create(
         model=model, messages=[{"role": "user", "content": quickstart.QUESTION}],
-        max_tokens=32)
+        max_tokens=32, temperature=0)
+
+
+def assert_sensible(text: str | None) -> None:
+    """The instruction-tuned model's answer to the welcome's question: Paris, with no
+    template token (the pinned build, greedy: "The capital of France is Paris.")."""
+    assert_no_template_tokens(text)
+    assert text is not None and "Paris" in text, text
 
 
 def assert_no_template_tokens(text: str | None) -> None:
@@ -84,8 +92,8 @@ def stop_quickstart(proc: subprocess.Popen[bytes], log: Any) -> None:
     log.close()
 
 
-def test_quickstart_serves_gemma_through_the_openai_client(tmp_path: Path,
-                                                           llama_server: Path) -> None:
+def test_quickstart_serves_smollm2_from_both_children_through_the_openai_client(
+        tmp_path: Path, llama_server: Path) -> None:
     port = free_port()
     config_path = tmp_path / "quickstart.toml"
     proc, log, status = start_quickstart(tmp_path, config_path, port)
@@ -98,11 +106,25 @@ def test_quickstart_serves_gemma_through_the_openai_client(tmp_path: Path,
         assert status["gpu_child_on_cpu"] in (True, False)
         if status["gpu_child_on_cpu"]:
             assert "runs CPU-only" in status["children"]["gpu"]["runs_on"]
-        raw = ask(oa, "gemma")
+        raw = ask(oa, "smollm2")
         answer = raw.parse()
         assert raw.headers["X-Spillway-Child"] == "gpu"
-        assert_no_template_tokens(answer.choices[0].message.content)
-        assert "gemma-3-270m" in answer.model
+        assert_sensible(answer.choices[0].message.content)
+        assert answer.choices[0].finish_reason == "stop"
+        assert "SmolLM2-135M-Instruct" in answer.model
+        # The CPU child, the safety net, answers the same: with the GPU child paused, the
+        # same question goes to it.
+        pause = urllib.request.Request(f"http://127.0.0.1:{port}/spillway/gpu/pause",
+                                       method="POST", data=b"")
+        with urllib.request.urlopen(pause, timeout=60) as r:
+            assert r.status == 200
+        raw = ask(oa, "smollm2")
+        assert raw.headers["X-Spillway-Child"] == "cpu"
+        assert_sensible(raw.parse().choices[0].message.content)
+        resume = urllib.request.Request(f"http://127.0.0.1:{port}/spillway/gpu/resume",
+                                        method="POST", data=b"")
+        with urllib.request.urlopen(resume, timeout=60) as r:
+            assert r.status == 200
         # The welcome's curl line works as printed, and answers in bounded time.
         welcome = welcome_of(tmp_path)
         curl = subprocess.run(["bash", "-c", "\n".join(welcome[1:3])], capture_output=True,
@@ -110,7 +132,7 @@ def test_quickstart_serves_gemma_through_the_openai_client(tmp_path: Path,
         assert curl.returncode == 0, curl.stderr
         answer_json = json.loads(curl.stdout)
         assert answer_json["usage"]["completion_tokens"] <= quickstart.MAX_TOKENS
-        assert_no_template_tokens(answer_json["choices"][0]["message"]["content"])
+        assert_sensible(answer_json["choices"][0]["message"]["content"])
         # The welcome's status line works as printed, with no flag: the client commands find
         # the quickstart's config by themselves.
         assert f"http://127.0.0.1:{port}/spillway/" in welcome[4]
@@ -127,7 +149,7 @@ def test_quickstart_serves_gemma_through_the_openai_client(tmp_path: Path,
         stop_quickstart(proc, log)
 
 
-def test_quickstart_router_serves_gemma_by_name_through_the_openai_client(
+def test_quickstart_router_serves_smollm2_by_name_through_the_openai_client(
         tmp_path: Path, llama_server: Path) -> None:
     port = free_port()
     config_path = tmp_path / "quickstart-router.toml"
@@ -141,7 +163,40 @@ def test_quickstart_router_serves_gemma_by_name_through_the_openai_client(
         raw = ask(oa, name)
         assert raw.headers["X-Spillway-Child"] == "gpu"
         assert raw.headers["X-Spillway-Model"] == name
-        assert_no_template_tokens(raw.parse().choices[0].message.content)
+        assert_sensible(raw.parse().choices[0].message.content)
         assert f'"model": "{name}"' in "\n".join(welcome_of(tmp_path))
     finally:
         stop_quickstart(proc, log)
+
+
+def test_a_taken_port_is_named_with_its_holder_before_anything_is_built(
+        tmp_path: Path) -> None:
+    """Port 8080 held by another program: the quickstart says which one and the next free port
+    at once (no build, no download: an empty cache stays empty), and exits 2."""
+    holder = subprocess.Popen([sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert holder.stdout is not None
+        port = int(holder.stdout.readline().split("port ")[1].split()[0])
+        cache = tmp_path / "cache"
+        env = {**os.environ, "PYTHONPATH": str(REPO), "SPILLWAY_CACHE": str(cache)}
+        env.pop("LLAMA_SERVER", None)
+        started = time.monotonic()
+        done = subprocess.run(
+            [sys.executable, "-m", "supervisor", "quickstart", "--listen", f"127.0.0.1:{port}"],
+            capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
+        assert done.returncode == 2, done.stderr
+        assert f"127.0.0.1:{port} is in use by python" in done.stderr
+        assert f"(pid {holder.pid}:" in done.stderr and "http.server" in done.stderr
+        assert "The next free port is" in done.stderr
+        suggested = done.stderr.split("quickstart --listen ")[1].split()[0]
+        free = int(suggested.rpartition(":")[2])
+        assert free > port
+        import socket
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", free))  # what it offers is free indeed
+        assert not any(cache.glob("llama-server-*")) and not (cache / "models").exists()
+        assert time.monotonic() - started < 30  # nothing was built (a build takes minutes)
+    finally:
+        holder.kill()
+        holder.wait()

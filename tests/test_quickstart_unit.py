@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -29,7 +30,7 @@ def test_welcome_gives_a_chat_the_status_and_the_page(tmp_path: Path) -> None:
     assert words[:3] == ["curl", "-s", "http://127.0.0.1:8123/v1/chat/completions"]
     body = json.loads(words[words.index("-d") + 1])
     assert body == {"messages": [{"role": "user", "content": quickstart.QUESTION}],
-                    "max_tokens": quickstart.MAX_TOKENS}
+                    "max_tokens": quickstart.MAX_TOKENS, "temperature": 0}
     assert "Authorization" not in text
     assert lines[3].split("#")[0].strip() == "spillway status"
     assert lines[4].split("#")[0].strip() == "http://127.0.0.1:8123/spillway/"
@@ -40,9 +41,9 @@ def test_welcome_in_router_mode_names_the_model_and_a_key_is_sent(
     monkeypatch.setenv("QS_KEY", "secret")
     cfg = make_config(tmp_path, 'api_key_env = "QS_KEY"')
     text = quickstart.welcome(cfg, ["0.0.0.0:8123"], ".venv/bin/spillway", " --config /x.toml",
-                              model="gemma-3-270m")
+                              model="SmolLM2-135M-Instruct.Q4_1")
     words = shlex.split(" ".join(line.rstrip("\\ ") for line in text.splitlines()[1:3]))
-    assert json.loads(words[words.index("-d") + 1])["model"] == "gemma-3-270m"
+    assert json.loads(words[words.index("-d") + 1])["model"] == "SmolLM2-135M-Instruct.Q4_1"
     assert "Authorization: Bearer $SPILLWAY_API_KEY" in words
     assert "http://127.0.0.1:8123/v1/chat/completions" in words  # 0.0.0.0 is this machine too
     assert ".venv/bin/spillway status --config /x.toml" in text
@@ -110,3 +111,45 @@ def test_a_key_set_only_in_the_daemons_environment_file_is_read_from_there(
     with pytest.raises(config.ConfigError) as e:
         client.target_from(None, str(cfg_path), None)
     assert "server.bogus" in str(e.value)
+
+
+def test_a_taken_port_names_its_holder_and_the_next_free_port() -> None:
+    import socket
+
+    from supervisor import ports
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        taken = ports.check("127.0.0.1", port)
+        assert taken is not None and taken.port == port
+        assert f"(pid {os.getpid()}:" in taken.holder  # this test's own process holds it
+        assert taken.next_free is not None and taken.next_free > port
+        assert ports.check("127.0.0.1", taken.next_free) is None
+        text = quickstart.port_taken(taken, "spillway")
+        assert text.splitlines()[0] == (f"spillway quickstart: 127.0.0.1:{port} is in use by "
+                                        f"{taken.holder}.")
+        assert f"spillway quickstart --listen 127.0.0.1:{taken.next_free}" in text
+    assert ports.check("127.0.0.1", port) is None  # released: free again
+
+
+def test_a_taken_port_held_by_spillway_points_at_its_status() -> None:
+    from supervisor.ports import PortTaken
+
+    text = quickstart.port_taken(PortTaken("::1", 8080, "python3 (pid 7: .venv/bin/spillway "
+                                                        "quickstart)", None), ".venv/bin/spillway")
+    assert "[::1]:8080 is in use" in text
+    assert "A Spillway already serves there: `.venv/bin/spillway status`" in text
+    assert "--listen HOST:PORT" in text  # no free port found nearby: say how to choose one
+
+
+def test_a_config_written_for_gemma_is_called_outdated(tmp_path: Path) -> None:
+    old = tmp_path / "old.toml"
+    old.write_text("# Written by `spillway quickstart`; edit freely.\n[model]\n"
+                   'path = "/c/models/gemma-3-270m-q4_k_m.gguf"\n')
+    hint = bootstrap.outdated_quickstart_config(old)
+    assert hint is not None and "--rewrite-config" in hint and "SmolLM2" in hint
+    mine = tmp_path / "mine.toml"
+    mine.write_text('[model]\npath = "/models/gemma-3-4b.gguf"\n')  # the user's own: left alone
+    assert bootstrap.outdated_quickstart_config(mine) is None

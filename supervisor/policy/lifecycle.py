@@ -91,8 +91,14 @@ class ExitDecision:
     quick_failures: int  # the new count of quick failures in a row
 
 
+# A known, deterministic crash signature (signatures.py) seen this many times in a row ends the
+# quick retries: the same crash at the same point again says that restarting cannot mend it.
+KNOWN_CRASH_LIMIT = 2
+
+
 def after_exit(policy: BackoffPolicy, quick_failures: int, run_s: float,
-               jitter: float, served: bool = False) -> ExitDecision:
+               jitter: float, served: bool = False,
+               known_crash_repeats: int = 0) -> ExitDecision:
     """What to do after an unplanned exit.
 
     `run_s` is how long the process ran; `jitter` is a number in [0, 1) supplied by the caller so
@@ -100,11 +106,13 @@ def after_exit(policy: BackoffPolicy, quick_failures: int, run_s: float,
     count: a child that served for hours and then died restarts after the initial delay. So does
     a death while working on requests (`served`): a request that runs the GPU out of memory is
     replayed elsewhere, not retried there, so it cannot loop; only a child that cannot start or
-    stay up on its own is on its way to FATAL.
+    stay up on its own is on its way to FATAL. `known_crash_repeats` (the same known crash
+    signature, this many exits in a row) reaching KNOWN_CRASH_LIMIT is FATAL at once, served or
+    not: llama.cpp's AMX matmul, say, kills every start at its first compute.
     """
     quick = run_s < policy.quick_failure_s and not served
     count = quick_failures + 1 if quick else 0
-    if count >= policy.max_quick_failures:
+    if count >= policy.max_quick_failures or known_crash_repeats >= KNOWN_CRASH_LIMIT:
         return ExitDecision(fatal=True, delay_s=0.0, quick_failures=count)
     base = min(policy.max_s, policy.initial_s * (2 ** max(count - 1, 0)))
     # +-25% jitter, so two children (or two hosts) that failed together do not retry in lockstep.
