@@ -88,6 +88,10 @@ class ExitRecord:
     diagnosis: signatures.Diagnosis | None = None  # a known crash signature, if one matched
 
     @property
+    def known_crash(self) -> str:
+        return self.diagnosis.summary() if self.diagnosis is not None else ""
+
+    @property
     def signal_name(self) -> str | None:
         sig = exit_signal(self.returncode)
         if sig is None:

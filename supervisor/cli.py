@@ -246,6 +246,10 @@ def format_status(status: dict[str, Any]) -> str:
         out.append(f"{name}: {c.get('reason', '')}")
         if c.get("why"):
             out.append(f"  {c['why']}")
+        known = c.get("diagnosis")
+        if known:
+            out += [f"  known crash {known['signature']}: {known['what']}",
+                    f"  fix: {known['remedy']}", f"  see: {known['upstream']}"]
         if c.get("runs_on"):
             out.append(f"  runs on: {c['runs_on']}")
     if status.get("router"):

@@ -194,6 +194,9 @@ class Daemon:
         if child.name == "gpu" and new is ChildState.FATAL:
             sample = self.monitor.latest
             self._gpu_free_at_fatal = sample.free_bytes if sample is not None else None
+        if old is ChildState.EXITED and child.last_exit is not None and \
+                child.last_exit.diagnosis is not None:  # EXITED -> BACKOFF: last_exit is set
+            self.metrics.known_crashes.labels(child.name, child.last_exit.diagnosis.name).inc()
         if new is ChildState.STARTING and child.generation > 0:
             last = child.last_exit
             cause = last.kind if last is not None and not last.planned else "requested"

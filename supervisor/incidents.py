@@ -51,6 +51,7 @@ class Incident:
     attempts: int = 1
     stream: bool = False
     model: str | None = None  # router mode: the model the request named
+    known_crash: str = ""  # the child died a known way: what it is and what to change
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -67,6 +67,10 @@ class Metrics:
         self.restarts = Counter(
             "spillway_child_restarts", "Child restarts, by the kind of exit (or the reason) "
             "that caused them.", ["child", "reason"], registry=r)
+        self.known_crashes = Counter(
+            "spillway_known_crashes", "Child exits that matched a known crash signature "
+            "(policy/signatures.py: amx_matmul, illegal_instruction, ...)",
+            ["child", "signature"], registry=r)
         # Router mode: each model on each router child.
         self.model_state = Gauge(
             "spillway_model_state", "Router mode: 1 for each model's current state on each "

@@ -97,6 +97,7 @@ class Evidence:
 class Verdict:
     kind: FailureKind
     evidence: str  # the line (or fact) that decided it
+    known_crash: str = ""  # a known crash signature's verdict and fix (signatures.py), or ""
 
     @property
     def child_failed(self) -> bool:

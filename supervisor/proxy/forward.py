@@ -67,6 +67,9 @@ class ExitInfo(Protocol):
     @property
     def evidence(self) -> str: ...
 
+    @property
+    def known_crash(self) -> str: ...  # a known crash signature's verdict and fix, or ""
+
 
 class Upstream(Protocol):
     """What the proxy needs of a child (children.Child provides it)."""
@@ -327,7 +330,7 @@ class Forwarder:
                        after_bytes: bool = False) -> AttemptFailure:
         record = await child.exit_of(generation, EXIT_EVIDENCE_WAIT_S)
         if record is not None:
-            verdict = ev.Verdict(record.kind, record.evidence)
+            verdict = ev.Verdict(record.kind, record.evidence, known_crash=record.known_crash)
         else:
             verdict = ev.classify(ev.Evidence(
                 stderr_tail=list(child.stderr_tail)[-50:], connect_failed=connect_failed,

@@ -452,6 +452,7 @@ class ProxyHandler:
             attempts=len(ctx.attempts),
             stream=ctx.stream,
             model=ctx.model,
+            known_crash=f.verdict.known_crash,
         ))
 
     def _early(self, ctx: RequestCtx | None, request: web.Request, rid: str,
