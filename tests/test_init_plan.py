@@ -238,3 +238,30 @@ def test_wrappers_are_refused() -> None:
     source = Source(argv=("docker", "run", "img", "-m", "/m"), where="on the command line")
     with pytest.raises(InitError, match="through docker"):
         cmdline.make_plan(source, LOOKUPS)
+
+
+def test_on_a_cpu_with_amx_the_cpu_child_gets_no_repack() -> None:
+    """llama.cpp#20824: the CPU child, the safety net, keeps its weights out of AMX buffers
+    on a CPU that has AMX; nowhere else, and not twice."""
+    amx = cmdline.Options(cpu_has_amx=True)
+    p = plan("-m", "/m/q.gguf", options=amx)
+    assert tokens(p.cpu_args) == ["--no-repack"]
+    assert "issues/20824" in p.cpu_args[0].comment
+    assert any("AMX" in w for w in p.warnings)
+    assert plan("-m", "/m/q.gguf").cpu_args == []  # no AMX: nothing added
+    assert plan("-m", "/m/q.gguf", "-nr", options=amx).cpu_args == []  # given for both
+    assert plan("-m", "/m/q.gguf", "--no-repack", options=amx).cpu_args == []
+
+
+def test_the_rendered_cpu_args_carry_no_repack_into_the_cpu_childs_command() -> None:
+    import tomllib
+
+    from supervisor import config
+    from supervisor.init import render
+
+    text = render.render(plan("-m", "/m/q.gguf", options=cmdline.Options(cpu_has_amx=True)),
+                         None)
+    assert "issues/20824" in text  # the reason is in the file, beside the flag
+    cfg = config.build(tomllib.loads(text), environ={}, check_paths=False)
+    assert "--no-repack" in cfg.child("cpu").command(1, "k")
+    assert "--no-repack" not in cfg.child("gpu").command(1, "k")

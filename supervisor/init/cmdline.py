@@ -65,6 +65,7 @@ class Plan:
     api_key_env: Setting | None = None
     model_args: list[ArgLine] = field(default_factory=list)
     gpu_args: list[ArgLine] = field(default_factory=list)
+    cpu_args: list[ArgLine] = field(default_factory=list)  # after Spillway's CPU defaults
     gpu_device: Setting | None = None
     env: dict[str, Setting] = field(default_factory=dict)  # both children's
     gpu_env: dict[str, Setting] = field(default_factory=dict)
@@ -82,6 +83,7 @@ class Plan:
 class Options:
     listen: str | None = None  # --listen: where clients connect, whatever the source says
     new_key: str | None = None  # --new-key: a fresh key, made by the caller
+    cpu_has_amx: bool = False  # this machine's CPU has AMX (llama.cpp#20824 crashes it)
 
 
 @dataclass(frozen=True)
@@ -179,9 +181,23 @@ class _Planner:
         self._model()
         self._device()
         self._gpu_defaults()
+        self._cpu_defaults()
         self._listen_and_key()
         self.plan.not_carried += list(self.source.notes)
         return self.plan
+
+    def _cpu_defaults(self) -> None:
+        """On a CPU with AMX, the CPU child (the safety net) keeps its weights out of llama.cpp's
+        AMX buffers, whose matmul crashes at the first compute (llama.cpp#20824)."""
+        given = {token for line in self.plan.model_args for token in line.tokens}
+        if self.options.cpu_has_amx and not given & {"--no-repack", "-nr"}:
+            self.plan.cpu_args.append(ArgLine(("--no-repack",), (
+                "this CPU has AMX, and llama.cpp's AMX matmul crashes at the first compute on "
+                "Q4_K weights (https://github.com/ggml-org/llama.cpp/issues/20824): the CPU "
+                "child, the safety net, keeps its weights out of AMX buffers. Take it out once "
+                "your llama-server is fixed or built without AMX")))
+            self.plan.warnings.append("this CPU has AMX: the CPU child gets --no-repack "
+                                      "(llama.cpp#20824; see cpu.args)")
 
     def _executable(self) -> None:
         exe = self.source.argv[0]

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from .. import config
 from ..files import write_atomically
+from ..hostcpu import host_cpu
 from . import cmdline, envfile, hfcache, llama_swap, render, source, unit
 from .arguments import SYSTEM_CONFIG
 from .source import InitError
@@ -121,7 +122,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         src = read_source(args)
         options = cmdline.Options(listen=args.listen,
-                                  new_key=secrets.token_urlsafe(32) if args.new_key else None)
+                                  new_key=secrets.token_urlsafe(32) if args.new_key else None,
+                                  cpu_has_amx=host_cpu().has_amx)
         plan = cmdline.make_plan(src, LOOKUPS, options)
         output = None if args.print else Path(args.output or default_output()).absolute()
         env_path = output.parent / "env" if output is not None and plan.secrets else None

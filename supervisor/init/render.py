@@ -129,7 +129,8 @@ def _cpu(plan: Plan) -> Table:
     t = tomlkit.table()
     _comment(t, "the CPU child (Spillway's default): no card, no layers on one; it serves "
                 "while the GPU child cannot")
-    t.add("args", list(CPU_ARGS))
+    t.add("args", _args([ArgLine(tuple(CPU_ARGS)), *plan.cpu_args]) if plan.cpu_args else
+          list(CPU_ARGS))
     _comment(t, "\"hot\": always loaded, so a failover finds it ready; \"on-demand\": started "
                 "when first needed (its RAM free until then, a model load at the first "
                 "failover)")
