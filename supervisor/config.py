@@ -301,6 +301,8 @@ class FailoverConfig:
     max_replay_body_bytes: int = field(metadata=key("number", 16, name="max_replay_body_mib",
                                                     check=_non_negative, convert=_from_mib))
     stream_hold_s: float = field(metadata=key("number", 30.0, check=_non_negative))
+    # A stream whose child dies after bytes went out goes on from the other child.
+    continue_streams: bool = field(metadata=key("bool", True))
     drain_timeout_s: float = field(metadata=key("number", 60.0, check=_non_negative))
 
 

@@ -70,6 +70,7 @@ def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, Prox
                         stream_hold_s=f.stream_hold_s),
         ProxySettings(max_body_bytes=s.max_body_bytes,
                       max_replay_body_bytes=f.max_replay_body_bytes, replay=f.replay,
+                      continue_streams=f.continue_streams,
                       body_timeout_s=s.body_timeout_s, access_log=s.access_log),
     )
 

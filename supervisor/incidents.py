@@ -52,6 +52,8 @@ class Incident:
     stream: bool = False
     model: str | None = None  # router mode: the model the request named
     known_crash: str = ""  # the child died a known way: what it is and what to change
+    tokens_before: int = 0  # decision "continued": the tokens the client had before the death
+    continued_after_s: float | None = None  # "continued": the death to the next token
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

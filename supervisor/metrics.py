@@ -67,6 +67,10 @@ class Metrics:
         self.restarts = Counter(
             "spillway_child_restarts", "Child restarts, by the kind of exit (or the reason) "
             "that caused them.", ["child", "reason"], registry=r)
+        self.continuations = Counter(
+            "spillway_stream_continuations", "Streams whose child failed after bytes, by what "
+            "came of them: continued on the other child (completed, failed) or not (refused)",
+            ["result"], registry=r)
         self.known_crashes = Counter(
             "spillway_known_crashes", "Child exits that matched a known crash signature "
             "(policy/signatures.py: amx_matmul, illegal_instruction, ...)",

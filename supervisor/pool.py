@@ -34,7 +34,15 @@ from .policy import admission, waitline
 from .policy.admission import CHILD_ORDER, Action, Capacity, ChildView, Decision, Request
 from .policy.evidence import FailureKind
 from .policy.lifecycle import ChildState
-from .proxy.forward import Answered, Attempt, AttemptFailure, AttemptResult, Broken, Upstream
+from .proxy.forward import (
+    Answered,
+    Attempt,
+    AttemptFailure,
+    AttemptResult,
+    Broken,
+    Interrupted,
+    Upstream,
+)
 
 log = logging.getLogger("spillway.pool")
 
@@ -483,7 +491,7 @@ class Pool:
         name = lease.name
         now = time.monotonic()
         failure = (result if isinstance(result, AttemptFailure) else
-                   result.failure if isinstance(result, Broken) else None)
+                   result.failure if isinstance(result, (Broken, Interrupted)) else None)
         if failure is not None:
             self._failed(failure)
         if attempt is not None and attempt.timings and not isinstance(result, AttemptFailure):

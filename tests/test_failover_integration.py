@@ -43,7 +43,8 @@ def tasks(s: Spillway) -> dict[str, int]:
 def assert_complete_records(records: list[dict[str, Any]]) -> None:
     for r in records:
         assert set(FIELDS) <= set(r), set(FIELDS) - set(r)
-        assert r["time"].endswith("Z") and r["decision"] in ("replayed", "rejected", "passed_on")
+        assert r["time"].endswith("Z") and r["decision"] in ("replayed", "continued", "rejected",
+                                                             "passed_on")
 
 
 async def post(http: aiohttp.ClientSession, s: Spillway, body: dict[str, Any],
@@ -109,14 +110,24 @@ async def test_a_stream_that_fails_before_its_first_event_replays(
 
 
 @pytest.mark.asyncio
-async def test_a_stream_that_fails_after_events_ends_with_one_error_event_and_no_replay(
-        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path) -> None:
+@pytest.mark.parametrize(("headers", "failover"), [
+    ({"X-Spillway-Replay": "never"}, {}),
+    ({}, {"continue_streams": False}),
+])
+async def test_a_stream_that_fails_after_events_and_may_not_go_on_ends_with_one_error_event(
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path,
+        headers: dict[str, str], failover: dict[str, Any]) -> None:
+    """No continuation where the client or the config says no (the body's own refusals are
+    table-tested in test_policy_continuation.py; continuing, in
+    test_continuation_integration.py): the honest error event, no [DONE], never a second
+    child."""
     s = spillway(failover_config(llama_server, tiny_model, injector,
-                                 {"FAULT_MARKER": MARKER, "FAULT_WHEN": "events:3"}))
+                                 {"FAULT_MARKER": MARKER, "FAULT_WHEN": "events:3"},
+                                 failover=failover))
     before = tasks(s)
     data = []
     async with aiohttp.ClientSession() as http:
-        async with http.post(f"{s.url}/v1/chat/completions",
+        async with http.post(f"{s.url}/v1/chat/completions", headers=headers,
                              json=chat(MARKER, stream=True, max_tokens=200)) as r:
             assert r.status == 200
             assert r.headers["X-Spillway-Attempts"] == "1"
@@ -224,15 +235,21 @@ async def test_sixteen_concurrent_requests_across_a_crash_complete_exactly_once(
             assert json.loads(r["raw"])["error"]["src"] == "spillway"
             errors += 1
     assert completed + errors == 17
-    assert completed >= 11  # every non-streaming request was replayable
+    # Every request completes: replayed before its first byte, or its stream continued on the
+    # CPU child after (each chat here is text only).
+    assert errors == 0 and completed == 17
     records = settled(s.incidents)
     assert len(records) == 17  # every request was caught in the crash
     assert_complete_records(records)
-    replays = sum(1 for r in records if r["decision"] == "replayed")
+    replays = sum(1 for r in records if r["decision"] in ("replayed", "continued"))
     after = settled(lambda: tasks(s))
     executions = (after["gpu"] - before["gpu"]) + (after["cpu"] - before["cpu"])
     assert executions == 17 + replays
-    assert sum(r["attempts"] for r in results) == 17 + replays
+    # A continued stream's headers went out with its first attempt (X-Spillway-Attempts: 1);
+    # its final event says where it went on.
+    continued = [r for r in results if b'"spillway_continuation"' in r["raw"]]
+    assert len(continued) == sum(1 for r in records if r["decision"] == "continued")
+    assert sum(r["attempts"] for r in results) + len(continued) == 17 + replays
     # One death, one episode, every request caught in it recorded once.
     assert len({r["episode"] for r in records}) == 1
     assert len({r["request_id"] for r in records}) == 17

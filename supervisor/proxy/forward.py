@@ -33,6 +33,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from ..policy import continuation
 from ..policy import evidence as ev
 from ..policy import router as router_evidence
 from ..policy.routes import ANTHROPIC_ROUTES, RouteClass
@@ -44,6 +45,7 @@ from .connections import (
     UpstreamConnectError,
     UpstreamResponse,
 )
+from .continued import ContinuedStream
 from .errors import sse_error_event
 from .headers import downstream_headers, upstream_headers
 
@@ -144,7 +146,19 @@ class Broken:
     failure: AttemptFailure
 
 
-AttemptResult = Answered | Broken | AttemptFailure
+@dataclass(frozen=True)
+class Interrupted:
+    """Failed after bytes reached the client, its stream left open: it goes on from the other
+    child (`Forwarder.continue_stream`) or ends with the error event (`Forwarder.end_broken`).
+    Only a followed stream (`RequestCtx.follow`) is interrupted rather than broken."""
+
+    response: web.StreamResponse
+    failure: AttemptFailure
+    anthropic: bool = False
+    at: float = field(default_factory=time.monotonic)  # when the failure was seen
+
+
+AttemptResult = Answered | Broken | Interrupted | AttemptFailure
 
 
 @dataclass
@@ -171,6 +185,9 @@ class RequestCtx:
     capture: bytearray | None = None  # the bytes sent, when an Idempotency-Key wants them
     capture_limit: int = 0
     model: str | None = None  # router mode: the model it names, as the routers list it
+    # A stream that may be continued on the other child: what the client has of it so far.
+    follow: continuation.Transcript | None = None
+    continued: bool = False  # it was continued once (never twice)
 
     @property
     def last(self) -> Attempt | None:
@@ -273,8 +290,8 @@ class Forwarder:
             use.done(time.monotonic())
 
     async def _send(self, ctx: RequestCtx, child: Upstream, generation: int,
-                    headers: CIMultiDict[str],
-                    use: ConnectionUse) -> UpstreamResponse | AttemptFailure:
+                    headers: CIMultiDict[str], use: ConnectionUse,
+                    body: bytes | None = None) -> UpstreamResponse | AttemptFailure:
         """The request, up to the child's status line. A request that got no byte back on a
         *reused* keep-alive connection, while its child is still running, most likely met a
         connection the child had just closed (cpp-httplib closes idle ones after 5 s): it is
@@ -282,22 +299,25 @@ class Forwarder:
         That is neither a replay nor evidence about the child; only a failure on the new
         connection is."""
         try:
-            return await self._request(ctx, child, headers, use, fresh=False)
+            return await self._request(ctx, child, headers, use, fresh=False, body=body)
         except (OSError, TimeoutError) as e:
             if not self._may_resend(ctx, child, generation, use, e):
                 return await self._send_failed(child, generation, e)
         if self.on_resend is not None:
             self.on_resend(child.name)
         try:
-            return await self._request(ctx, child, headers, ConnectionUse(), fresh=True)
+            return await self._request(ctx, child, headers, ConnectionUse(), fresh=True,
+                                       body=body)
         except (OSError, TimeoutError) as e:
             return await self._send_failed(child, generation, e)
 
     async def _request(self, ctx: RequestCtx, child: Upstream, headers: CIMultiDict[str],
-                       use: ConnectionUse, fresh: bool) -> UpstreamResponse:
+                       use: ConnectionUse, fresh: bool,
+                       body: bytes | None = None) -> UpstreamResponse:
         # No total timeout: a long generation is not an error. Only silence is.
         return await self.client.request(
-            child.host, child.port or 0, ctx.method, ctx.path_qs, headers.items(), ctx.body,
+            child.host, child.port or 0, ctx.method, ctx.path_qs, headers.items(),
+            ctx.body if body is None else body,
             use, connect_timeout=self.settings.connect_timeout_s,
             read_timeout=self.settings.read_timeout_s, fresh=fresh)
 
@@ -419,7 +439,8 @@ class Forwarder:
 
     async def _hold(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
                     child: Upstream, generation: int, upstream: UpstreamResponse,
-                    headers: CIMultiDict[str], anthropic: bool) -> _Held | Broken | AttemptFailure:
+                    headers: CIMultiDict[str],
+                    anthropic: bool) -> _Held | Broken | Interrupted | AttemptFailure:
         """Read until the first SSE event, holding the client's status and headers; past the
         hold limit, let them out with a comment line (the request then gives up its replay)."""
         buffer = b""
@@ -452,16 +473,24 @@ class Forwarder:
 
     async def _relay(self, ctx: RequestCtx, attempt: Attempt, child: Upstream, generation: int,
                      upstream: UpstreamResponse, resp: web.StreamResponse, buffer: bytes,
-                     anthropic: bool) -> Answered | Broken | AttemptFailure:
-        """Whole events, as they come. Reads and writes fail apart: a read error is the child's
-        failure, a write error is the client leaving (it propagates)."""
+                     anthropic: bool, rewrite: Callable[[bytes], bytes] | None = None,
+                     ) -> Answered | Broken | Interrupted | AttemptFailure:
+        """Whole events, as they come (through `rewrite`, for a continuation). Reads and writes
+        fail apart: a read error is the child's failure, a write error is the client leaving
+        (it propagates)."""
         whole, pending = sse.split_complete(buffer)
         last = b""
         while True:
             if whole:
+                if rewrite is not None:
+                    whole = rewrite(whole)
+                    if whole and attempt.first_byte_s is None:  # the continuation's first
+                        attempt.first_byte_s = time.monotonic() - ctx.received
                 await resp.write(whole)
                 ctx.captured(whole)
                 attempt.events += sse.count_data_events(whole)
+                if ctx.follow is not None and not ctx.continued:
+                    _follow(ctx.follow, whole)
                 last = whole
             try:
                 chunk = await upstream.readany()
@@ -478,6 +507,8 @@ class Forwarder:
             # its plain-text proxy error (no error event, no [DONE]).
             return await self._stream_broke(ctx, child, generation, resp, anthropic)
         if pending:
+            if rewrite is not None:
+                pending = rewrite(pending + sse.SEPARATOR) if pending.strip() else b""
             await resp.write(pending)
             ctx.captured(pending)
         self._final_figures(attempt, last + pending)
@@ -507,9 +538,10 @@ class Forwarder:
 
     async def _stream_broke(self, ctx: RequestCtx, child: Upstream, generation: int,
                             resp: web.StreamResponse | None, anthropic: bool,
-                            timed_out: bool = False) -> Broken | AttemptFailure:
+                            timed_out: bool = False) -> Broken | Interrupted | AttemptFailure:
         """The child failed mid-stream. Before any byte reached the client this is an ordinary
-        failure (replayable); after, the stream ends with one error event and no [DONE]."""
+        failure (replayable); after, a followed stream is left open for its continuation, and
+        any other ends with one error event and no [DONE]."""
         after = resp is not None
         if timed_out:
             failure = self._silent(child, generation, stream_started=True, after_bytes=after)
@@ -519,12 +551,73 @@ class Forwarder:
         if resp is None:
             return failure
         ctx.capture = None  # not a final answer: never stored for a retry
-        message = (f"the {child.name} child failed during the stream "
+        if ctx.follow is not None and not ctx.continued and not timed_out:
+            # (Silence is not a death: the child may still be writing to a slot of its own.)
+            return Interrupted(resp, failure, anthropic)
+        return await self.end_broken(ctx, resp, failure, anthropic)
+
+    async def end_broken(self, ctx: RequestCtx, resp: web.StreamResponse,
+                         failure: AttemptFailure, anthropic: bool = False,
+                         why: str = "") -> Broken:
+        """One error event and no [DONE]: the honest end of a stream that cannot go on."""
+        child = failure.child
+        message = (f"the {child} child failed during the stream "
                    f"({failure.verdict.kind}: {failure.verdict.evidence}); the answer is "
-                   "incomplete")
+                   f"incomplete{why}")
         with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
             await resp.write(sse_error_event(message, "upstream_error", 502, ctx.request_id,
                                              anthropic=anthropic,
                                              kind=str(failure.verdict.kind)))
             await resp.write_eof()
         return Broken(resp, failure)
+
+    async def continue_stream(self, ctx: RequestCtx, attempt: Attempt, child: Upstream,
+                              interrupted: Interrupted, body: bytes,
+                              stream: ContinuedStream, note: bytes) -> Answered | Broken:
+        """The interrupted stream goes on from `child`: `body` (the relayed text as the
+        answer's start) is sent there, and its events reach the client rewritten by `stream`,
+        after the SSE comment `note`. A second failure ends it with the error event."""
+        resp = interrupted.response
+        ctx.continued = True
+        generation = child.generation
+        headers = upstream_headers(ctx.client_headers, ctx.request_id,
+                                   child.api_key if ctx.trusted else None)
+        headers["Connection"] = "close"
+        headers["Content-Type"] = "application/json"
+        await resp.write(note)
+        use = ConnectionUse()
+        try:
+            sent = await self._send(ctx, child, generation, headers, use, body=body)
+            if isinstance(sent, AttemptFailure):
+                return await self.end_broken(ctx, resp, sent, interrupted.anthropic,
+                                             "; its continuation failed too")
+            try:
+                if sent.status != 200 or not _is_sse(sent):
+                    text = (await sent.read()).decode("utf-8", "replace")
+                    failure = AttemptFailure(child.name, generation,
+                                             ev.classify_response(sent.status, text),
+                                             status=sent.status, after_bytes=True)
+                    return await self.end_broken(ctx, resp, failure, interrupted.anthropic,
+                                                 "; its continuation was refused")
+                result = await self._relay(ctx, attempt, child, generation, sent, resp, b"",
+                                           interrupted.anthropic, rewrite=stream.rewrite)
+            finally:
+                sent.close()
+        finally:
+            use.done(time.monotonic())
+        if isinstance(result, Interrupted):  # (not followed twice, but to be sure)
+            return await self.end_broken(ctx, resp, result.failure, result.anthropic)
+        if isinstance(result, AttemptFailure):
+            return await self.end_broken(ctx, resp, result, interrupted.anthropic)
+        return result
+
+
+def _follow(transcript: continuation.Transcript, whole: bytes) -> None:
+    """What the client has now of a followed stream: each event's JSON, in order."""
+    for block in whole.split(sse.SEPARATOR):
+        data = sse.event_data(block)
+        if data.startswith(b"{"):
+            with contextlib.suppress(ValueError):
+                event = json.loads(data)
+                if isinstance(event, dict):
+                    transcript.take(event)

@@ -26,16 +26,18 @@ from ..metrics import Metrics
 from ..pool import Lease, Pool
 from ..pools import Pools
 from ..timefmt import rfc3339
-from ..policy import admission, estimate, replay
+from ..policy import admission, continuation, estimate, replay
 from ..policy.routes import RouteClass, classify_route, route_label
 from . import errors, tokens
 from .auth import AUTHENTICATED, presented_key
+from .continued import ContinuedStream
 from .forward import (
     Answered,
     Attempt,
     AttemptFailure,
     AttemptResult,
     Broken,
+    Interrupted,
     Forwarder,
     RequestCtx,
 )
@@ -108,6 +110,7 @@ class ProxySettings:
     max_body_bytes: int
     max_replay_body_bytes: int
     replay: bool = True
+    continue_streams: bool = True  # failover.continue_streams
     body_timeout_s: float = 30.0
     access_log: bool = True
 
@@ -121,6 +124,8 @@ class _Episode:
     reason: str
     cpu_start_s: float = 0.0
     replay_child: str | None = None
+    tokens_before: int = 0  # continued: the tokens the client had from the failed child
+    continued_after_s: float | None = None  # continued: the death to the next token
 
 
 class ProxyHandler:
@@ -189,6 +194,12 @@ class ProxyHandler:
             client_headers=request.headers, received=started,
             trusted=request.get(AUTHENTICATED, True),
         )
+        if ctx.stream and self.settings.continue_streams and self.settings.replay and \
+                len(body) <= self.settings.max_replay_body_bytes and \
+                continuation.body_refusal(ctx.path, payload, _opted_out(ctx)) is None:
+            # A stream that may go on from the other child if its own dies after bytes: what
+            # the client receives of it is followed.
+            ctx.follow = continuation.Transcript(continuation.route_kind(ctx.path) or "chat")
         if self.pools.router:
             named = payload.get("model") if payload else request.query.get("model")
             ctx.model = self.pools.for_model(named if isinstance(named, str) else None,
@@ -273,7 +284,8 @@ class ProxyHandler:
             status = served.response.status if served is not None and connected \
                 else CLIENT_CLOSED
             broken = isinstance(served, Broken)
-            if isinstance(served, Broken):
+            if isinstance(served, Broken) and not any(e.failure is served.failure
+                                                      for e in episodes):
                 episodes.append(_Episode(served.failure, "passed_on",
                                          "the stream had started: bytes already reached the "
                                          "client; it ended with an SSE error event"))
@@ -314,6 +326,8 @@ class ProxyHandler:
         result = await self._attempt(request, ctx, got)
         if isinstance(result, AttemptFailure):
             return await self._after_failure(request, ctx, result, episodes)
+        if isinstance(result, Interrupted):
+            return await self._after_interruption(ctx, result, episodes)
         return result
 
     async def _prompt_tokens(self, ctx: RequestCtx) -> int:
@@ -397,6 +411,7 @@ class ProxyHandler:
             return Answered(self._controlled_error(ctx, failure, decision))
         episode = _Episode(failure, "replayed", decision.reason, lease.start_s, other)
         episodes.append(episode)
+        ctx.follow = None  # a replay is the second attempt: it is not continued in turn
         ctx.failover_kind = str(failure.verdict.kind)
         log.warning("rid=%s %s child failed (%s: %s); replaying on the %s child",
                     ctx.request_id, failure.child, failure.verdict.kind,
@@ -407,7 +422,65 @@ class ProxyHandler:
             episodes.append(_Episode(second, "rejected", str(replay.Refusal.ALREADY_REPLAYED)))
             return Answered(self._controlled_error(ctx, second, replay.ReplayDecision(
                 False, str(replay.Refusal.ALREADY_REPLAYED), replay.Refusal.ALREADY_REPLAYED)))
+        if isinstance(second, Interrupted):  # (not followed, so not expected)
+            return await self.forwarder.end_broken(ctx, second.response, second.failure,
+                                                   second.anthropic)
         return second
+
+    async def _after_interruption(self, ctx: RequestCtx, cut: Interrupted,
+                                  episodes: list[_Episode]) -> Answered | Broken:
+        """A followed stream's child failed after bytes: it goes on from the other child when
+        the continuation rule allows (policy/continuation.py), else ends with the error
+        event."""
+        failure, so_far = cut.failure, ctx.follow
+        assert so_far is not None and ctx.payload is not None
+        pool = self._pool(ctx)
+        other = pool.failover_target(failure.child)
+        left = self._deadline_left(ctx)
+        limit = continuation.token_limit(so_far.kind, ctx.payload)
+        remaining = max(limit - so_far.tokens, 0) if limit is not None else \
+            estimate.requested_tokens(ctx.payload)
+        decision = continuation.decide(
+            ctx.payload, so_far, ctx.continued, left,
+            target_expected_s=pool.expected_seconds(other, len(ctx.body), remaining) or 0.0,
+            target_available=pool.can_take_replay(other))
+        lease = await pool.replay_lease(other, left) if decision.allowed else None
+        if lease is None:
+            why = decision.reason if not decision.allowed else \
+                f"the {other} child did not become ready in time"
+            self.metrics.continuations.labels("refused").inc()
+            episodes.append(_Episode(failure, "passed_on", f"the stream had started; not "
+                                                           f"continued: {why}"))
+            return await self.forwarder.end_broken(ctx, cut.response, failure, cut.anthropic,
+                                                   f"; not continued: {why}")
+        kind = str(failure.verdict.kind)
+        ctx.failover_kind = kind
+        log.warning("rid=%s %s child failed mid-stream (%s: %s) after %d tokens; continuing "
+                    "on the %s child", ctx.request_id, failure.child, kind,
+                    failure.verdict.evidence, so_far.tokens, other)
+        note = {"from_child": failure.child, "child": other, "kind": kind,
+                "tokens_before": so_far.tokens}
+        comment = (f": spillway: continued on the {other} child after the {failure.child} "
+                   f"child failed ({kind}), {so_far.tokens} tokens in\n\n").encode()
+        body = json.dumps(continuation.continuation_body(ctx.payload, so_far)).encode()
+        attempt = Attempt(other, len(ctx.attempts) + 1)
+        ctx.attempts.append(attempt)
+        episode = _Episode(failure, "continued", decision.reason, lease.start_s, other,
+                           tokens_before=so_far.tokens)
+        episodes.append(episode)
+        result: Answered | Broken | None = None
+        try:
+            result = await self.forwarder.continue_stream(
+                ctx, attempt, lease.upstream, cut, body,
+                ContinuedStream(so_far, note), comment)
+        finally:
+            lease.close(attempt, result)
+        if attempt.first_byte_s is not None:
+            # From the death to the continuation's first token: the continuation's price.
+            episode.continued_after_s = ctx.received + attempt.first_byte_s - cut.at
+        self.metrics.continuations.labels(
+            "completed" if isinstance(result, Answered) else "failed").inc()
+        return result
 
     def _controlled_error(self, ctx: RequestCtx, failure: AttemptFailure,
                           decision: replay.ReplayDecision) -> web.Response:
@@ -453,6 +526,9 @@ class ProxyHandler:
             stream=ctx.stream,
             model=ctx.model,
             known_crash=f.verdict.known_crash,
+            tokens_before=episode.tokens_before,
+            continued_after_s=(round(episode.continued_after_s, 3)
+                               if episode.continued_after_s is not None else None),
         ))
 
     def _early(self, ctx: RequestCtx | None, request: web.Request, rid: str,
@@ -485,7 +561,7 @@ class ProxyHandler:
                         _outcome(ctx, status, broken), elapsed)
         if ctx.stream and last is not None and last.first_byte_s is not None and status == 200:
             m.ttft.labels(route).observe(last.first_byte_s)
-        if len(ctx.attempts) == 2:
+        if len(ctx.attempts) == 2 and not ctx.continued:
             m.replays.labels("completed" if status == 200 and not broken else "failed").inc()
         if ctx.waited_s is not None:
             m.wait.observe(ctx.waited_s)

@@ -1,0 +1,217 @@
+"""Stream continuation: a stream whose child died after bytes reached the client goes on from
+the other child, as one stream.
+
+The text already relayed goes back as the final assistant message (chat, with
+`continue_final_message`) or is appended to the prompt (completions); `max_tokens` is lowered by
+what was generated; every other setting (sampling, seed) is the client's own. Measured on the
+pinned build with SmolLM2-135M-Instruct, greedy: the continuation's text is the uninterrupted
+answer's rest, token for token, and its first delta does not echo the prefix (an echo is
+stripped all the same, for builds that send one).
+
+Never when the grammar state would restart (grammar, json_schema, a JSON response_format: the
+constraint would apply to the rest as if it were the whole, as NVIDIA Dynamo's request
+migration notes), for tools (a tool call half sent cannot be continued), for reasoning text (its
+template position is not the answer's), for n > 1, for a prompt that is not one string, when the
+client opted out, or when a finish was already sent. Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
+OAI_COMPLETION_ROUTES = frozenset({"/v1/completions", "/completions"})
+NATIVE_COMPLETION_ROUTES = frozenset({"/completion"})
+ROUTES = CHAT_ROUTES | OAI_COMPLETION_ROUTES | NATIVE_COMPLETION_ROUTES
+
+# Token limits as each route names them (the first one present counts).
+_LIMIT_KEYS = {"chat": ("max_completion_tokens", "max_tokens", "n_predict"),
+               "oai_completion": ("max_tokens", "n_predict"),
+               "native_completion": ("n_predict", "max_tokens")}
+_CONSTRAINTS = ("grammar", "json_schema", "grammar_lazy", "grammar_triggers")
+
+
+class Refusal(enum.StrEnum):
+    ROUTE = "route"  # not a chat or completion stream
+    OPTED_OUT = "opted_out"
+    CONSTRAINED = "constrained"  # grammar / json_schema / response_format: state would restart
+    TOOLS = "tools"
+    REASONING = "reasoning"
+    CHOICES = "choices"  # n > 1
+    PROMPT = "prompt"  # not one string: nothing to append the text to
+    FINISHED = "finished"  # a finish_reason (or stop) was already relayed
+    SPENT = "spent"  # the token limit is used up
+    DEADLINE = "deadline"
+    ALREADY = "already_continued"
+    NO_TARGET = "no_target"
+
+
+def route_kind(path: str) -> str | None:
+    if path in CHAT_ROUTES:
+        return "chat"
+    if path in OAI_COMPLETION_ROUTES:
+        return "oai_completion"
+    if path in NATIVE_COMPLETION_ROUTES:
+        return "native_completion"
+    return None
+
+
+def body_refusal(path: str, payload: dict[str, Any] | None, opted_out: bool) -> Refusal | None:
+    """Whether a request could ever be continued, from its route and body alone (checked before
+    the first attempt, so that only such streams pay for being followed)."""
+    kind = route_kind(path)
+    if kind is None or payload is None:
+        return Refusal.ROUTE
+    if opted_out:
+        return Refusal.OPTED_OUT
+    if any(payload.get(k) for k in _CONSTRAINTS):
+        return Refusal.CONSTRAINED
+    fmt = payload.get("response_format")
+    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+        return Refusal.CONSTRAINED
+    if payload.get("tools") or payload.get("functions"):
+        return Refusal.TOOLS
+    n = payload.get("n", 1)
+    if not isinstance(n, int) or n != 1:
+        return Refusal.CHOICES
+    if kind == "chat":
+        messages = payload.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return Refusal.PROMPT
+        last = messages[-1]
+        if isinstance(last, dict) and last.get("role") == "assistant" and \
+                not isinstance(last.get("content"), str):
+            return Refusal.PROMPT
+    elif not isinstance(payload.get("prompt"), str):
+        return Refusal.PROMPT
+    return None
+
+
+@dataclass
+class Transcript:
+    """What the client has received of a stream, as the events went by."""
+
+    kind: str  # route_kind
+    text: str = ""
+    tokens: int = 0  # text events relayed: one generated token each (a few merge, for UTF-8)
+    id: str | None = None
+    created: int | None = None
+    model: str | None = None
+    system_fingerprint: str | None = None
+    role_sent: bool = False
+    tool_calls: bool = False
+    reasoning: bool = False
+    finished: bool = False
+
+    def take(self, event: dict[str, Any]) -> None:
+        """One event's JSON, as it was relayed."""
+        if self.id is None:
+            self.id = _str(event.get("id"))
+            self.model = _str(event.get("model"))
+            self.system_fingerprint = _str(event.get("system_fingerprint"))
+        created = event.get("created")  # llama-server stamps each chunk: the latest counts
+        if isinstance(created, int) and not isinstance(created, bool):
+            self.created = created
+        if self.kind == "native_completion":
+            content = event.get("content")
+            if isinstance(content, str) and content:
+                self.text += content
+                self.tokens += 1
+            predicted = event.get("tokens_predicted")  # the server's own count, when given
+            if isinstance(predicted, int) and not isinstance(predicted, bool):
+                self.tokens = predicted
+            if event.get("stop") is True:
+                self.finished = True
+            return
+        for choice in event.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            if choice.get("finish_reason"):
+                self.finished = True
+            piece = choice.get("text") if self.kind == "oai_completion" else None
+            delta = choice.get("delta")
+            if isinstance(delta, dict):
+                if delta.get("role"):
+                    self.role_sent = True
+                if delta.get("tool_calls") or delta.get("function_call"):
+                    self.tool_calls = True
+                if delta.get("reasoning_content"):
+                    self.reasoning = True
+                piece = delta.get("content")
+            if isinstance(piece, str) and piece:
+                self.text += piece
+                self.tokens += 1
+
+
+def _str(value: Any) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True)
+class Decision:
+    allowed: bool
+    reason: str
+    refusal: Refusal | None = None
+
+
+def decide(payload: dict[str, Any], transcript: Transcript, continued_before: bool,
+           deadline_left_s: float | None, target_expected_s: float,
+           target_available: bool) -> Decision:
+    """Whether this broken stream may go on from the other child (after `body_refusal` let it
+    be followed)."""
+    if continued_before:
+        return Decision(False, "a stream is continued at most once", Refusal.ALREADY)
+    if transcript.finished:
+        return Decision(False, "its finish was already sent", Refusal.FINISHED)
+    if transcript.tool_calls:
+        return Decision(False, "a tool call had begun", Refusal.TOOLS)
+    if transcript.reasoning:
+        return Decision(False, "reasoning text had begun", Refusal.REASONING)
+    limit = token_limit(transcript.kind, payload)
+    if limit is not None and limit - transcript.tokens <= 0:
+        return Decision(False, "its token limit is used up", Refusal.SPENT)
+    if deadline_left_s is not None and deadline_left_s < target_expected_s:
+        return Decision(False, f"its deadline leaves {max(deadline_left_s, 0):.1f} s, the other "
+                               f"child needs about {target_expected_s:.1f} s", Refusal.DEADLINE)
+    if not target_available:
+        return Decision(False, "no other child can take it now", Refusal.NO_TARGET)
+    return Decision(True, f"continued after {transcript.tokens} tokens")
+
+
+def token_limit(kind: str, payload: dict[str, Any]) -> int | None:
+    for key in _LIMIT_KEYS[kind]:
+        value = payload.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            return value
+    return None
+
+
+def continuation_body(payload: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
+    """The request for the other child: the relayed text as the answer's start, the limit
+    lowered by what was generated, everything else the client's own."""
+    body = copy.deepcopy(payload)
+    body["stream"] = True
+    kind = transcript.kind
+    for key in _LIMIT_KEYS[kind]:
+        value = body.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            body[key] = value - transcript.tokens
+            break
+    if not transcript.text:
+        return body  # nothing relayed yet but the role: the same request, once more
+    if kind == "chat":
+        messages = body["messages"]
+        last = messages[-1]
+        if isinstance(last, dict) and last.get("role") == "assistant":
+            # The client's own prefill: the relayed text continues it.
+            last["content"] = last["content"] + transcript.text
+        else:
+            messages.append({"role": "assistant", "content": transcript.text})
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    else:
+        body["prompt"] = body["prompt"] + transcript.text
+    return body

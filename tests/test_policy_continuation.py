@@ -1,0 +1,207 @@
+"""The continuation rule and the continuation's body (policy/continuation.py), and the rewrite
+of the other child's events into one stream (proxy/continued.py), on the pinned server's
+chunk shapes (tests/fixtures/llama-server/cpu/*-stream.sse)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from supervisor.policy import continuation as c
+from supervisor.proxy import sse
+from supervisor.proxy.continued import ContinuedStream
+
+FIXTURES = Path(__file__).parent / "fixtures" / "llama-server" / "cpu"
+CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "stream": True,
+        "max_tokens": 100, "temperature": 0, "seed": 7}
+
+
+@pytest.mark.parametrize(("path", "payload", "opted_out", "expected"), [
+    ("/v1/chat/completions", CHAT, False, None),
+    ("/chat/completions", CHAT, False, None),
+    ("/v1/chat/completions", CHAT, True, c.Refusal.OPTED_OUT),
+    ("/v1/embeddings", {"input": "x"}, False, c.Refusal.ROUTE),
+    ("/v1/messages", CHAT, False, c.Refusal.ROUTE),
+    ("/v1/chat/completions", None, False, c.Refusal.ROUTE),
+    ("/v1/chat/completions", {**CHAT, "grammar": "root ::= \"a\""}, False,
+     c.Refusal.CONSTRAINED),
+    ("/v1/chat/completions", {**CHAT, "json_schema": {"type": "object"}}, False,
+     c.Refusal.CONSTRAINED),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, False,
+     c.Refusal.CONSTRAINED),
+    ("/v1/chat/completions", {**CHAT, "response_format": {"type": "text"}}, False, None),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, False, c.Refusal.TOOLS),
+    ("/v1/chat/completions", {**CHAT, "n": 2}, False, c.Refusal.CHOICES),
+    ("/v1/chat/completions", {**CHAT, "messages": []}, False, c.Refusal.PROMPT),
+    ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": [
+        {"type": "text", "text": "x"}]}]}, False, c.Refusal.PROMPT),
+    ("/completion", {"prompt": "Once", "n_predict": 9}, False, None),
+    ("/completion", {"prompt": [1, 2, 3]}, False, c.Refusal.PROMPT),
+    ("/v1/completions", {"prompt": "Once", "max_tokens": 9}, False, None),
+    ("/v1/completions", {"prompt": ["a", "b"]}, False, c.Refusal.PROMPT),
+])
+def test_which_bodies_may_ever_be_continued(path: str, payload: dict[str, Any] | None,
+                                            opted_out: bool, expected: c.Refusal | None) -> None:
+    assert c.body_refusal(path, payload, opted_out) == expected
+
+
+def chat_transcript(*pieces: str, **extra: Any) -> c.Transcript:
+    t = c.Transcript("chat")
+    t.take({"id": "chatcmpl-A", "created": 100, "model": "m", "system_fingerprint": "b0",
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": None},
+                         "finish_reason": None}]})
+    for piece in pieces:
+        t.take({"id": "chatcmpl-A", "choices": [{"index": 0, "delta": {"content": piece},
+                                                 "finish_reason": None}]})
+    for key, value in extra.items():
+        setattr(t, key, value)
+    return t
+
+
+def test_the_transcript_follows_what_the_client_received() -> None:
+    t = chat_transcript("Once", " upon", " a")
+    assert (t.text, t.tokens, t.id, t.created, t.model, t.role_sent) == \
+        ("Once upon a", 3, "chatcmpl-A", 100, "m", True)
+    t.take({"choices": [{"index": 0, "delta": {"tool_calls": [{"id": "x"}]}}]})
+    assert t.tool_calls
+    t.take({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    assert t.finished
+    # The pinned server's own streams, event by event.
+    for name, kind in (("chat-completions-stream.sse", "chat"),
+                       ("completion-stream.sse", "native_completion")):
+        t = c.Transcript(kind)
+        raw = (FIXTURES / name).read_bytes()
+        pieces = []
+        for block in raw.split(sse.SEPARATOR):
+            data = sse.event_data(block)
+            if data.startswith(b"{"):
+                event = json.loads(data)
+                t.take(event)
+                if kind == "chat":
+                    pieces += [ch["delta"].get("content") or "" for ch in event["choices"]]
+                else:
+                    pieces.append(event.get("content") or "")
+        assert t.text == "".join(pieces) and t.text and t.finished
+    assert t.tokens == 4  # /completion counts its own tokens: the last event's figure
+
+
+@pytest.mark.parametrize(("transcript", "continued", "left", "available", "refusal"), [
+    (chat_transcript("a", "b"), False, None, True, None),
+    (chat_transcript("a"), True, None, True, c.Refusal.ALREADY),
+    (chat_transcript("a", finished=True), False, None, True, c.Refusal.FINISHED),
+    (chat_transcript("a", tool_calls=True), False, None, True, c.Refusal.TOOLS),
+    (chat_transcript("a", reasoning=True), False, None, True, c.Refusal.REASONING),
+    (chat_transcript(*["x"] * 100), False, None, True, c.Refusal.SPENT),
+    (chat_transcript("a"), False, 0.5, True, c.Refusal.DEADLINE),
+    (chat_transcript("a"), False, 9.0, True, None),
+    (chat_transcript("a"), False, None, False, c.Refusal.NO_TARGET),
+])
+def test_the_continuation_rule(transcript: c.Transcript, continued: bool, left: float | None,
+                               available: bool, refusal: c.Refusal | None) -> None:
+    d = c.decide(CHAT, transcript, continued, left, target_expected_s=2.0,
+                 target_available=available)
+    assert d.allowed == (refusal is None) and d.refusal == refusal
+
+
+def test_a_chat_continues_from_the_relayed_text_with_the_limit_lowered() -> None:
+    before = copy.deepcopy(CHAT)
+    body = c.continuation_body(CHAT, chat_transcript("Once", " upon"))
+    assert CHAT == before  # the client's body is left as it was
+    assert body["messages"][-1] == {"role": "assistant", "content": "Once upon"}
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    assert body["max_tokens"] == 98 and body["seed"] == 7 and body["temperature"] == 0
+    # max_completion_tokens wins where both are given, as OpenAI's API has it.
+    both = c.continuation_body({**CHAT, "max_completion_tokens": 50}, chat_transcript("a"))
+    assert both["max_completion_tokens"] == 49 and both["max_tokens"] == 100
+    # The client's own prefill: the relayed text extends it, no second assistant message.
+    prefill = {**CHAT, "messages": [*CHAT["messages"],
+                                    {"role": "assistant", "content": "Title:"}]}
+    body = c.continuation_body(prefill, chat_transcript(" The", " end"))
+    assert body["messages"][-1] == {"role": "assistant", "content": "Title: The end"}
+    assert len(body["messages"]) == 2
+    # Nothing but the role relayed: the same request once more (no limit to lower).
+    assert c.continuation_body(CHAT, chat_transcript())["messages"] == CHAT["messages"]
+
+
+def test_completions_continue_from_the_prompt_and_the_text() -> None:
+    t = c.Transcript("native_completion")
+    t.take({"content": " upon", "stop": False})
+    body = c.continuation_body({"prompt": "Once", "n_predict": 9, "stream": True}, t)
+    assert body == {"prompt": "Once upon", "n_predict": 8, "stream": True}
+    t = c.Transcript("oai_completion")
+    t.take({"id": "cmpl-1", "choices": [{"text": " upon", "index": 0, "finish_reason": None}]})
+    assert t.text == " upon" and t.id == "cmpl-1"
+    body = c.continuation_body({"prompt": "Once", "max_tokens": 9}, t)
+    assert body["prompt"] == "Once upon" and body["max_tokens"] == 8
+
+
+def events_of(raw: bytes) -> list[Any]:
+    out = []
+    for block in raw.split(sse.SEPARATOR):
+        data = sse.event_data(block)
+        if data:
+            out.append(json.loads(data) if data.startswith(b"{") else data.decode())
+    return out
+
+
+def event(obj: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def test_the_other_childs_events_join_the_first_stream() -> None:
+    before = chat_transcript("Once", " upon")
+    note = {"from_child": "gpu", "child": "cpu", "kind": "runtime_oom", "tokens_before": 2}
+    stream = ContinuedStream(before, note)
+    ident = {"id": "chatcmpl-B", "created": 200, "model": "m2", "system_fingerprint": "b9",
+             "object": "chat.completion.chunk"}
+    raw = b"".join([
+        event({**ident, "choices": [{"index": 0, "delta": {"role": "assistant",
+                                                            "content": None},
+                                     "finish_reason": None}]}),
+        event({**ident, "choices": [{"index": 0, "delta": {"content": " a"},
+                                     "finish_reason": None}]}),
+        event({**ident, "choices": [{"index": 0, "delta": {"content": " time"},
+                                     "finish_reason": None}]}),
+        event({**ident, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}],
+               "usage": {"completion_tokens": 2, "prompt_tokens": 12, "total_tokens": 14}}),
+        b"data: [DONE]\n\n",
+    ])
+    out = events_of(stream.rewrite(raw))
+    assert len(out) == 4  # the second role delta is gone
+    assert all(e["id"] == "chatcmpl-A" and e["created"] == 100 and e["model"] == "m" and
+               e["system_fingerprint"] == "b0" for e in out[:3])
+    assert all("role" not in e["choices"][0]["delta"] for e in out[:3])
+    assert [e["choices"][0]["delta"].get("content") for e in out[:2]] == [" a", " time"]
+    final = out[2]
+    assert final["choices"][0]["finish_reason"] == "stop"
+    assert final["usage"] == {"completion_tokens": 4, "prompt_tokens": 10, "total_tokens": 14}
+    assert final["spillway_continuation"] == note
+    assert out[3] == "[DONE]"
+    assert stream.text == " a time"
+
+
+def test_an_echo_of_the_relayed_text_is_stripped_once() -> None:
+    stream = ContinuedStream(chat_transcript("Once", " upon"), {})
+    first = stream.rewrite(event({"choices": [{"index": 0, "delta": {
+        "content": "Once upon a"}}]}))
+    assert events_of(first)[0]["choices"][0]["delta"]["content"] == " a"
+    # Later pieces are never cut, even when they repeat the text.
+    again = stream.rewrite(event({"choices": [{"index": 0, "delta": {
+        "content": "Once upon"}}]}))
+    assert events_of(again)[0]["choices"][0]["delta"]["content"] == "Once upon"
+
+
+def test_native_completion_events_join_too() -> None:
+    t = c.Transcript("native_completion")
+    t.take({"content": "Once", "stop": False})
+    stream = ContinuedStream(t, {"tokens_before": 1})
+    out = events_of(stream.rewrite(event({"content": " upon", "stop": False,
+                                          "tokens_predicted": 1}) +
+                                   event({"content": "", "stop": True, "tokens_predicted": 3})))
+    assert out[0]["content"] == " upon" and out[0]["tokens_predicted"] == 2
+    assert out[1]["tokens_predicted"] == 4 and out[1]["spillway_continuation"] == {
+        "tokens_before": 1}
