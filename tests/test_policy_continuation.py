@@ -205,3 +205,10 @@ def test_native_completion_events_join_too() -> None:
     assert out[0]["content"] == " upon" and out[0]["tokens_predicted"] == 2
     assert out[1]["tokens_predicted"] == 4 and out[1]["spillway_continuation"] == {
         "tokens_before": 1}
+
+
+def test_a_stream_cut_before_its_role_delta_keeps_the_continuations() -> None:
+    stream = ContinuedStream(c.Transcript("chat"), {})  # only a comment had gone out
+    out = events_of(stream.rewrite(event({"id": "x", "choices": [{"index": 0, "delta": {
+        "role": "assistant", "content": None}, "finish_reason": None}]})))
+    assert out[0]["choices"][0]["delta"]["role"] == "assistant"

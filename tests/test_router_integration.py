@@ -278,3 +278,49 @@ async def test_in_router_mode_the_agent_weighs_the_gpu_routers_loaded_models(
         code, _, _ = await running
     assert code == 200
     assert s.agent_line() == "up ready 100%"
+
+
+@pytest.mark.asyncio
+async def test_a_stream_whose_instance_dies_mid_answer_continues_on_the_cpu_router(
+        spillway: SpillwayFactory, llama_server: Path, models_dir: Path) -> None:
+    """Router mode: alpha's instance on the GPU router is killed (SIGABRT) after the client
+    has part of the stream; the same stream goes on from alpha on the CPU router."""
+    import os
+    import signal
+
+    s = spillway(router_config(llama_server, models_dir))
+    async with aiohttp.ClientSession() as http:
+        assert (await post(http, s, chat("alpha")))[0] == 200
+        victim = s.child("gpu")["models"]["alpha"]["pid"]
+        # (600 tokens: within the slot's context of 1024, on either router.)
+        body = chat("alpha", "a long answer, please", max_tokens=600, stream=True,
+                    ignore_eos=True)
+        events: list[bytes] = []
+        raw = b""
+        async with http.post(f"{s.url}/v1/chat/completions", json=body,
+                             headers={"X-Request-Id": "router-cut"}) as r:
+            assert r.status == 200 and r.headers["X-Spillway-Child"] == "gpu"
+            async for line in r.content:
+                raw += line
+                if line.startswith(b"data: {"):
+                    events.append(line)
+                    if len(events) == 5:
+                        os.kill(victim, signal.SIGABRT)
+    text = raw.decode()
+    assert text.rstrip().endswith("data: [DONE]"), text[-500:]
+    assert '"error"' not in text
+    assert ": spillway: continued on the cpu child after the gpu child failed" in text
+    chunks = [json.loads(e[6:]) for e in events]
+    assert sum(1 for c in chunks for ch in c["choices"] if ch["delta"].get("role")) == 1
+    assert len({c["id"] for c in chunks}) == 1
+    final = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
+    assert len(final) == 1 and final[0]["spillway_continuation"]["child"] == "cpu"
+    assert final[0]["choices"][0]["finish_reason"] == "length"
+    [record] = s.wait_incidents(1)
+    # The limit kept across the two children: what the GPU router's instance generated (the
+    # relayed text, counted by the CPU router's tokenizer) and what the CPU router's did.
+    generated = record["tokens_before"] + final[0]["timings"]["predicted_n"]
+    assert 595 <= generated <= 605, generated
+    assert record["decision"] == "continued" and record["model"] == "alpha"
+    assert record["request_id"] == "router-cut" and record["replay_child"] == "cpu"
+    assert record["tokens_before"] >= 4

@@ -72,7 +72,8 @@ class ContinuedStream:
             final = final or bool(choice.get("finish_reason"))
             delta = choice.get("delta")
             if isinstance(delta, dict):
-                delta.pop("role", None)
+                if b.role_sent:  # one role delta in all: the client has it already
+                    delta.pop("role", None)
                 if isinstance(delta.get("content"), str):
                     delta["content"] = self._piece(delta["content"])
                 keep = keep or bool(delta.get("content")) or \

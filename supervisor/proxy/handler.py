@@ -453,6 +453,13 @@ class ProxyHandler:
                                                            f"continued: {why}"))
             return await self.forwarder.end_broken(ctx, cut.response, failure, cut.anthropic,
                                                    f"; not continued: {why}")
+        if so_far.text and so_far.kind != "native_completion":  # (that one counts its own)
+            # Stream events merge a few tokens (UTF-8 pieces): the other child's tokenizer
+            # says how many the relayed text holds, for max_tokens and usage.
+            counted = await tokens.count_text(self.forwarder.session, lease.upstream,
+                                              so_far.text, ctx.payload.get("model"))
+            if counted is not None:
+                so_far.tokens = max(so_far.tokens, counted)
         kind = str(failure.verdict.kind)
         ctx.failover_kind = kind
         log.warning("rid=%s %s child failed mid-stream (%s: %s) after %d tokens; continuing "

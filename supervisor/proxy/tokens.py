@@ -48,15 +48,34 @@ async def count(session: aiohttp.ClientSession, child: Upstream, path: str,
             return None
         if not isinstance(prompt, (str, list)):
             return None
-        body: dict[str, Any] = {"content": prompt, "add_special": True, "parse_special": True}
-        if isinstance(payload.get("model"), str):
-            body["model"] = payload["model"]  # a router sends it to the model's instance
-        async with session.post(f"{child.base_url}/tokenize", headers=headers,
-                                data=json.dumps(body), timeout=timeout) as r:
-            if r.status != 200:
-                return None
-            tokens = (await r.json()).get("tokens")
-            return len(tokens) if isinstance(tokens, list) else None
+        return await _tokenize(session, child, prompt, payload.get("model"), True, timeout)
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         log.info("could not count the prompt's tokens on the %s child: %s", child.name, e)
         return None
+
+
+async def count_text(session: aiohttp.ClientSession, child: Upstream, text: str,
+                     model: Any = None, timeout_s: float = 10.0) -> int | None:
+    """The tokens of a piece of generated text as `child` tokenizes it (a continuation's
+    relayed text: its stream events merge a few tokens, this does not); None when unknown."""
+    try:
+        return await _tokenize(session, child, text, model, False,
+                               aiohttp.ClientTimeout(total=timeout_s))
+    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+        log.info("could not count the text's tokens on the %s child: %s", child.name, e)
+        return None
+
+
+async def _tokenize(session: aiohttp.ClientSession, child: Upstream, content: Any, model: Any,
+                    special: bool, timeout: aiohttp.ClientTimeout) -> int | None:
+    headers = {"Authorization": f"Bearer {child.api_key}", "Content-Type": "application/json"}
+    body: dict[str, Any] = {"content": content, "add_special": special,
+                            "parse_special": special}
+    if isinstance(model, str):
+        body["model"] = model  # a router sends it to the model's instance
+    async with session.post(f"{child.base_url}/tokenize", headers=headers,
+                            data=json.dumps(body), timeout=timeout) as r:
+        if r.status != 200:
+            return None
+        tokens = (await r.json()).get("tokens")
+        return len(tokens) if isinstance(tokens, list) else None
