@@ -18,7 +18,8 @@ from supervisor.hostcpu import HostCpu, parse_cpuinfo
 CPUINFO_XEON = """processor\t: 0
 vendor_id\t: GenuineIntel
 model name\t: Intel(R) Xeon(R) Platinum 8480+
-flags\t\t: fpu sse sse2 ssse3 avx avx2 fma f16c avx512f avx512_vnni amx_bf16 amx_tile amx_int8 hypervisor constant_tsc
+flags\t\t: fpu sse sse2 ssse3 avx avx2 fma f16c avx512f avx512_vnni amx_bf16 amx_tile \
+amx_int8 hypervisor constant_tsc
 
 processor\t: 1
 model name\t: Intel(R) Xeon(R) Platinum 8480+

@@ -110,7 +110,7 @@ def test_the_continuation_rule(transcript: c.Transcript, continued: bool, left: 
 def test_a_chat_continues_from_the_relayed_text_with_the_limit_lowered() -> None:
     before = copy.deepcopy(CHAT)
     body = c.continuation_body(CHAT, chat_transcript("Once", " upon"))
-    assert CHAT == before  # the client's body is left as it was
+    assert before == CHAT  # the client's body is left as it was
     assert body["messages"][-1] == {"role": "assistant", "content": "Once upon"}
     assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
     assert body["max_tokens"] == 98 and body["seed"] == 7 and body["temperature"] == 0

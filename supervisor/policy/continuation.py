@@ -116,34 +116,37 @@ class Transcript:
         if isinstance(created, int) and not isinstance(created, bool):
             self.created = created
         if self.kind == "native_completion":
-            content = event.get("content")
-            if isinstance(content, str) and content:
-                self.text += content
-                self.tokens += 1
-            predicted = event.get("tokens_predicted")  # the server's own count, when given
-            if isinstance(predicted, int) and not isinstance(predicted, bool):
-                self.tokens = predicted
-            if event.get("stop") is True:
-                self.finished = True
+            self._native(event)
             return
         for choice in event.get("choices") or []:
-            if not isinstance(choice, dict):
-                continue
-            if choice.get("finish_reason"):
-                self.finished = True
-            piece = choice.get("text") if self.kind == "oai_completion" else None
-            delta = choice.get("delta")
-            if isinstance(delta, dict):
-                if delta.get("role"):
-                    self.role_sent = True
-                if delta.get("tool_calls") or delta.get("function_call"):
-                    self.tool_calls = True
-                if delta.get("reasoning_content"):
-                    self.reasoning = True
-                piece = delta.get("content")
-            if isinstance(piece, str) and piece:
-                self.text += piece
-                self.tokens += 1
+            if isinstance(choice, dict):
+                self._choice(choice)
+
+    def _text(self, piece: Any) -> None:
+        if isinstance(piece, str) and piece:
+            self.text += piece
+            self.tokens += 1
+
+    def _native(self, event: dict[str, Any]) -> None:
+        self._text(event.get("content"))
+        predicted = event.get("tokens_predicted")  # the server's own count, when given
+        if isinstance(predicted, int) and not isinstance(predicted, bool):
+            self.tokens = predicted
+        if event.get("stop") is True:
+            self.finished = True
+
+    def _choice(self, choice: dict[str, Any]) -> None:
+        if choice.get("finish_reason"):
+            self.finished = True
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            self._text(choice.get("text") if self.kind == "oai_completion" else None)
+            return
+        self.role_sent = self.role_sent or bool(delta.get("role"))
+        self.tool_calls = self.tool_calls or bool(delta.get("tool_calls") or
+                                                  delta.get("function_call"))
+        self.reasoning = self.reasoning or bool(delta.get("reasoning_content"))
+        self._text(delta.get("content"))
 
 
 def _str(value: Any) -> str | None:

@@ -64,24 +64,9 @@ class ContinuedStream:
                 obj[key] = value
         if b.kind == "native_completion":
             return self._native(obj)
-        final = False
-        keep = False
-        for choice in obj.get("choices") or []:
-            if not isinstance(choice, dict):
-                continue
-            final = final or bool(choice.get("finish_reason"))
-            delta = choice.get("delta")
-            if isinstance(delta, dict):
-                if b.role_sent:  # one role delta in all: the client has it already
-                    delta.pop("role", None)
-                if isinstance(delta.get("content"), str):
-                    delta["content"] = self._piece(delta["content"])
-                keep = keep or bool(delta.get("content")) or \
-                    any(v is not None for k, v in delta.items() if k != "content")
-            elif isinstance(choice.get("text"), str):
-                choice["text"] = self._piece(choice["text"])
-                keep = keep or bool(choice["text"])
-            keep = keep or bool(choice.get("finish_reason"))
+        choices = [ch for ch in obj.get("choices") or [] if isinstance(ch, dict)]
+        final = any(ch.get("finish_reason") for ch in choices)
+        keep = any([self._choice(ch) for ch in choices])  # (every choice rewritten)
         usage = obj.get("usage")
         if isinstance(usage, dict):
             self._usage(usage)
@@ -89,6 +74,23 @@ class ContinuedStream:
         if final:
             obj["spillway_continuation"] = self.note
         return obj if keep else None
+
+    def _choice(self, choice: dict[str, Any]) -> bool:
+        """One choice rewritten; whether it still says anything."""
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if self.before.role_sent:  # one role delta in all: the client has it already
+                delta.pop("role", None)
+            if isinstance(delta.get("content"), str):
+                delta["content"] = self._piece(delta["content"])
+            said = bool(delta.get("content")) or \
+                any(v is not None for k, v in delta.items() if k != "content")
+        elif isinstance(choice.get("text"), str):
+            choice["text"] = self._piece(choice["text"])
+            said = bool(choice["text"])
+        else:
+            said = False
+        return said or bool(choice.get("finish_reason"))
 
     def _usage(self, usage: dict[str, Any]) -> None:
         """Summed: the tokens generated before count as generated; the continuation's prompt
