@@ -322,11 +322,16 @@ def test_an_agent_loop_crashed_between_tool_call_and_model_call_runs_each_tool_o
 @pytest.mark.asyncio
 async def test_an_oom_the_child_survived_drains_it_while_its_other_request_completes(
         spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path) -> None:
+    # The unrelated request must outlast the failing one and its replay: 3,000 tokens (a slot
+    # of 4,096), a second or more even on a quiet machine (900 tokens were sometimes done
+    # before the drain could be seen).
     s = spillway(failover_config(llama_server, tiny_model, injector,
-                                 {"FAULT_MARKER": MARKER, "FAULT_MODE": "survive"}))
+                                 {"FAULT_MARKER": MARKER, "FAULT_MODE": "survive"},
+                                 model={"args": ["-c", "8192", "-np", "2", "-t", "1", "-tb",
+                                                 "1"]}))
     gpu_pid = s.child("gpu")["pid"]
     async with aiohttp.ClientSession() as http:
-        long_one = asyncio.create_task(post(http, s, chat("unrelated work", max_tokens=900)))
+        long_one = asyncio.create_task(post(http, s, chat("unrelated work", max_tokens=3000)))
         await asyncio.sleep(0.3)
         status, headers, body = await post(http, s, chat(MARKER))
         assert status == 200
@@ -339,7 +344,7 @@ async def test_an_oom_the_child_survived_drains_it_while_its_other_request_compl
         assert status2 == 200 and headers2["X-Spillway-Child"] == "cpu"
         status3, headers3, body3 = await long_one
     assert status3 == 200 and headers3["X-Spillway-Child"] == "gpu"
-    assert body3["usage"]["completion_tokens"] == 900
+    assert body3["usage"]["completion_tokens"] == 3000
     after = s.wait_state(("gpu",), ("READY",), timeout=30)["children"]["gpu"]
     assert after["pid"] != gpu_pid and after["restarts"] == 1
     seq = transitions(s.log_text(), "gpu")
