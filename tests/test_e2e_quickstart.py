@@ -181,7 +181,6 @@ def test_a_taken_port_is_named_with_its_holder_before_anything_is_built(
         cache = tmp_path / "cache"
         env = {**os.environ, "PYTHONPATH": str(REPO), "SPILLWAY_CACHE": str(cache)}
         env.pop("LLAMA_SERVER", None)
-        started = time.monotonic()
         done = subprocess.run(
             [sys.executable, "-m", "supervisor", "quickstart", "--listen", f"127.0.0.1:{port}"],
             capture_output=True, text=True, timeout=60, env=env, stdin=subprocess.DEVNULL)
@@ -195,8 +194,8 @@ def test_a_taken_port_is_named_with_its_holder_before_anything_is_built(
         import socket
         with socket.socket() as s:
             s.bind(("127.0.0.1", free))  # what it offers is free indeed
+        # Nothing was built or fetched: the cache it was given is still empty.
         assert not any(cache.glob("llama-server-*")) and not (cache / "models").exists()
-        assert time.monotonic() - started < 30  # nothing was built (a build takes minutes)
     finally:
         holder.kill()
         holder.wait()
