@@ -332,6 +332,16 @@ class IdempotencyConfig:
 
 
 @dataclass(frozen=True)
+class StreamsConfig:
+    # Resumable streams (X-Conversation-Id): each one's replay buffer, as llama-server's.
+    buffer_bytes: int = field(metadata=key("number", 4, name="buffer_mib", check=_positive,
+                                           convert=_from_mib))
+    ttl_s: float = field(metadata=key("number", 300.0, check=_non_negative))
+    max_total_bytes: int = field(metadata=key("number", 64, name="max_total_mib",
+                                              check=_non_negative, convert=_from_mib))
+
+
+@dataclass(frozen=True)
 class GpuMonitorConfig:
     sample_interval_s: float = field(metadata=key("number", 1.0, check=_positive))
 
@@ -366,6 +376,7 @@ class Config:
     queue: QueueConfig
     incidents: IncidentsConfig
     idempotency: IdempotencyConfig
+    streams: StreamsConfig
     monitor: GpuMonitorConfig
     balancer: BalancerConfig
 
@@ -802,7 +813,7 @@ __all__ = [
     "Config", "ConfigError", "Problem", "ChildConfig", "ServerConfig", "ModelConfig",
     "RestartConfig", "GpuMonitorConfig", "BalancerConfig", "FailoverConfig",
     "IncidentsConfig", "QueueConfig",
-    "IdempotencyConfig", "ListenAddress", "load", "build",
+    "IdempotencyConfig", "StreamsConfig", "ListenAddress", "load", "build",
     "known_keys", "parse_listen", "SCHEMA", "SECTIONS", "Key", "key", "derived",
     "section_keys", "CHILD_NAMES", "RESTART_KEYS", "suggest", "diff", "command_changed",
 ]

@@ -29,6 +29,7 @@ from .balancer import AgentServer
 from .config import CHILD_NAMES, Config
 from .gpu import MIB, GpuMonitor
 from .idempotency import IdempotencyStore
+from .stream_sessions import StreamSessions
 from .incidents import IncidentLog, default_path
 from .metrics import Metrics
 from .policy.lifecycle import ChildState
@@ -39,6 +40,7 @@ from .pools import Pools
 from .proxy.app import build_app
 from .proxy.auth import AuthSettings
 from .proxy.connections import UpstreamClient
+from .proxy.stream_routes import StreamRoutes
 from .proxy.forward import Forwarder, ForwardSettings
 from .proxy.handler import ProxyHandler, ProxySettings
 from .reload import Reloader
@@ -93,6 +95,12 @@ def _idempotency_limits(config: Config) -> _StoreLimits:
             "max_response_bytes": i.max_response_bytes, "max_total_bytes": i.max_total_bytes}
 
 
+def _stream_limits(config: Config) -> dict[str, Any]:
+    s = config.streams
+    return {"max_bytes": s.buffer_bytes, "ttl_s": s.ttl_s,
+            "max_total_bytes": s.max_total_bytes}
+
+
 def _incident_limits(config: Config) -> tuple[Path, int, int]:
     """(path, max_bytes, backups) of the incident log."""
     i = config.incidents
@@ -116,6 +124,7 @@ class Daemon:
         self.auth, self.forward_settings, self.proxy_settings = _proxy_settings(config)
         self.incidents = IncidentLog(*_incident_limits(config))
         self.idempotency = IdempotencyStore(**_idempotency_limits(config))
+        self.streams = StreamSessions(**_stream_limits(config))
         self.resources: Resources | None = None
         self.pool: Pool | None = None
         self.models: RouterModels | None = None  # router mode: each model's pool
@@ -366,6 +375,7 @@ class Daemon:
         if self.models is not None:
             self.models.configure(new)
         self.idempotency.configure(**_idempotency_limits(new))
+        self.streams.configure(**_stream_limits(new))
         (self.incidents.path, self.incidents.max_bytes,
          self.incidents.backups) = _incident_limits(new)
         self.monitor.interval_s = new.monitor.sample_interval_s
@@ -456,12 +466,14 @@ class Daemon:
                                        boot=self.boot, on_change=self._model_changed)
             pools = Pools(self.pool, self._find_model, self.models.pools)
         self.proxy = ProxyHandler(pools, forwarder, self.proxy_settings, self.incidents,
-                                  self.idempotency, self.metrics)
+                                  self.idempotency, self.metrics, self.streams)
+        self.metrics.track_streams(self.streams)
         routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
                            models=self.models)
-        app = build_app(self.proxy, self.auth, routes.table())
+        app = build_app(self.proxy, self.auth, routes.table(),
+                        StreamRoutes(self.streams, self.metrics, time.time).table())
         # In-flight requests are drained by _shutdown itself (the drain timeout can change on
         # reload); the runner's own wait is only for stragglers after that.
         # keepalive_timeout also bounds a client that never finishes its headers: aiohttp
@@ -555,6 +567,8 @@ class Daemon:
                                    return_when=asyncio.FIRST_COMPLETED)
                 idle.cancel()
                 second.cancel()
+            # Resumable streams still going past the drain end now, and so do their readers.
+            self.streams.stop_all(time.time())
             with contextlib.suppress(Exception):
                 await self._runner.cleanup()
         for task in self._tasks:

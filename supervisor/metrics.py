@@ -19,6 +19,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .policy.lifecycle import ChildState
+from .stream_sessions import StreamSessions
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -71,6 +72,17 @@ class Metrics:
             "spillway_stream_continuations", "Streams whose child failed after bytes, by what "
             "came of them: continued on the other child (completed, failed) or not (refused)",
             ["result"], registry=r)
+        self.stream_resumes = Counter(
+            "spillway_stream_resumes", "GET /v1/stream: resumable streams read again from "
+            "Spillway's replay buffers, by result (served, not_found, offset_lost).",
+            ["result"], registry=r)
+        self.stream_sessions = Gauge(
+            "spillway_stream_sessions", "Resumable streams (X-Conversation-Id) held, live "
+            "(still being answered) or finished (kept for their time to live).", ["state"],
+            registry=r)
+        self.stream_session_bytes = Gauge(
+            "spillway_stream_session_bytes", "Bytes held in the resumable streams' replay "
+            "buffers.", registry=r)
         self.known_crashes = Counter(
             "spillway_known_crashes", "Child exits that matched a known crash signature "
             "(policy/signatures.py: amx_matmul, illegal_instruction, ...)",
@@ -102,6 +114,8 @@ class Metrics:
         for child in ("gpu", "cpu"):
             self.set_state(child, ChildState.STOPPED)
             self.stale_connection_resends.labels(child)  # 0 from the start, not absent
+        for result in ("served", "not_found", "offset_lost"):
+            self.stream_resumes.labels(result)
 
     def count_request(self, route: str, child: str, outcome: str, seconds: float) -> None:
         """On every request: the labelled series are looked up once and kept."""
@@ -121,6 +135,12 @@ class Metrics:
     def set_model_state(self, child: str, model: str, state: ChildState) -> None:
         for s in ChildState:
             self.model_state.labels(child, model, str(s)).set(1 if s is state else 0)
+
+    def track_streams(self, streams: StreamSessions) -> None:
+        """The resumable streams' gauges, read from the store at each scrape."""
+        self.stream_sessions.labels("live").set_function(lambda: streams.live)
+        self.stream_sessions.labels("finished").set_function(lambda: streams.finished_count)
+        self.stream_session_bytes.set_function(lambda: streams.held_bytes)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -23,6 +23,8 @@ Switches come from environment variables (a child's `env` table in the Spillway 
   FAKE_N_CTX=N             per-slot context reported by /props (default 4096)
   FAKE_SLOTS=N             number of slots (default 2)
   FAKE_STATE_FILE=PATH     append one JSON line per request seen (method, path, headers)
+  FAKE_CUT_FILE=PATH       append one JSON line (`cut_after`: tokens sent) per stream whose
+                           reader left before its end
   FAKE_CLOSE_AFTER_STREAM=1  close the connection right after a streamed answer (as the real
                            llama-server does, though it says Keep-Alive)
   FAKE_DROP_REUSED=1       close a keep-alive connection, with no answer, when another request
@@ -83,6 +85,17 @@ def record(request: web.Request) -> None:
         with open(path, "a") as f:
             f.write(json.dumps({"pid": os.getpid(), "method": request.method,
                                 "path": request.path, "headers": dict(request.headers),
+                                "time": time.time()}) + "\n")
+
+
+def record_cut(request: web.Request, sent: int) -> None:
+    """A stream whose reader (Spillway) went away: the generation stops there, as the real
+    server's does when its socket closes."""
+    path = ENV.get("FAKE_CUT_FILE")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "method": request.method,
+                                "path": request.path, "cut_after": sent,
                                 "time": time.time()}) + "\n")
 
 
@@ -194,7 +207,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
                               "delta": {"content": f"tok{i} "}}],
                  "object": "chat.completion.chunk", "model": "fake",
                  "fake": {"pid": os.getpid(), "t": time.time(), "i": i}}
-        await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        try:
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        except ConnectionError:
+            record_cut(request, i)
+            raise
         await asyncio.sleep(delay)
     final = {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}],
              "object": "chat.completion.chunk", "model": "fake", "timings": timings(count)}

@@ -37,8 +37,10 @@ OwnRoute = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def build_app(proxy: ProxyHandler, auth: AuthSettings,
-              own_routes: dict[tuple[str, str], OwnRoute]) -> web.Application:
-    """`own_routes` maps (method, path under /spillway/) to a handler."""
+              own_routes: dict[tuple[str, str], OwnRoute],
+              answered_here: dict[tuple[str, str], OwnRoute] | None = None) -> web.Application:
+    """`own_routes` maps (method, path under /spillway/) to a handler; `answered_here`, llama-
+    server routes that Spillway answers itself (the resumable streams' routes)."""
     # The body limit is enforced by the proxy handler itself (it can change on reload); the
     # framework's own limit only applies to Spillway's small routes.
     app = web.Application(middlewares=[auth_middleware(auth, header_budget)],
@@ -62,6 +64,8 @@ def build_app(proxy: ProxyHandler, auth: AuthSettings,
                                  f"no Spillway route {request.method} {request.path}",
                                  request_id_of(request))
 
+    for (method, path), handler in (answered_here or {}).items():
+        app.router.add_route(method, path, handler)
     app.router.add_route("*", "/spillway/{tail:.*}", unknown_own)
     app.router.add_route("*", "/spillway", unknown_own)
     app.router.add_route("*", "/{tail:.*}", proxy)

@@ -45,9 +45,11 @@ from .connections import (
     UpstreamConnectError,
     UpstreamResponse,
 )
+from ..stream_sessions import StreamSession
 from .continued import ContinuedStream
 from .errors import sse_error_event
 from .headers import downstream_headers, upstream_headers
+from .tee import TeeResponse
 
 log = logging.getLogger("spillway.proxy")
 
@@ -188,6 +190,9 @@ class RequestCtx:
     # A stream that may be continued on the other child: what the client has of it so far.
     follow: continuation.Transcript | None = None
     continued: bool = False  # it was continued once (never twice)
+    # A resumable stream (X-Conversation-Id): its replay buffer, which every byte sent joins.
+    resumable: StreamSession | None = None
+    event_stream: web.StreamResponse | None = None  # the client's, once its headers went out
 
     @property
     def last(self) -> Attempt | None:
@@ -531,7 +536,9 @@ class Forwarder:
 
     async def _commit(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
                       headers: CIMultiDict[str]) -> web.StreamResponse:
-        resp = web.StreamResponse(status=200, headers=headers)
+        resp = web.StreamResponse(status=200, headers=headers) if ctx.resumable is None else \
+            TeeResponse(ctx.resumable, status=200, headers=headers)
+        ctx.event_stream = resp
         await resp.prepare(request)
         attempt.first_byte_s = time.monotonic() - ctx.received
         return resp

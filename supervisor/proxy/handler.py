@@ -14,7 +14,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +25,7 @@ from ..incidents import Incident, IncidentLog, new_incident_id
 from ..metrics import Metrics
 from ..pool import Lease, Pool
 from ..pools import Pools
+from ..stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
 from ..timefmt import rfc3339
 from ..policy import admission, continuation, estimate, replay
 from ..policy.routes import RouteClass, classify_route, route_label
@@ -133,7 +134,8 @@ class ProxyHandler:
 
     def __init__(self, pools: Pool | Pools, forwarder: Forwarder, settings: ProxySettings,
                  incidents: IncidentLog, idempotency: IdempotencyStore,
-                 metrics: Metrics) -> None:
+                 metrics: Metrics, streams: StreamSessions | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         # One pool (single-model mode), or one per model (router mode): see pools.py.
         self.pools = pools if isinstance(pools, Pools) else Pools(pools)
         self.forwarder = forwarder
@@ -141,6 +143,9 @@ class ProxyHandler:
         self.incidents = incidents
         self.idempotency = idempotency
         self.metrics = metrics
+        # Resumable streams' replay buffers (X-Conversation-Id): see stream_sessions.py.
+        self.streams = streams if streams is not None else StreamSessions()
+        self.wall_clock = wall_clock
         # Requests in the server (reading a body, waiting in line, at an upstream): what a
         # shutdown waits for. What each upstream is working on is the pool's count.
         self.open_requests = 0
@@ -200,6 +205,12 @@ class ProxyHandler:
             # A stream that may go on from the other child if its own dies after bytes: what
             # the client receives of it is followed.
             ctx.follow = continuation.Transcript(continuation.route_kind(ctx.path) or "chat")
+        conversation = request.headers.get("X-Conversation-Id")
+        if conversation is not None and ctx.stream and not \
+                0 < len(conversation) <= MAX_CONVERSATION_ID:
+            return self._early(ctx, request, rid, "bad_request", errors.invalid_request(
+                400, f"X-Conversation-Id must be 1 to {MAX_CONVERSATION_ID} characters", rid,
+                param="X-Conversation-Id"))
         if self.pools.router:
             named = payload.get("model") if payload else request.query.get("model")
             ctx.model = self.pools.for_model(named if isinstance(named, str) else None,
@@ -263,6 +274,51 @@ class ProxyHandler:
 
     async def _serve_and_record(self, request: web.Request,
                                 ctx: RequestCtx) -> Answered | Broken:
+        conversation = request.headers.get("X-Conversation-Id")
+        if conversation and ctx.stream:
+            return await self._resumable(request, ctx, conversation)
+        return await self._serve_recorded(request, ctx)
+
+    async def _resumable(self, request: web.Request, ctx: RequestCtx,
+                         conversation: str) -> Answered | Broken:
+        """A stream with X-Conversation-Id: served by a task of its own, which a client that
+        leaves does not cancel. What it sends also goes to the conversation's replay buffer
+        (proxy/tee.py), for GET /v1/stream; a Stop (DELETE /v1/stream) or a new stream of the
+        same conversation cancels it."""
+        session = self.streams.start(conversation, ctx.request_id, self.wall_clock())
+        ctx.resumable = session
+        self.open_requests += 1  # until the answer ends, wherever the client is
+        self.idle.clear()
+        task = asyncio.get_running_loop().create_task(self._produce(request, ctx, session))
+        session.stop = task.cancel
+        served = await asyncio.shield(task)
+        if served is not None:
+            return served
+        # Stopped: a started stream just ends; one still waiting gets llama-server's answer.
+        ctx.capture = None
+        if ctx.event_stream is not None:
+            return Answered(ctx.event_stream)
+        return Answered(errors.invalid_request(
+            400, "request cancelled by a stop (DELETE /v1/stream, or a new stream of this "
+                 "conversation) before it started", ctx.request_id))
+
+    async def _produce(self, request: web.Request, ctx: RequestCtx,
+                       session: StreamSession) -> Answered | Broken | None:
+        """The resumable stream's own task: its answer, or None when it was stopped."""
+        try:
+            return await self._serve_recorded(request, ctx)
+        except asyncio.CancelledError:
+            if not session.cancelled:
+                raise
+            return None
+        finally:
+            self.streams.finished(session, self.wall_clock())
+            self.open_requests -= 1
+            if self.open_requests == 0:
+                self.idle.set()
+
+    async def _serve_recorded(self, request: web.Request,
+                              ctx: RequestCtx) -> Answered | Broken:
         episodes: list[_Episode] = []
         connected = True
         served: Answered | Broken | None = None
@@ -281,6 +337,8 @@ class ProxyHandler:
             connected = False  # the client went away
             raise
         finally:
+            if ctx.resumable is not None and ctx.resumable.client_left:
+                connected = False  # the answer went on, into its replay buffer
             status = served.response.status if served is not None and connected \
                 else CLIENT_CLOSED
             broken = isinstance(served, Broken)
