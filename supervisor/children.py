@@ -180,6 +180,7 @@ class Child:
         # Each output line, as read (router mode: the router's own lines tell of its models).
         self.line_listeners: list[Callable[[str], None]] = []
         self.armed_signal: int | None = None  # the drill's: sent when the next task launches
+        self._process: Process | None = None  # the running process (for the drill's signal)
 
         self._want_running = False
         self._command: str | None = None  # "restart" | "drain" | "stop"
@@ -323,6 +324,17 @@ class Child:
         launches (during its prompt processing), standing in for a GPU that runs out of
         memory. None disarms."""
         self.armed_signal = sig
+
+    def signal_now(self, sig: int) -> bool:
+        """The drill's failure in the middle of an answer: `sig` to the process group now,
+        standing in for a GPU that runs out of memory while a stream is generated (the KV
+        cache grows with the answer). False when no process runs."""
+        proc = self._process
+        if proc is None:
+            return False
+        log.warning("[%s] drill: sending %s now", self.name, signal.Signals(sig).name)
+        proc.signal_group(sig)
+        return True
 
     def _fire_armed(self, proc: Process) -> None:
         sig = self.armed_signal
@@ -507,6 +519,7 @@ class Child:
             self._to(ChildState.EXITED, record.evidence)
             return record
         self.pid = proc.pid
+        self._process = proc
         self.started_at = spawned_at
         self.ready_at = None
         self.stderr_tail.clear()
@@ -522,6 +535,7 @@ class Child:
                                    served=self.tasks_started > tasks_before)
         exit_future.set_result(record)
         self.pid = None
+        self._process = None
         self.started_at = None
         if planned:
             self._to(ChildState.STOPPED, f"stopped ({describe_exit(record.returncode)})")

@@ -260,18 +260,24 @@ class OwnRoutes:
                               "points": [p.to_json() for p in points]})
 
     async def drill_arm(self, request: web.Request) -> web.StreamResponse:
-        """The drill without a GPU: SIGABRT to the GPU child as its next task launches."""
+        """The drill without a GPU: SIGABRT to the GPU child as its next task launches, or
+        at once (`"now": true`, for a death in the middle of an answer)."""
         try:
             body = await request.json()
         except ValueError:
             body = {}
         disarm = isinstance(body, dict) and body.get("disarm") is True
+        now = isinstance(body, dict) and body.get("now") is True
         model = body.get("model") if isinstance(body, dict) else None
         if model is not None:
             # Router mode: the model's instance on the GPU router, not the router itself.
             entry = self.models.find(str(model)) if self.models is not None else None
             if entry is None:
                 return json_response({"error": f"no model {model!r} on the routers"}, 404)
+            if now:
+                sent = entry.upstreams["gpu"].signal_now(signal.SIGABRT)
+                return json_response({"sent": sent, "child": "gpu", "model": entry.name,
+                                      "signal": "SIGABRT"}, 200 if sent else 409)
             when = body.get("when", "task")
             if when not in ("task", "neighbour_load"):
                 return json_response({"error": "when: 'task' (its next task launches) or "
@@ -280,6 +286,11 @@ class OwnRoutes:
                                        on_neighbour_load=when == "neighbour_load")
             return json_response({"armed": not disarm, "child": "gpu", "model": entry.name,
                                   "signal": "SIGABRT", "when": when})
+        if now:
+            # In the middle of an answer (scenario 7): at once, not at the next task.
+            sent = self.children["gpu"].signal_now(signal.SIGABRT)
+            return json_response({"sent": sent, "child": "gpu", "signal": "SIGABRT"},
+                                 200 if sent else 409)
         self.children["gpu"].arm(None if disarm else signal.SIGABRT)
         return json_response({"armed": not disarm, "child": "gpu", "signal": "SIGABRT"})
 

@@ -76,7 +76,7 @@ def test_the_drill_passes_simulated_and_its_report_renders(
     [html_path] = (tmp_path / "report").glob("drill-*.html")
     report: dict[str, Any] = json.loads(json_path.read_text())
     assert report["simulated"] is True and report["passed"] is True
-    assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5]
+    assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 7]
     # Scenario 6 is router mode's: skipped here, with the reason, and not a failure.
     assert report["router"] is False
     [skipped] = report["skipped"]
@@ -90,20 +90,24 @@ def test_the_drill_passes_simulated_and_its_report_renders(
         assert caught, sc["name"]
         for r in caught:  # every figure matched to the daemon's own record by request id
             assert r["incident"] == incidents[r["request_id"]]
-    one, two, three, four, five = report["scenarios"]
+    one, two, three, four, five, seven = report["scenarios"]
     assert one["requests"][0]["outcome"] == "replayed"
     assert one["requests"][0]["incident"]["evidence"] == "killed by SIGABRT"
     assert two["requests"][0]["stream"] and two["requests"][0]["complete"]
     assert three["requests"][0]["incident"]["client_connected"] is False
     assert len(four["requests"]) == 6
     assert five["tool_effects"] == {"0": 1, "1": 1, "2": 1, "3": 1}
+    [cut] = seven["requests"]
+    assert cut["outcome"] == "continued" and cut["cut_at"] == 8 and cut["continued"]
+    assert cut["incident"]["decision"] == "continued"
+    assert cut["incident"]["replay_child"] == "cpu" and cut["incident"]["tokens_before"] >= 8
     # The page, as a browser renders it.
     dom = Dom()
     dom.feed(rendered_dom(chromium, html_path, tmp_path))
     sent = [r for sc in report["scenarios"] for r in sc["requests"]]
     assert len(dom.bars) == len(sent)  # one bar per request
     colours = {"completed": "#2e7d32", "replayed": "#1565c0", "controlled_error": "#ef6c00",
-               "cancelled": "#757575", "failed": "#c62828"}
+               "cancelled": "#757575", "failed": "#c62828", "continued": "#6a1b9a"}
     for bar, r in zip(dom.bars, sent):
         assert bar["data-request-id"] == r["request_id"]
         assert bar["data-outcome"] == r["outcome"]
@@ -127,7 +131,7 @@ def test_the_drill_passes_in_router_mode_with_a_second_model_loading(
                                         .read_text())
     assert report["router"] is True and report["passed"] is True and report["skipped"] == []
     assert (report["model"], report["second_model"]) == ("alpha", "beta")
-    assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 6]
+    assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 6, 7]
     incidents = {r["request_id"]: r for r in s.incidents()}
     for sc in report["scenarios"]:
         assert sc["simulated"] and sc["passed"], (sc["number"], sc["verdict"])
@@ -158,7 +162,8 @@ def test_the_drill_passes_in_router_mode_with_a_second_model_loading(
     assert dom.lanes == ["gpu", "cpu"]
     assert dom.model_lanes == [("gpu", "alpha"), ("cpu", "alpha"), ("gpu", "beta"),
                                ("cpu", "beta")]
-    assert {bar["data-scenario"] for bar in dom.bars} == {"1", "2", "3", "4", "5", "6"}
+    assert {bar["data-scenario"] for bar in dom.bars} == {"1", "2", "3", "4", "5", "6", "7"}
+    assert report["scenarios"][6]["requests"][0]["outcome"] == "continued"
 
 
 @integration
@@ -237,6 +242,31 @@ def test_scenario_6_judge_fails_when_a_request_for_a_was_lost() -> None:
     no_beta = _scenario_6(_sent("whole", False, incident=replayed), beta="BACKOFF")
     judge(no_beta)
     assert not no_beta.passed and "beta is BACKOFF" in no_beta.verdict
+
+
+def test_scenario_7_judge_fails_unless_the_cut_stream_was_continued() -> None:
+    def cut(**kw: Any) -> ScenarioResult:
+        s = Sent(7, "cut", True, 1.0, ended=2.0, status=200, attempts=1, child="gpu",
+                 request_id_kept=True, **{"complete": True, "cut_at": 8, "continued": True,
+                                           **kw})
+        s.incident = {"request_id": "cut", "decision": "continued", "replay_child": "cpu"}
+        r = ScenarioResult(7, "a stream cut in the middle of its answer", "bar", True)
+        r.requests.append(s)
+        return r
+
+    good = cut()
+    judge(good)
+    assert good.passed, good.verdict
+    for broken, said in (({"continued": False}, "does not say it was continued"),
+                         ({"complete": False, "error_event": True}, "not one whole stream"),
+                         ({"cut_at": None}, "ended before the GPU child was stopped")):
+        bad = cut(**broken)
+        judge(bad)
+        assert not bad.passed and said in bad.verdict, (broken, bad.verdict)
+    passed_on = cut()
+    passed_on.requests[0].incident = {"request_id": "cut", "decision": "passed_on"}
+    judge(passed_on)
+    assert not passed_on.passed and "not continued on the CPU child" in passed_on.verdict
 
 
 @integration

@@ -163,6 +163,10 @@ async def test_the_drill_arm_and_a_gpu_drain_of_a_stopped_child(
         client: TestClient[web.Request, web.Application]) -> None:
     body = await (await client.post("/spillway/drill/arm", json={"disarm": True})).json()
     assert body == {"armed": False, "child": "gpu", "signal": "SIGABRT"}
+    # At once, mid-answer (scenario 7): nothing runs, so nothing is sent, and it says so.
+    resp = await client.post("/spillway/drill/arm", json={"now": True})
+    assert resp.status == 409
+    assert await resp.json() == {"sent": False, "child": "gpu", "signal": "SIGABRT"}
     body = await (await client.post("/spillway/gpu/drain")).json()
     assert body["message"] == "the GPU child is STOPPED; nothing to drain"
     assert body["gpu"]["state"] == "STOPPED"

@@ -3,7 +3,8 @@
 Scenarios, in order: (1) a non-streaming request over the GPU's profile; (2) the same streamed;
 (3) the client leaves during the failover; (4) several clients during the failure; (5) an agent
 whose simulated tool must run exactly once; (6) router mode only: a second model loads on the
-GPU router while the first one's requests run there. On a GPU the failure is real (ballast);
+GPU router while the first one's requests run there; (7) a stream whose GPU child dies in the
+middle of its answer, continued on the CPU child. On a GPU the failure is real (ballast);
 without one it is simulated and every result says so. The report (table, JSON, HTML with an SVG
 timeline) takes its figures from the daemon's own incident records.
 
@@ -31,7 +32,7 @@ from . import provoke, report
 from .client import DrillClient, model_info, state_of
 from .scenarios import Drill, ScenarioResult, judge
 
-ALL = (1, 2, 3, 4, 5, 6)
+ALL = (1, 2, 3, 4, 5, 6, 7)
 
 
 def say(text: str) -> None:
@@ -108,7 +109,8 @@ def _lane_states(status: dict[str, Any], models: list[str]) -> dict[str, str | N
 
 async def _scenarios(drill: Drill, only: tuple[int, ...]) -> list[ScenarioResult]:
     steps = {1: drill.non_streaming, 2: drill.streaming, 3: drill.cancellation,
-             4: drill.concurrent, 5: drill.agent, 6: drill.second_model}
+             4: drill.concurrent, 5: drill.agent, 6: drill.second_model,
+             7: drill.continued_stream}
     results: list[ScenarioResult] = []
     try:
         for number in ALL:

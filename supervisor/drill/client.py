@@ -8,6 +8,7 @@ import json
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -37,6 +38,8 @@ class Sent:
     client_left: bool = False  # the drill left on purpose
     request_id_kept: bool = False
     tokens: int = 0
+    cut_at: int | None = None  # scenario 7: the events read when the GPU child was stopped
+    continued: bool = False  # the stream said it was continued on the other child
     note: str = ""
     incident: dict[str, Any] | None = None
 
@@ -48,6 +51,8 @@ class Sent:
     def outcome(self) -> str:
         if self.client_left:
             return "cancelled"
+        if self.complete and self.continued:
+            return "continued"
         if self.complete and self.attempts >= 2:
             return "replayed"
         if self.complete:
@@ -134,7 +139,10 @@ class DrillClient:
     async def chat(self, scenario: int, messages: list[dict[str, str]], max_tokens: int,
                    stream: bool = False, headers: dict[str, str] | None = None,
                    leave_after_first_event: bool = False,
-                   extra: dict[str, Any] | None = None) -> Sent:
+                   extra: dict[str, Any] | None = None,
+                   cut: tuple[int, Callable[[], Awaitable[None]]] | None = None) -> Sent:
+        """One chat request; `cut` = (K, stop): `stop()` is awaited once K events of the
+        stream have been read (scenario 7 stops the GPU child there), and reading goes on."""
         rid = f"drill-{scenario}-{uuid.uuid4().hex[:10]}"
         sent = Sent(scenario, rid, stream, time.time())
         self.sent.append(sent)
@@ -153,7 +161,7 @@ class DrillClient:
                 sent.failover = r.headers.get("X-Spillway-Failover")
                 sent.request_id_kept = r.headers.get("X-Request-Id") == rid
                 if stream and r.status == 200:
-                    await self._read_stream(r, sent, leave_after_first_event)
+                    await self._read_stream(r, sent, leave_after_first_event, cut)
                 else:
                     raw = await r.read()
                     self._read_json(raw, sent)
@@ -178,9 +186,12 @@ class DrillClient:
             sent.tokens = int(usage.get("completion_tokens", 0))
 
     @staticmethod
-    async def _read_stream(r: aiohttp.ClientResponse, sent: Sent, leave: bool) -> None:
+    async def _read_stream(r: aiohttp.ClientResponse, sent: Sent, leave: bool,
+                           cut: tuple[int, Callable[[], Awaitable[None]]] | None) -> None:
         events = 0
         async for line in r.content:
+            if line.startswith(b": spillway: continued"):
+                sent.continued = True
             if not line.startswith(b"data: "):
                 continue
             data = line[6:].strip()
@@ -192,6 +203,9 @@ class DrillClient:
                 sent.note = data.decode(errors="replace")[:300]
                 break
             events += 1
+            if cut is not None and events == cut[0]:
+                sent.cut_at = events
+                await cut[1]()
             if leave:
                 sent.client_left = True
                 r.close()  # the client goes away during the failover

@@ -16,6 +16,7 @@ from .. import tables
 OUTCOME_COLOURS = {
     "completed": "#2e7d32",
     "replayed": "#1565c0",
+    "continued": "#6a1b9a",
     "controlled_error": "#ef6c00",
     "cancelled": "#757575",
     "failed": "#c62828",

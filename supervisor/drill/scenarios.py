@@ -1,4 +1,4 @@
-"""The six scenarios of the drill, in order, each with the bar it must meet.
+"""The seven scenarios of the drill, in order, each with the bar it must meet.
 
 Every figure in the report comes from the daemon's own incident records, matched by request
 id; the drill adds only what a client alone can know (did the connection survive, what did the
@@ -7,7 +7,9 @@ simulated tool do).
 In router mode every request names the drilled model (A), the failure is A's instance's on the
 GPU router, and "back" means A READY on the GPU router again. Scenario 6, a second model (B)
 loading on the GPU router while A's requests run there, is router mode's alone: elsewhere it is
-skipped, with the reason, and counts as neither passed nor failed.
+skipped, with the reason, and counts as neither passed nor failed. Scenario 7, a stream whose
+GPU child dies in the middle of its answer, is continued on the CPU child; the death is
+Spillway's SIGABRT at the drill's word, on a GPU too (labelled simulated).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 from .client import DrillClient, Sent, model_info, state_of
 from .provoke import Provoker, SimulatedFailure
 
+SCENARIOS = 7
 WORDS = ("the quick brown fox jumps over the lazy dog while the model reads a long document "
          "about memory and servers ").split()
 
@@ -139,7 +142,7 @@ class Drill:
     # --- the scenarios ------------------------------------------------------------------------
 
     def _new(self, number: int, name: str, bar: str) -> ScenarioResult:
-        self.say(f"[{number}/6] {name}")
+        self.say(f"[{number}/{SCENARIOS}] {name}")
         return ScenarioResult(number, name, bar, self.provoker.simulated)
 
     def _skip(self, r: ScenarioResult, why: str) -> ScenarioResult:
@@ -247,6 +250,34 @@ class Drill:
                 return f"answer {step}"
             await asyncio.sleep(2.0)
         return None
+
+    # --- scenario 7: a stream cut in the middle of its answer -----------------------------------
+
+    async def continued_stream(self, cut_after: int = 8) -> ScenarioResult:
+        r = self._new(7, "a stream cut in the middle of its answer",
+                      "one whole stream ([DONE], no error event) that says it was continued, "
+                      "its incident `continued` on the CPU child")
+        # The GPU child is stopped by Spillway's SIGABRT `cut_after` events into the answer,
+        # even on a GPU: ballast cannot be timed to the middle of an answer.
+        r.simulated = True
+        if not self.provoker.simulated:
+            self.say(f"  simulated, even on this GPU: Spillway's SIGABRT to {self.gpu} "
+                     f"{cut_after} events into the answer")
+        body: dict[str, Any] = {"now": True}
+        if self.model is not None:
+            body["model"] = self.model
+
+        async def stop_the_gpu() -> None:
+            answer = await self.client.post_json("/spillway/drill/arm", body)
+            if not answer.get("sent"):
+                r.notes.append(f"the GPU child could not be stopped: {answer}")
+
+        await self.settle()
+        r.requests.append(await self.client.chat(
+            7, await self.messages(16, "Write a long story."), cut_after * 8, stream=True,
+            extra={"ignore_eos": True}, cut=(cut_after, stop_the_gpu)))
+        await self.settle()
+        return r
 
     # --- scenario 6: a second model takes the last VRAM (router mode) -------------------------
 
@@ -437,8 +468,26 @@ def _judge_second_model(r: ScenarioResult) -> list[str]:
     return problems
 
 
+def _judge_continued(r: ScenarioResult) -> list[str]:
+    """Scenario 7: the stream cut mid-answer went on from the CPU child, as one stream."""
+    s = r.requests[0]
+    problems = _identity(s) + r.notes
+    if s.cut_at is None:
+        problems.append("the answer ended before the GPU child was stopped in its middle")
+    if not s.complete or s.error_event:
+        problems.append(f"not one whole stream: {s.note or 'no [DONE]'}")
+    if not s.continued:
+        problems.append("the stream does not say it was continued")
+    inc = s.incident
+    if inc is None or (inc.get("decision"), inc.get("replay_child")) != ("continued", "cpu"):
+        problems.append(f"its incident says {None if inc is None else inc.get('decision')}, "
+                        "not continued on the CPU child")
+    return problems
+
+
 _JUDGES = {1: _judge_failover, 2: _judge_failover, 3: _judge_cancellation,
-           4: _judge_concurrent, 5: _judge_agent, 6: _judge_second_model}
+           4: _judge_concurrent, 5: _judge_agent, 6: _judge_second_model,
+           7: _judge_continued}
 
 
 def judge(r: ScenarioResult) -> None:

@@ -312,6 +312,17 @@ class ModelUpstream:
             log.warning("[%s:%s] drill: %s is loading next to it", self.name, self.model, model)
             self._fire_armed()
 
+    def signal_now(self, sig: int) -> bool:
+        """The drill's failure in the middle of an answer: `sig` to this model's instance
+        now. False when it has no instance."""
+        if self.pid is None:
+            return False
+        log.warning("[%s:%s] drill: sending %s to its instance (pid %d) now", self.name,
+                    self.model, signal.Signals(sig).name, self.pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+        return True
+
     def _fire_armed(self) -> None:
         sig, self.armed_signal = self.armed_signal, None
         if sig is None or self.pid is None:
