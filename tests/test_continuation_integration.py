@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import anthropic
 import openai
 import pytest
 from harness import Spillway, eventually, real_config
@@ -147,3 +148,65 @@ def test_a_continuation_that_fails_too_ends_with_the_error_event(
     records = s.wait_incidents(2)
     assert [r["decision"] for r in records] == ["continued", "passed_on"]
     assert eventually(lambda: continuations(s).get("failed") == 1.0)
+
+
+def test_the_anthropic_clients_messages_stream_continues_with_the_same_text(
+        spillway: SpillwayFactory, llama_server: Path, smollm2: Path, injector: Path,
+        tmp_path: Path) -> None:
+    """/v1/messages with the real Anthropic client: one message, the same text as the
+    uninterrupted greedy answer, one stop reason, output tokens summed."""
+    s = spillway(dying_gpu(llama_server, smollm2, injector, tmp_path / "fired", events=25))
+    client = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0, timeout=120)
+
+    def ask() -> tuple[str, Any, list[str]]:
+        # (This SDK has no `temperature` argument any more; llama-server still reads it.)
+        with client.messages.stream(model="smollm2", max_tokens=120,
+                                    messages=[{"role": "user", "content": STORY}],
+                                    extra_body={"temperature": 0}) as stream:
+            kinds = [event.type for event in stream]
+            return stream.get_final_text(), stream.get_final_message(), kinds
+
+    whole, whole_message, _ = ask()
+    cut, cut_message, kinds = ask()
+    assert (tmp_path / "fired").exists()
+    assert cut == whole and len(whole) > 200
+    assert kinds.count("message_start") == 1 and kinds.count("content_block_start") == 1
+    assert kinds.count("message_stop") == 1
+    assert cut_message.stop_reason == whole_message.stop_reason
+    assert cut_message.usage.output_tokens == whole_message.usage.output_tokens
+    [record] = s.wait_incidents(1)
+    assert record["decision"] == "continued" and record["route"] == "/v1/messages"
+    assert record["tokens_before"] == 23  # 25 events: message_start, the block's start, 23
+
+
+def test_the_openai_clients_responses_stream_continues_with_the_same_text(
+        spillway: SpillwayFactory, llama_server: Path, smollm2: Path, injector: Path,
+        tmp_path: Path) -> None:
+    """/v1/responses with the real OpenAI client: one response (one id, one output message),
+    the same text as the uninterrupted greedy answer, output tokens summed."""
+    s = spillway(dying_gpu(llama_server, smollm2, injector, tmp_path / "fired", events=25))
+    oa = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0, timeout=120)
+
+    def ask() -> tuple[str, Any, list[Any]]:
+        events = list(oa.responses.create(model="smollm2", input=STORY, max_output_tokens=120,
+                                          temperature=0, stream=True))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        [done] = [e for e in events if e.type == "response.completed"]
+        return text, done.response, events
+
+    whole, whole_response, _ = ask()
+    cut, cut_response, events = ask()
+    assert (tmp_path / "fired").exists()
+    assert cut == whole and len(whole) > 200
+    assert cut_response.output_text == whole  # the final object holds the whole text too
+    kinds = [e.type for e in events]
+    assert kinds.count("response.created") == 1 and kinds.count("response.completed") == 1
+    assert kinds.count("response.output_item.added") == 1
+    item_ids = {e.item_id for e in events if getattr(e, "item_id", None)}
+    assert item_ids == {cut_response.output[0].id}
+    assert events[0].response.id == cut_response.id
+    assert cut_response.usage is not None and whole_response.usage is not None
+    assert cut_response.usage.output_tokens == whole_response.usage.output_tokens
+    [record] = s.wait_incidents(1)
+    assert record["decision"] == "continued" and record["route"] == "/v1/responses"
+    assert record["tokens_before"] == 21  # 25 events: created, in_progress, the item, its part

@@ -25,7 +25,19 @@ CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "stream":
     ("/chat/completions", CHAT, False, None),
     ("/v1/chat/completions", CHAT, True, c.Refusal.OPTED_OUT),
     ("/v1/embeddings", {"input": "x"}, False, c.Refusal.ROUTE),
-    ("/v1/messages", CHAT, False, c.Refusal.ROUTE),
+    ("/v1/messages", CHAT, False, None),
+    ("/v1/messages", {**CHAT, "thinking": {"type": "enabled", "budget_tokens": 99}}, False,
+     c.Refusal.REASONING),
+    ("/v1/messages", {**CHAT, "tools": [{"name": "t", "input_schema": {}}]}, False,
+     c.Refusal.TOOLS),
+    ("/v1/responses", {"input": "x", "stream": True}, False, None),
+    ("/responses", {"input": [{"role": "user", "content": "x"}]}, False, None),
+    ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema"}}}, False,
+     c.Refusal.CONSTRAINED),
+    ("/v1/responses", {"input": []}, False, c.Refusal.PROMPT),
+    ("/v1/responses", {"input": [{"type": "message", "role": "assistant", "content": [
+        {"type": "output_text", "text": "x"}]}]}, False, c.Refusal.PROMPT),
+    ("/v1/rerank", {"query": "x"}, False, c.Refusal.ROUTE),
     ("/v1/chat/completions", None, False, c.Refusal.ROUTE),
     ("/v1/chat/completions", {**CHAT, "grammar": "root ::= \"a\""}, False,
      c.Refusal.CONSTRAINED),
@@ -212,3 +224,101 @@ def test_a_stream_cut_before_its_role_delta_keeps_the_continuations() -> None:
     out = events_of(stream.rewrite(event({"id": "x", "choices": [{"index": 0, "delta": {
         "role": "assistant", "content": None}, "finish_reason": None}]})))
     assert out[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def sse_events(raw: bytes) -> list[dict[str, Any]]:
+    return [json.loads(sse.event_data(b)) for b in raw.split(sse.SEPARATOR)
+            if sse.event_data(b).startswith(b"{")]
+
+
+def test_a_messages_stream_is_followed_and_continued_as_one_message() -> None:
+    """/v1/messages (Anthropic's API) on the pinned server: the client had message_start, the
+    open text block and 9 text deltas when the child died; the other child, given the text as
+    a final assistant message (which llama-server continues by itself), echoes it in its first
+    delta (captured: messages-prefill-stream.sse)."""
+    whole = sse_events((FIXTURES / "messages-stream.sse").read_bytes())
+    t = c.Transcript("messages")
+    for event in whole[:11]:  # message_start, content_block_start, 9 text deltas
+        t.take(event)
+    assert t.id is not None and t.id.startswith("chatcmpl-") and t.role_sent
+    assert t.text == "The robot, a sleek and futuristic robot named" and t.tokens == 9
+    assert not t.finished
+    body = c.continuation_body({**CHAT, "max_tokens": 12}, t)
+    assert body["messages"][-1] == {"role": "assistant", "content": t.text}
+    assert body["max_tokens"] == 3 and "continue_final_message" not in body
+    note = {"from_child": "gpu", "child": "cpu", "kind": "runtime_oom", "tokens_before": 9}
+    out = ContinuedStream(t, note).rewrite(
+        (FIXTURES / "messages-prefill-stream.sse").read_bytes())
+    blocks = [b for b in out.split(sse.SEPARATOR) if b]
+    # Named events, as the Messages API sends them; no second message_start or block start.
+    assert all(b.startswith(b"event: ") for b in blocks)
+    rest = sse_events(out)
+    assert [e["type"] for e in rest][:1] == ["content_block_delta"]
+    assert "message_start" not in {e["type"] for e in rest}
+    assert "content_block_start" not in {e["type"] for e in rest}
+    text = "".join(e["delta"]["text"] for e in rest if e["type"] == "content_block_delta")
+    assert text.startswith(' "') and not text.startswith("The robot")  # the echo stripped
+    # The uninterrupted answer's next tokens were the same: ' "', 'E', 'cho'.
+    uninterrupted = "".join(e["delta"]["text"] for e in whole
+                            if e["type"] == "content_block_delta")
+    assert (t.text + text).startswith(uninterrupted[:len(t.text) + 5])
+    [final] = [e for e in rest if e["type"] == "message_delta"]
+    assert final["usage"]["output_tokens"] == 6 + 9
+    assert final["spillway_continuation"] == note
+    # A death after the text block closed is not continued: only the stop reason was left.
+    t.take({"type": "content_block_stop", "index": 0})
+    assert t.finished
+    thinking = c.Transcript("messages")
+    thinking.take({"type": "content_block_start", "index": 0,
+                   "content_block": {"type": "thinking", "thinking": ""}})
+    assert thinking.reasoning
+
+
+def test_a_responses_stream_is_followed_and_continued_as_one_response() -> None:
+    """/v1/responses (OpenAI's Responses API) on the pinned server: the client had the
+    response's opening events and 9 text deltas; the other child, asked to continue the final
+    assistant message (captured: responses-prefill-stream.sse), sends its own ids and, in its
+    done events, the whole text."""
+    whole = sse_events((FIXTURES / "responses-stream.sse").read_bytes())
+    t = c.Transcript("responses")
+    for event in whole[:13]:  # created, in_progress, item added, part added, 9 deltas
+        t.take(event)
+    assert t.text == "The robot, a sleek and futuristic robot named" and t.tokens == 9
+    assert t.id is not None and t.id.startswith("resp_")
+    assert t.item_id is not None and t.item_id.startswith("msg_") and not t.finished
+    body = c.continuation_body({"input": "Tell me a story.", "max_output_tokens": 12,
+                                "stream": True}, t)
+    assert body["input"] == [{"role": "user", "content": "Tell me a story."},
+                             {"type": "message", "role": "assistant", "content": t.text}]
+    assert body["max_output_tokens"] == 3 and body["continue_final_message"] is True
+    note = {"from_child": "gpu", "child": "cpu", "kind": "runtime_oom", "tokens_before": 9}
+    out = ContinuedStream(t, note).rewrite(
+        (FIXTURES / "responses-prefill-stream.sse").read_bytes())
+    assert all(b.startswith(b"event: ") for b in out.split(sse.SEPARATOR) if b)
+    rest = sse_events(out)
+    kinds = [e["type"] for e in rest]
+    assert not set(kinds) & {"response.created", "response.in_progress",
+                             "response.output_item.added", "response.content_part.added"}
+    added = "".join(e["delta"] for e in rest if e["type"] == "response.output_text.delta")
+    assert added.startswith(' "')
+    full = t.text + added
+    assert {e.get("item_id") for e in rest if "item_id" in e} == {t.item_id}
+    [done] = [e for e in rest if e["type"] == "response.output_text.done"]
+    assert done["text"] == full
+    [completed] = [e for e in rest if e["type"] == "response.completed"]
+    response = completed["response"]
+    assert response["id"] == t.id and response["output"][0]["id"] == t.item_id
+    assert response["output"][0]["content"][0]["text"] == full
+    assert response["usage"]["output_tokens"] == 6 + 9
+    assert response["usage"]["total_tokens"] == \
+        response["usage"]["input_tokens"] + response["usage"]["output_tokens"]
+    assert completed["spillway_continuation"] == note
+    # A reasoning or a function call item is never continued; a done event ends the text.
+    for event, flag in (({"type": "response.output_item.added", "item": {"type": "reasoning"}},
+                         "reasoning"),
+                        ({"type": "response.function_call_arguments.delta", "delta": "{"},
+                         "tool_calls"),
+                        ({"type": "response.output_text.done", "text": "x"}, "finished")):
+        probe = c.Transcript("responses")
+        probe.take(event)
+        assert getattr(probe, flag), event

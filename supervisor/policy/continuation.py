@@ -1,9 +1,10 @@
 """Stream continuation: a stream whose child died after bytes reached the client goes on from
 the other child, as one stream.
 
-The text already relayed goes back as the final assistant message (chat, with
-`continue_final_message`) or is appended to the prompt (completions); `max_tokens` is lowered by
-what was generated; every other setting (sampling, seed) is the client's own. Measured on the
+The text already relayed goes back as the final assistant message (chat and /v1/responses,
+with `continue_final_message`; /v1/messages, which llama-server continues by itself) or is
+appended to the prompt (completions); the token limit is lowered by what was generated; every
+other setting (sampling, seed) is the client's own. Measured on the
 pinned build with SmolLM2-135M-Instruct, greedy: the continuation's text is the uninterrupted
 answer's rest, token for token, and its first delta does not echo the prefix (an echo is
 stripped all the same, for builds that send one).
@@ -25,12 +26,17 @@ from typing import Any
 CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
 OAI_COMPLETION_ROUTES = frozenset({"/v1/completions", "/completions"})
 NATIVE_COMPLETION_ROUTES = frozenset({"/completion"})
-ROUTES = CHAT_ROUTES | OAI_COMPLETION_ROUTES | NATIVE_COMPLETION_ROUTES
+MESSAGES_ROUTES = frozenset({"/v1/messages"})  # Anthropic's Messages API
+RESPONSES_ROUTES = frozenset({"/v1/responses", "/responses"})  # OpenAI's Responses API
+ROUTES = CHAT_ROUTES | OAI_COMPLETION_ROUTES | NATIVE_COMPLETION_ROUTES | MESSAGES_ROUTES | \
+    RESPONSES_ROUTES
 
 # Token limits as each route names them (the first one present counts).
 _LIMIT_KEYS = {"chat": ("max_completion_tokens", "max_tokens", "n_predict"),
                "oai_completion": ("max_tokens", "n_predict"),
-               "native_completion": ("n_predict", "max_tokens")}
+               "native_completion": ("n_predict", "max_tokens"),
+               "messages": ("max_tokens",),
+               "responses": ("max_output_tokens", "max_tokens")}
 _CONSTRAINTS = ("grammar", "json_schema", "grammar_lazy", "grammar_triggers")
 
 
@@ -56,6 +62,10 @@ def route_kind(path: str) -> str | None:
         return "oai_completion"
     if path in NATIVE_COMPLETION_ROUTES:
         return "native_completion"
+    if path in MESSAGES_ROUTES:
+        return "messages"
+    if path in RESPONSES_ROUTES:
+        return "responses"
     return None
 
 
@@ -67,27 +77,43 @@ def body_refusal(path: str, payload: dict[str, Any] | None, opted_out: bool) -> 
         return Refusal.ROUTE
     if opted_out:
         return Refusal.OPTED_OUT
-    if any(payload.get(k) for k in _CONSTRAINTS):
-        return Refusal.CONSTRAINED
-    fmt = payload.get("response_format")
-    if isinstance(fmt, dict) and fmt.get("type") not in (None, "text"):
+    if _constrained(kind, payload):
         return Refusal.CONSTRAINED
     if payload.get("tools") or payload.get("functions"):
         return Refusal.TOOLS
     n = payload.get("n", 1)
     if not isinstance(n, int) or n != 1:
         return Refusal.CHOICES
-    if kind == "chat":
-        messages = payload.get("messages")
-        if not isinstance(messages, list) or not messages:
-            return Refusal.PROMPT
-        last = messages[-1]
-        if isinstance(last, dict) and last.get("role") == "assistant" and \
-                not isinstance(last.get("content"), str):
-            return Refusal.PROMPT
-    elif not isinstance(payload.get("prompt"), str):
-        return Refusal.PROMPT
-    return None
+    thinking = payload.get("thinking")
+    if kind == "messages" and isinstance(thinking, dict) and thinking.get("type") == "enabled":
+        return Refusal.REASONING  # its thinking block comes first: never the answer's text
+    return None if _has_prompt(kind, payload) else Refusal.PROMPT
+
+
+def _constrained(kind: str, payload: dict[str, Any]) -> bool:
+    """A grammar, a schema or a JSON format: its state would restart in the middle."""
+    if any(payload.get(k) for k in _CONSTRAINTS):
+        return True
+    fmt = payload.get("response_format")
+    if kind == "responses":  # the Responses API names its format under `text`
+        text = payload.get("text")
+        fmt = text.get("format") if isinstance(text, dict) else None
+    return isinstance(fmt, dict) and fmt.get("type") not in (None, "text")
+
+
+def _has_prompt(kind: str, payload: dict[str, Any]) -> bool:
+    """Something the relayed text can be added to: a message list (whose final assistant
+    message, if any, is one string), an input, or a prompt that is one string."""
+    if kind == "native_completion" or kind == "oai_completion":
+        return isinstance(payload.get("prompt"), str)
+    given = payload.get("input" if kind == "responses" else "messages")
+    if kind == "responses" and isinstance(given, str):
+        return True
+    if not isinstance(given, list) or not given:
+        return False
+    last = given[-1]
+    return not (isinstance(last, dict) and last.get("role") == "assistant" and
+                not isinstance(last.get("content"), str))
 
 
 @dataclass
@@ -105,6 +131,7 @@ class Transcript:
     tool_calls: bool = False
     reasoning: bool = False
     finished: bool = False
+    item_id: str | None = None  # /v1/responses: the output message's id
 
     def take(self, event: dict[str, Any]) -> None:
         """One event's JSON, as it was relayed."""
@@ -117,6 +144,12 @@ class Transcript:
             self.created = created
         if self.kind == "native_completion":
             self._native(event)
+            return
+        if self.kind == "messages":
+            self._message_event(event)
+            return
+        if self.kind == "responses":
+            self._response_event(event)
             return
         for choice in event.get("choices") or []:
             if isinstance(choice, dict):
@@ -134,6 +167,60 @@ class Transcript:
             self.tokens = predicted
         if event.get("stop") is True:
             self.finished = True
+
+    def _message_event(self, event: dict[str, Any]) -> None:
+        """/v1/messages: message_start, then content blocks (start, deltas, stop), then
+        message_delta (the stop reason) and message_stop."""
+        kind = event.get("type")
+        if kind == "message_start":
+            message = event.get("message")
+            if isinstance(message, dict):
+                self.id, self.model = _str(message.get("id")), _str(message.get("model"))
+            self.role_sent = True
+        elif kind == "content_block_start":
+            block = event.get("content_block")
+            block_type = block.get("type") if isinstance(block, dict) else None
+            self.tool_calls = self.tool_calls or block_type in ("tool_use", "server_tool_use")
+            self.reasoning = self.reasoning or block_type in ("thinking", "redacted_thinking")
+        elif kind == "content_block_delta":
+            delta = event.get("delta")
+            delta_type = delta.get("type") if isinstance(delta, dict) else None
+            if delta_type == "text_delta" and isinstance(delta, dict):
+                self._text(delta.get("text"))
+            self.tool_calls = self.tool_calls or delta_type == "input_json_delta"
+            self.reasoning = self.reasoning or delta_type == "thinking_delta"
+        elif kind in ("content_block_stop", "message_delta", "message_stop"):
+            # llama-server closes the text block only as the answer ends: the rest is only
+            # its stop reason, which the other child cannot know.
+            self.finished = True
+
+    def _response_event(self, event: dict[str, Any]) -> None:
+        """/v1/responses: response.created, an output message item and its text part, the
+        text deltas, then the done events (with the whole text) and response.completed."""
+        kind = event.get("type")
+        if not isinstance(kind, str):
+            return
+        if kind == "response.created":
+            response = event.get("response")
+            if isinstance(response, dict):
+                self.id = _str(response.get("id"))
+            self.role_sent = True
+        elif kind == "response.output_item.added":
+            self._response_item(event.get("item"))
+        elif kind == "response.output_text.delta":
+            self._text(event.get("delta"))
+        elif kind.endswith(".done") or kind in ("response.completed", "response.incomplete",
+                                                "response.failed"):
+            self.finished = True  # the text was closed: only its end was left to send
+        self.reasoning = self.reasoning or kind.startswith("response.reasoning")
+        self.tool_calls = self.tool_calls or kind.startswith("response.function_call")
+
+    def _response_item(self, item: Any) -> None:
+        item_type = item.get("type") if isinstance(item, dict) else None
+        if isinstance(item, dict) and item_type == "message":
+            self.item_id = self.item_id or _str(item.get("id"))
+        self.tool_calls = self.tool_calls or item_type == "function_call"
+        self.reasoning = self.reasoning or item_type == "reasoning"
 
     def _choice(self, choice: dict[str, Any]) -> None:
         if choice.get("finish_reason"):
@@ -205,7 +292,29 @@ def continuation_body(payload: dict[str, Any], transcript: Transcript) -> dict[s
             break
     if not transcript.text:
         return body  # nothing relayed yet but the role: the same request, once more
-    if kind == "chat":
+    if kind == "responses":
+        given = body.get("input")
+        items: list[Any] = [{"role": "user", "content": given}] if isinstance(given, str) \
+            else list(given or [])
+        last = items[-1] if items else None
+        if isinstance(last, dict) and last.get("role") == "assistant":
+            last["content"] = last["content"] + transcript.text
+        else:
+            items.append({"type": "message", "role": "assistant", "content": transcript.text})
+        body["input"] = items
+        # llama-server passes what it does not convert on to its chat completion.
+        body["continue_final_message"] = True
+        body["add_generation_prompt"] = False
+    elif kind == "messages":
+        # llama-server continues a final assistant message of its own accord (its default
+        # --prefill-assistant); the Messages API has no continue_final_message to ask for it.
+        messages = body["messages"]
+        last = messages[-1]
+        if isinstance(last, dict) and last.get("role") == "assistant":
+            last["content"] = last["content"] + transcript.text
+        else:
+            messages.append({"role": "assistant", "content": transcript.text})
+    elif kind == "chat":
         messages = body["messages"]
         last = messages[-1]
         if isinstance(last, dict) and last.get("role") == "assistant":

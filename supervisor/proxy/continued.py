@@ -3,7 +3,10 @@
 The client already has the first child's role delta, its id, created and model: the
 continuation's own are replaced by those, its role delta is dropped, an echo of the relayed text
 is stripped, its usage counts the tokens sent before, and its final event says, in a
-`spillway_continuation` field, that it was continued and from where. Pure bytes in, bytes out.
+`spillway_continuation` field, that it was continued and from where. /v1/messages and
+/v1/responses, whose events open a message (a content block, an output item) before its text,
+lose the continuation's opening events, and their closing ones carry the whole text. Pure bytes
+in, bytes out.
 """
 
 from __future__ import annotations
@@ -15,9 +18,22 @@ from ..policy.continuation import Transcript
 from . import sse
 
 
-def _event(obj: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + \
+def _event(obj: dict[str, Any], named: bool = False) -> bytes:
+    """One event; `named`: with its `event:` line, as the Messages API sends each."""
+    data = b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + \
         sse.SEPARATOR
+    name = obj.get("type")
+    if named and isinstance(name, str):
+        return b"event: " + name.encode() + b"\n" + data
+    return data
+
+
+# The APIs whose events each have an `event:` line naming their type.
+_NAMED_EVENTS = frozenset({"messages", "responses"})
+# /v1/responses: the events that open the response, its message and its text part, which the
+# client already has.
+_RESPONSE_OPENINGS = frozenset({"response.created", "response.in_progress",
+                                "response.output_item.added", "response.content_part.added"})
 
 
 class ContinuedStream:
@@ -44,7 +60,8 @@ class ContinuedStream:
                 continue
             kept = self._one(obj) if isinstance(obj, dict) else obj
             if kept is not None:
-                out.append(_event(kept) if isinstance(kept, dict) else block + sse.SEPARATOR)
+                out.append(_event(kept, self.before.kind in _NAMED_EVENTS)
+                           if isinstance(kept, dict) else block + sse.SEPARATOR)
         return b"".join(out)
 
     def _piece(self, text: str) -> str:
@@ -55,9 +72,13 @@ class ContinuedStream:
         return text
 
     def _one(self, obj: dict[str, Any]) -> dict[str, Any] | None:
-        if "error" in obj:
+        if "error" in obj or obj.get("type") == "error":
             return obj
         b = self.before
+        if b.kind == "messages":
+            return self._message_event(obj)
+        if b.kind == "responses":
+            return self._response_event(obj)
         for key, value in (("id", b.id), ("created", b.created), ("model", b.model),
                            ("system_fingerprint", b.system_fingerprint)):
             if value is not None and key in obj:
@@ -105,6 +126,83 @@ class ContinuedStream:
                 isinstance(usage.get("prompt_tokens"), int):
             usage["total_tokens"] = usage["completion_tokens"] + usage["prompt_tokens"]
 
+    def _message_event(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """/v1/messages: the client has its message_start and its open text block (a stream
+        whose block was closed is not continued), so the continuation's own go; its text goes
+        on in the client's block; its output_tokens count the tokens before."""
+        kind = obj.get("type")
+        if kind in ("message_start", "content_block_start"):
+            return None
+        if kind == "content_block_delta":
+            delta = obj.get("delta")
+            if isinstance(delta, dict) and isinstance(delta.get("text"), str):
+                delta["text"] = self._piece(delta["text"])
+                if not delta["text"]:
+                    return None
+        if kind == "message_delta":
+            usage = obj.get("usage")
+            if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
+                usage["output_tokens"] += self.before.tokens
+            obj["spillway_continuation"] = self.note
+        return obj
+
+    def _response_event(self, obj: dict[str, Any]) -> dict[str, Any] | None:
+        """/v1/responses: the client has the response's opening events, so the
+        continuation's own go; its ids become the client's; its text deltas go on; the done
+        events and response.completed carry the whole text (before and after) and usage
+        summed."""
+        b = self.before
+        kind = obj.get("type")
+        if kind in _RESPONSE_OPENINGS:
+            return None
+        if b.item_id is not None and "item_id" in obj:
+            obj["item_id"] = b.item_id
+        if kind == "response.output_text.delta":
+            if isinstance(obj.get("delta"), str):
+                obj["delta"] = self._piece(obj["delta"])
+            return obj if obj.get("delta") else None
+        whole = b.text + self.text
+        if kind == "response.output_text.done":
+            obj["text"] = whole
+        elif kind == "response.content_part.done":
+            _set_text(obj.get("part"), whole)
+        elif kind == "response.output_item.done":
+            self._item(obj.get("item"), whole)
+        elif kind in ("response.completed", "response.incomplete"):
+            self._response(obj.get("response"), whole)
+            obj["spillway_continuation"] = self.note
+        return obj
+
+    def _response(self, response: Any, whole: str) -> None:
+        """The final response object: the client's id, the whole text, usage summed."""
+        if not isinstance(response, dict):
+            return
+        if self.before.id is not None:
+            response["id"] = self.before.id
+        for item in response.get("output") or []:
+            self._item(item, whole)
+        usage = response.get("usage")
+        if isinstance(usage, dict):
+            self._response_usage(usage)
+
+    def _item(self, item: Any, whole: str) -> None:
+        if isinstance(item, dict) and item.get("type") == "message":
+            if self.before.item_id is not None:
+                item["id"] = self.before.item_id
+            for part in item.get("content") or []:
+                _set_text(part, whole)
+
+    def _response_usage(self, usage: dict[str, Any]) -> None:
+        n = self.before.tokens
+        done, given = usage.get("output_tokens"), usage.get("input_tokens")
+        if isinstance(done, int):
+            usage["output_tokens"] = done + n
+        if isinstance(given, int):
+            usage["input_tokens"] = max(given - n, 0)
+        if isinstance(usage.get("output_tokens"), int) and \
+                isinstance(usage.get("input_tokens"), int):
+            usage["total_tokens"] = usage["output_tokens"] + usage["input_tokens"]
+
     def _native(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         if isinstance(obj.get("content"), str):
             obj["content"] = self._piece(obj["content"])
@@ -114,3 +212,9 @@ class ContinuedStream:
             obj["spillway_continuation"] = self.note
             return obj
         return obj if obj.get("content") else None
+
+
+def _set_text(part: Any, whole: str) -> None:
+    """A text part of a /v1/responses message: the whole text, before and after."""
+    if isinstance(part, dict) and part.get("type") == "output_text":
+        part["text"] = whole
