@@ -261,6 +261,14 @@ class ChildConfig:
         ]
 
     @property
+    def prefills_assistant(self) -> bool:
+        """Whether it continues a final assistant message of its own accord (llama-server's
+        default); /v1/messages streams are continued only on a child that does."""
+        off = ("0", "false", "off", "no", "disabled")
+        return "--no-prefill-assistant" not in self.args and \
+            self.env.get("LLAMA_ARG_PREFILL_ASSISTANT", "").strip().lower() not in off
+
+    @property
     def router(self) -> bool:
         """A llama-server router over many models (no model.path), not a server of one."""
         return not self.model_path

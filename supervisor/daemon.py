@@ -73,7 +73,9 @@ def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, Prox
         ProxySettings(max_body_bytes=s.max_body_bytes,
                       max_replay_body_bytes=f.max_replay_body_bytes, replay=f.replay,
                       continue_streams=f.continue_streams,
-                      body_timeout_s=s.body_timeout_s, access_log=s.access_log),
+                      body_timeout_s=s.body_timeout_s, access_log=s.access_log,
+                      no_prefill=frozenset(c.name for c in (config.gpu, config.cpu)
+                                           if not c.prefills_assistant)),
     )
 
 

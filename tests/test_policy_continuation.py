@@ -322,3 +322,30 @@ def test_a_responses_stream_is_followed_and_continued_as_one_response() -> None:
         probe = c.Transcript("responses")
         probe.take(event)
         assert getattr(probe, flag), event
+
+
+def test_a_messages_stream_is_not_continued_on_a_child_that_does_not_prefill() -> None:
+    """/v1/messages cannot ask for continue_final_message: a child started with
+    --no-prefill-assistant would begin a new answer after the relayed text."""
+    t = c.Transcript("messages")
+    t.take({"type": "message_start", "message": {"id": "msg_1", "model": "m"}})
+    t.take({"type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": "Once"}})
+    assert c.decide(CHAT, t, False, None, 1.0, True).allowed
+    refused = c.decide(CHAT, t, False, None, 1.0, True, target_prefills=False)
+    assert not refused.allowed and "--no-prefill-assistant" in refused.reason
+    # Chat asks for it in the body: a child's default does not matter there.
+    assert c.decide(CHAT, chat_transcript("a"), False, None, 1.0, True,
+                    target_prefills=False).allowed
+
+
+def test_which_children_prefill_a_final_assistant_message() -> None:
+    from supervisor.config import ChildConfig
+    base = ChildConfig(name="cpu", args=("-ngl", "0"), llama_server="llama-server",
+                       model_path="m.gguf", env={}, start_timeout_s=1.0, stop_grace_s=1.0,
+                       max_concurrency=None)
+    assert base.prefills_assistant
+    assert not ChildConfig(**{**base.__dict__, "args": ("--no-prefill-assistant",)}) \
+        .prefills_assistant
+    assert not ChildConfig(**{**base.__dict__,
+                              "env": {"LLAMA_ARG_PREFILL_ASSISTANT": "false"}}).prefills_assistant

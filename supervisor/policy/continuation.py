@@ -249,7 +249,7 @@ class Decision:
 
 def decide(payload: dict[str, Any], transcript: Transcript, continued_before: bool,
            deadline_left_s: float | None, target_expected_s: float,
-           target_available: bool) -> Decision:
+           target_available: bool, target_prefills: bool = True) -> Decision:
     """Whether this broken stream may go on from the other child (after `body_refusal` let it
     be followed)."""
     if continued_before:
@@ -268,6 +268,9 @@ def decide(payload: dict[str, Any], transcript: Transcript, continued_before: bo
                                f"child needs about {target_expected_s:.1f} s", Refusal.DEADLINE)
     if not target_available:
         return Decision(False, "no other child can take it now", Refusal.NO_TARGET)
+    if transcript.kind == "messages" and not target_prefills:
+        return Decision(False, "the other child runs with --no-prefill-assistant: it would "
+                               "begin a new answer", Refusal.PROMPT)
     return Decision(True, f"continued after {transcript.tokens} tokens")
 
 

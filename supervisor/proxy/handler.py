@@ -112,6 +112,9 @@ class ProxySettings:
     max_replay_body_bytes: int
     replay: bool = True
     continue_streams: bool = True  # failover.continue_streams
+    # Children started with --no-prefill-assistant: /v1/messages streams are not continued
+    # there (the Messages API cannot ask for the final message to be continued).
+    no_prefill: frozenset[str] = frozenset()
     body_timeout_s: float = 30.0
     access_log: bool = True
 
@@ -501,7 +504,8 @@ class ProxyHandler:
         decision = continuation.decide(
             ctx.payload, so_far, ctx.continued, left,
             target_expected_s=pool.expected_seconds(other, len(ctx.body), remaining) or 0.0,
-            target_available=pool.can_take_replay(other))
+            target_available=pool.can_take_replay(other),
+            target_prefills=other not in self.settings.no_prefill)
         lease = await pool.replay_lease(other, left) if decision.allowed else None
         if lease is None:
             why = decision.reason if not decision.allowed else \
