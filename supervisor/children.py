@@ -47,6 +47,7 @@ from .hostcpu import HostCpu, host_cpu
 from .policy import lifecycle, signatures
 from .systemd import OWN_VARIABLES
 from .timefmt import rfc3339
+from .vocabulary import StateListener
 from .policy.evidence import (
     FailureKind,
     VramSample,
@@ -114,7 +115,6 @@ class ExitRecord:
         }
 
 
-StateListener = Callable[["Child", ChildState, ChildState, str], None]
 VramProbe = Callable[[float], VramSample | None]
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import llama_args, models_dir
+from .vocabulary import ROLES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -37,7 +38,6 @@ else:  # pragma: no cover - the package requires 3.11, tomli is the documented f
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-CHILD_NAMES = ("gpu", "cpu")
 # Changes a reload cannot apply: noted in status, they take effect when spillway restarts.
 RESTART_KEYS = ("server.listen", "gpu.device", "balancer.agent_listen")
 CPU_MODES = ("hot", "on-demand")
@@ -633,7 +633,7 @@ def _check_child_args(
 
 
 def _check_across(values: Mapping[str, Mapping[str, Any]], problems: list[Problem]) -> None:
-    for section in ("model", *CHILD_NAMES):
+    for section in ("model", *ROLES):
         args = values[section]["args"]
         if all(isinstance(a, str) for a in args):
             _check_child_args(section, args, problems)
@@ -696,7 +696,7 @@ def _check_router(values: Mapping[str, Mapping[str, Any]],
     """Router mode against single-model mode, the router flags' values, and the one set of
     models both routers must serve."""
     model_path = values["model"]["path"]
-    for section in ("model", *CHILD_NAMES):
+    for section in ("model", *ROLES):
         args = values[section]["args"]
         if not all(isinstance(a, str) for a in args):
             continue
@@ -721,7 +721,7 @@ def _check_router(values: Mapping[str, Mapping[str, Any]],
     for flag in llama_args.ROUTER_SOURCES:
         ours = [llama_args.flag_value(c.args, flag) or None for c in (gpu, cpu)]
         if ours[0] != ours[1]:
-            own = [n for n in CHILD_NAMES if llama_args.find_flag(values[n]["args"], flag)]
+            own = [n for n in ROLES if llama_args.find_flag(values[n]["args"], flag)]
             problems.append(Problem(
                 _flag_key(values, (own or ["gpu"])[0], flag),
                 f"both routers serve the same models, but {flag} is "
@@ -769,14 +769,14 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
     api_key = _api_key(values["server"], environ, listen, problems)
     model = _make(ModelConfig, "model", values["model"], base_dir)
     _check_across(values, problems)
-    children = {name: _build_child(name, values[name], model, base_dir) for name in CHILD_NAMES}
+    children = {name: _build_child(name, values[name], model, base_dir) for name in ROLES}
     _check_router(values, children, problems)
     if check_paths:
         problems = _dedupe(problems + _path_problems(values, model, children))
     if problems:
         raise ConfigError(source, problems)
 
-    special = {"server", "model", *CHILD_NAMES}
+    special = {"server", "model", *ROLES}
     sections = {name: _make(cls, name, values[name], base_dir)
                 for name, cls in SECTIONS.items() if name not in special}
     server = _make(ServerConfig, "server", values["server"], base_dir, listen=tuple(listen),
@@ -823,7 +823,7 @@ __all__ = [
     "IncidentsConfig", "QueueConfig",
     "IdempotencyConfig", "StreamsConfig", "ListenAddress", "load", "build",
     "known_keys", "parse_listen", "SCHEMA", "SECTIONS", "Key", "key", "derived",
-    "section_keys", "CHILD_NAMES", "RESTART_KEYS", "suggest", "diff", "command_changed",
+    "section_keys", "RESTART_KEYS", "suggest", "diff", "command_changed",
 ]
 
 

@@ -26,10 +26,11 @@ from aiohttp import web
 from . import __version__, bootstrap, config as config_module
 from .children import Child
 from .balancer import AgentServer
-from .config import CHILD_NAMES, Config
+from .config import Config
 from .gpu import MIB, GpuMonitor
 from .idempotency import IdempotencyStore
 from .stream_sessions import StreamSessions
+from .vocabulary import ROLES
 from .incidents import IncidentLog, default_path
 from .metrics import Metrics
 from .policy.lifecycle import ChildState
@@ -408,7 +409,7 @@ class Daemon:
 
     def _apply_to_children(self, new: Config) -> None:
         """New timeouts at once; a child whose command changed is drained or restarted."""
-        for name in CHILD_NAMES:
+        for name in ROLES:
             child = self.children[name]
             child.restart_cfg = new.restart
             child.hang_timeout_s = new.restart.hang_timeout_s
@@ -444,7 +445,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop, sig.name)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         await self.monitor.start()
-        self.children = {name: self._make_child(name) for name in CHILD_NAMES}
+        self.children = {name: self._make_child(name) for name in ROLES}
         self.resources = Resources(self.config, self.children, self.monitor)
         await asyncio.to_thread(self.res.read_model)
         self.res.sample()
@@ -515,7 +516,7 @@ class Daemon:
             self.reloader = Reloader(self.config.path, lambda: self.config, self.apply_config,
                                      self._reload_result, self._reload_started)
             self.reloader.watch()
-        for name in CHILD_NAMES:
+        for name in ROLES:
             if name == "cpu" and self.config.cpu.mode == "on-demand" and not self.config.router:
                 continue  # (a CPU router always runs: its models load on demand)
             self.children[name].start()

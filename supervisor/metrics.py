@@ -20,6 +20,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .policy.lifecycle import ChildState
 from .stream_sessions import StreamSessions
+from .vocabulary import ROLES
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -111,7 +112,7 @@ class Metrics:
             "(the running one is in effect either way).", registry=r)
         self.config_valid.set(1)
         self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
-        for child in ("gpu", "cpu"):
+        for child in ROLES:
             self.set_state(child, ChildState.STOPPED)
             self.stale_connection_resends.labels(child)  # 0 from the start, not absent
         for result in ("served", "not_found", "offset_lost"):

@@ -13,7 +13,7 @@ time), counts the failure and drains an upstream that survived an OOM, and lets 
 request in. Admission itself is pure (policy/admission.py); the pool turns its decisions into
 places and waits: a decision and its place are taken in one step, with no await between.
 
-Roles: admission.CHILD_ORDER names the GPU role first and the CPU role second; a request that
+Roles: vocabulary.ROLES names the GPU role first and the CPU role second; a request that
 fails on one is replayed on the other (policy/replay.py decides whether).
 """
 
@@ -28,13 +28,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .load import Load
 from .metrics import Metrics
 from .policy import admission, waitline
-from .policy.admission import CHILD_ORDER, Action, Capacity, ChildView, Decision, Request
+from .policy.admission import Action, Capacity, ChildView, Decision, Request
 from .policy.evidence import FailureKind
 from .policy.lifecycle import ChildState
-from .proxy.forward import (
+from .vocabulary import (
+    ROLES,
     Answered,
     Attempt,
     AttemptFailure,
@@ -75,29 +75,6 @@ class CapacitySource(Protocol):
     async def wait_ready(self, name: str, within_s: float) -> float | None: ...
 
 
-StateListener = Callable[[Any, ChildState, ChildState, str], None]
-
-
-class Member(Upstream, Protocol):
-    """An upstream as the pool holds it (children.Child provides it)."""
-
-    @property
-    def load(self) -> Load: ...
-
-    @property
-    def last_start_s(self) -> float | None: ...
-
-    @property
-    def listeners(self) -> list[StateListener]: ...
-
-    @property
-    def state(self) -> ChildState: ...
-
-    def next_try_in_s(self) -> float | None: ...
-
-    def drain(self, reason: str) -> None: ...
-
-
 @dataclass(eq=False)
 class Lease:
     """A place on one upstream, ready when handed out; closed once with the attempt's outcome.
@@ -105,7 +82,7 @@ class Lease:
     caps) only count as in flight."""
 
     pool: Pool
-    upstream: Member
+    upstream: Upstream
     counted: bool
     decision: Decision | None = None
     waited_s: float = 0.0
@@ -135,12 +112,12 @@ class _Waiter:
 
 
 class Pool:
-    def __init__(self, source: CapacitySource, upstreams: Mapping[str, Member], max_waiting: int,
+    def __init__(self, source: CapacitySource, upstreams: Mapping[str, Upstream], max_waiting: int,
                  max_wait_s: float, *, metrics: Metrics | None = None, boot: str = "",
                  on_change: Callable[[], None] | None = None) -> None:
         self.source = source
         self.upstreams = dict(upstreams)
-        self.roles: Sequence[str] = [n for n in CHILD_ORDER if n in self.upstreams]
+        self.roles: Sequence[str] = [n for n in ROLES if n in self.upstreams]
         self.max_wait_s = max_wait_s
         self.line = waitline.WaitLine(max_waiting)
         self.metrics = metrics
@@ -177,7 +154,7 @@ class Pool:
     def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
         return self.source.expected_seconds(name, body_size, max_tokens)
 
-    def first_ready(self) -> Member | None:
+    def first_ready(self) -> Upstream | None:
         """The upstream a question outside the caps (a token count) goes to."""
         for name in self.roles:
             member = self.upstreams[name]

@@ -14,17 +14,18 @@ import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 import psutil
 
 from . import gguf_meta, llama_args
-from .config import ChildConfig, Config
+from .config import Config
 from .gpu import MIB, GpuMonitor
 from .policy import estimate
 from .policy.admission import ChildView
 from .policy.lifecycle import ChildState
+from .vocabulary import Upstream
 
 log = logging.getLogger("spillway.resources")
 
@@ -40,40 +41,8 @@ class Profile:
     peak_vram: int = 0  # the most VRAM seen in use by it (GPU child, from NVML)
 
 
-class Supervised(Protocol):
-    """What these figures need of an upstream: a child (children.Child), or one model on a
-    router child (router/upstream.py)."""
-
-    @property
-    def state(self) -> ChildState: ...
-
-    @property
-    def pid(self) -> int | None: ...
-
-    @property
-    def cfg(self) -> ChildConfig: ...
-
-    @property
-    def base_url(self) -> str: ...
-
-    @property
-    def api_key(self) -> str: ...
-
-    @property
-    def last_start_s(self) -> float | None: ...
-
-    @property
-    def state_since(self) -> float: ...
-
-    def next_try_in_s(self) -> float | None: ...
-
-    def start(self) -> None: ...
-
-    async def wait_state(self, *states: ChildState, timeout: float | None = None) -> bool: ...
-
-
 class Resources:
-    def __init__(self, config: Config, children: Mapping[str, Supervised],
+    def __init__(self, config: Config, children: Mapping[str, Upstream],
                  monitor: GpuMonitor) -> None:
         self.config = config
         self.children = children

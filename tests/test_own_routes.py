@@ -16,7 +16,8 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from supervisor import __version__
 from supervisor.children import Child
-from supervisor.config import CHILD_NAMES, Config, build
+from supervisor.config import Config, build
+from supervisor.vocabulary import ROLES
 from supervisor.pool import Pool
 from supervisor.gpu import GpuMonitor
 from supervisor.incidents import IncidentLog
@@ -41,7 +42,7 @@ class FakeHost:
 
 def make_routes(tmp_path: Path, cpu_mode: str = "hot") -> tuple[OwnRoutes, FakeHost]:
     cfg = build({"model": {"path": "/m.gguf"}, "cpu": {"mode": cpu_mode}}, check_paths=False)
-    children = {name: Child(cfg.child(name), cfg.restart) for name in CHILD_NAMES}
+    children = {name: Child(cfg.child(name), cfg.restart) for name in ROLES}
     monitor = GpuMonitor(cfg.gpu.device, cfg.monitor.sample_interval_s)
     resources = Resources(cfg, children, monitor)
     host = FakeHost(cfg)

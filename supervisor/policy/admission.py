@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .lifecycle import ChildState
+from ..vocabulary import ROLES
 from .routes import RouteClass
 
-CHILD_ORDER = ("gpu", "cpu")
 
 
 class Action(enum.StrEnum):
@@ -139,13 +139,13 @@ def _why(cap: Capacity) -> str:
 
 def passthrough(states: Mapping[str, ChildState], pin: str | None) -> Decision:
     """Routes outside generation: outside the caps, never replayed."""
-    if pin in CHILD_ORDER:
+    if pin in ROLES:
         if states.get(pin) == ChildState.READY:
             return Decision(Action.FORWARD, 4, "pinned by X-Spillway-Child", child=pin)
         return Decision(Action.REJECT, 7, f"the {pin} child (pinned by X-Spillway-Child) is "
                                           f"{states.get(pin)}", retry_after_s=5.0,
                         cause="no_child")
-    for name in CHILD_ORDER:
+    for name in ROLES:
         if states.get(name) == ChildState.READY:
             return Decision(Action.FORWARD, 4, f"{name} child ready", child=name)
     return Decision(Action.REJECT, 7, "no child is ready (" + ", ".join(

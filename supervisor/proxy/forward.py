@@ -25,9 +25,9 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -35,6 +35,15 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..policy import continuation
 from ..policy import evidence as ev
+from ..vocabulary import (
+    Answered,
+    Attempt,
+    AttemptFailure,
+    AttemptResult,
+    Broken,
+    Interrupted,
+    Upstream,
+)
 from ..policy import router as router_evidence
 from ..policy.routes import ANTHROPIC_ROUTES, RouteClass
 from . import sse
@@ -62,105 +71,6 @@ _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # exit status is the best evidence and usually arrives within milliseconds.
 EXIT_EVIDENCE_WAIT_S = 2.0
 HOLD_COMMENT_EVERY_S = 10.0
-
-
-class ExitInfo(Protocol):
-    @property
-    def kind(self) -> ev.FailureKind: ...
-
-    @property
-    def evidence(self) -> str: ...
-
-    @property
-    def known_crash(self) -> str: ...  # a known crash signature's verdict and fix, or ""
-
-
-class Upstream(Protocol):
-    """What the proxy needs of a child (children.Child provides it)."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def generation(self) -> int: ...
-
-    @property
-    def api_key(self) -> str: ...
-
-    @property
-    def host(self) -> str: ...
-
-    @property
-    def port(self) -> int | None: ...
-
-    @property
-    def stderr_tail(self) -> Sequence[str]: ...
-
-    @property
-    def base_url(self) -> str: ...
-
-    @property
-    def is_ready(self) -> bool: ...
-
-    def running(self, generation: int) -> bool: ...
-
-    async def exit_of(self, generation: int, timeout: float) -> ExitInfo | None: ...
-
-
-@dataclass(frozen=True)
-class AttemptFailure:
-    """An attempt that failed: before any byte reached the client, unless `after_bytes`."""
-
-    child: str
-    generation: int
-    verdict: ev.Verdict
-    status: int | None = None  # the child's HTTP status, when it answered
-    body: bytes = b""
-    timed_out: bool = False  # no byte for read_timeout_s: the child may still be working
-    stream_started: bool = False  # the child had sent its 200 before failing
-    after_bytes: bool = False  # the client already had part of the answer
-
-
-@dataclass
-class Attempt:
-    """One forwarding of a request to one child: what it delivered, as it goes."""
-
-    child: str
-    number: int  # 1; 2 for the replay
-    started: float = field(default_factory=time.monotonic)
-    first_byte_s: float | None = None  # from the request's arrival to its first byte out
-    events: int = 0  # SSE data events delivered (a token count for streams)
-    timings: dict[str, Any] | None = None  # llama-server's own timings of the answer
-    tokens: int | None = None  # completion tokens, when the answer said
-
-
-@dataclass(frozen=True)
-class Answered:
-    response: web.StreamResponse
-
-
-@dataclass(frozen=True)
-class Broken:
-    """Failed after bytes reached the client: the stream was ended with one error event and no
-    [DONE]; never a final answer."""
-
-    response: web.StreamResponse
-    failure: AttemptFailure
-
-
-@dataclass(frozen=True)
-class Interrupted:
-    """Failed after bytes reached the client, its stream left open: it goes on from the other
-    child (`Forwarder.continue_stream`) or ends with the error event (`Forwarder.end_broken`).
-    Only a followed stream (`RequestCtx.follow`) is interrupted rather than broken."""
-
-    response: web.StreamResponse
-    failure: AttemptFailure
-    anthropic: bool = False
-    at: float = field(default_factory=time.monotonic)  # when the failure was seen
-
-
-AttemptResult = Answered | Broken | Interrupted | AttemptFailure
 
 
 @dataclass

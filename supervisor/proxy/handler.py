@@ -32,16 +32,15 @@ from ..policy.routes import RouteClass, classify_route, route_label
 from . import errors, tokens
 from .auth import AUTHENTICATED, presented_key
 from .continued import ContinuedStream
-from .forward import (
+from ..vocabulary import (
     Answered,
     Attempt,
     AttemptFailure,
     AttemptResult,
     Broken,
     Interrupted,
-    Forwarder,
-    RequestCtx,
 )
+from .forward import Forwarder, RequestCtx
 from .identity import request_id_of
 
 log = logging.getLogger("spillway.proxy")

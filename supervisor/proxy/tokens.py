@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from .forward import Upstream
+from ..vocabulary import Upstream
 
 log = logging.getLogger("spillway.tokens")
 

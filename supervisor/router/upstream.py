@@ -46,11 +46,11 @@ from ..policy.evidence import FailureKind
 from ..policy.lifecycle import SERVING, ChildState
 from ..policy.router import ModelInfo, StatusChange, classify_instance_exit
 from ..timefmt import rfc3339
+from ..vocabulary import StateListener
 
 log = logging.getLogger("spillway.router")
 
 S = ChildState
-StateListener = Callable[[Any, ChildState, ChildState, str], None]
 
 
 class Loader(Protocol):

@@ -1,0 +1,192 @@
+"""The code's shape, before and after a restructuring, in the same run (issue 22's figures).
+
+For each git revision given (default: the merge base with main's first parent, and the
+working tree), in a temporary worktree of its own:
+
+- lines: all of supervisor/, and the two halves of the child lifecycle (children.py for the
+  children, router/upstream.py for router mode's model instances);
+- complexity: McCabe's number per function (1 + each decision in its own body: if, for,
+  while, except, conditional expression, comprehension, match case, and each extra operand of
+  `and`/`or`), its mean, its maximum, and the functions over 10;
+- coupling: import edges from modules outside proxy/ into proxy/ (the pool importing the
+  proxy's types was one), and the Protocol classes that describe an upstream;
+- vocabulary: how many modules define the role names ("gpu", "cpu") as a tuple of their own.
+
+    .venv/bin/python -m bench.structure [REV ...]   (WORKTREE names the working tree)
+
+Prints a table; writes bench/results/structure.{json,md}.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+UPSTREAM_PROTOCOL_HINTS = ("upstream", "child", "member", "supervised")
+
+
+def _mccabe(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """1 + each decision in the function's own body (nested functions are their own)."""
+    n = 1
+    todo: list[ast.AST] = list(fn.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        if isinstance(node, (ast.If, ast.For, ast.AsyncFor, ast.While, ast.ExceptHandler,
+                             ast.IfExp, ast.match_case, ast.comprehension)):
+            n += 1
+        elif isinstance(node, ast.BoolOp):
+            n += len(node.values) - 1
+        todo.extend(ast.iter_child_nodes(node))
+    return n
+
+
+def _module_name(path: Path, root: Path) -> str:
+    rel = path.relative_to(root).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """The supervisor modules this one imports (relative imports resolved)."""
+    found: set[str] = set()
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                anchor = base[:len(base) - node.level + 1]
+                target = ".".join(anchor + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target.startswith("supervisor"):
+                found.add(target)
+                found.update(f"{target}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("supervisor"))
+    return found
+
+
+def _is_upstream_protocol(cls: ast.ClassDef) -> bool:
+    protocol = any((isinstance(b, ast.Name) and b.id == "Protocol") or
+                   (isinstance(b, ast.Attribute) and b.attr == "Protocol") for b in cls.bases)
+    return protocol and any(h in cls.name.lower() for h in UPSTREAM_PROTOCOL_HINTS)
+
+
+def _role_tuples(tree: ast.Module) -> int:
+    """Module-level tuples of the roles, ("gpu", "cpu"), by value or by module constants."""
+    constants = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                 and isinstance(n.value, ast.Constant) for t in n.targets
+                 if isinstance(t, ast.Name)}
+    count = 0
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Tuple):
+            values = [e.value if isinstance(e, ast.Constant) else
+                      constants.get(e.id) if isinstance(e, ast.Name) else None
+                      for e in node.value.elts]
+            if values == ["gpu", "cpu"]:
+                count += 1
+    return count
+
+
+def measure(root: Path) -> dict[str, Any]:
+    package = root / "supervisor"
+    lines = 0
+    complexities: list[tuple[int, str]] = []
+    edges_into_proxy: list[str] = []
+    protocols: list[str] = []
+    role_definitions: list[str] = []
+    modules: dict[str, set[str]] = {}
+    for path in sorted(package.rglob("*.py")):
+        text = path.read_text(encoding="utf-8")
+        lines += text.count("\n")
+        tree = ast.parse(text)
+        module = _module_name(path, root)
+        modules[module] = _imports(tree, module, path.name == "__init__.py")
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                complexities.append((_mccabe(node), f"{module}.{node.name}"))
+            elif isinstance(node, ast.ClassDef) and _is_upstream_protocol(node):
+                protocols.append(f"{module}.{node.name}")
+        if _role_tuples(tree):
+            role_definitions.append(module)
+    for module, targets in modules.items():
+        if module.startswith("supervisor.proxy"):
+            continue
+        if any(t.startswith("supervisor.proxy") for t in targets):
+            edges_into_proxy.append(module)
+    values = [c for c, _ in complexities]
+
+    def size(rel: str) -> int:
+        p = package / rel
+        return p.read_text(encoding="utf-8").count("\n") if p.exists() else 0
+
+    return {
+        "lines": lines,
+        "children_py_lines": size("children.py"),
+        "router_upstream_py_lines": size("router/upstream.py"),
+        "functions": len(values),
+        "mean_complexity": round(sum(values) / max(len(values), 1), 2),
+        "max_complexity": max(values, default=0),
+        "over_10": sorted(name for c, name in complexities if c > 10),
+        "modules_importing_proxy_from_outside": sorted(edges_into_proxy),
+        "upstream_protocols": sorted(protocols),
+        "modules_defining_roles": sorted(role_definitions),
+    }
+
+
+def _worktree(rev: str, folder: Path) -> Path:
+    target = folder / rev.replace("/", "_")
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(target), rev],
+                   check=True, capture_output=True)
+    return target
+
+
+def main() -> None:
+    revs = sys.argv[1:] or [subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD~1"], check=True,
+        capture_output=True, text=True).stdout.strip(), "WORKTREE"]
+    results: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        made: list[Path] = []
+        try:
+            for rev in revs:
+                root = REPO if rev == "WORKTREE" else _worktree(rev, Path(tmp))
+                if root != REPO:
+                    made.append(root)
+                results[rev] = measure(root)
+        finally:
+            for root in made:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
+                                str(root)], capture_output=True)
+    keys = ["lines", "children_py_lines", "router_upstream_py_lines", "functions",
+            "mean_complexity", "max_complexity"]
+    head = "| figure | " + " | ".join(revs) + " |"
+    rows = [head, "|" + "---|" * (len(revs) + 1)]
+    for k in keys:
+        rows.append(f"| {k} | " + " | ".join(str(results[r][k]) for r in revs) + " |")
+    for k in ("over_10", "modules_importing_proxy_from_outside", "upstream_protocols",
+              "modules_defining_roles"):
+        cells = []
+        for r in revs:
+            names = ", ".join(x.removeprefix("supervisor.") for x in results[r][k])
+            cells.append(f"{len(results[r][k])}: {names}")
+        rows.append(f"| {k} | " + " | ".join(cells) + " |")
+    text = "\n".join(rows)
+    print(text)
+    out = REPO / "bench" / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "structure.json").write_text(json.dumps(results, indent=2) + "\n")
+    (out / "structure.md").write_text("# The code's shape\n\n" + text + "\n")
+
+
+if __name__ == "__main__":
+    main()
