@@ -29,6 +29,7 @@ from .balancer import AgentServer
 from .config import Config
 from .gpu import MIB, GpuMonitor
 from .idempotency import IdempotencyStore
+from .operator_actions import Operator
 from .stream_sessions import StreamSessions
 from .vocabulary import ROLES
 from .incidents import IncidentLog, default_path
@@ -132,6 +133,7 @@ class Daemon:
         self.pool: Pool | None = None
         self.models: RouterModels | None = None  # router mode: each model's pool
         self.proxy: ProxyHandler | None = None
+        self.operator: Operator | None = None  # spillway gpu restart|drain|pause|resume
         self.metrics = Metrics()
         self.notifier = Notifier()
         self.reloader: Reloader | None = None
@@ -159,7 +161,7 @@ class Daemon:
 
     @property
     def gpu_paused(self) -> bool:
-        return "gpu" in self.res.paused
+        return self.operator is not None and self.operator.gpu_paused
 
     # --- wiring -----------------------------------------------------------------------------------
 
@@ -471,10 +473,11 @@ class Daemon:
         self.proxy = ProxyHandler(pools, forwarder, self.proxy_settings, self.incidents,
                                   self.idempotency, self.metrics, self.streams)
         self.metrics.track_streams(self.streams)
+        self.operator = Operator(self.children["gpu"], self.res.paused, self.models)
         routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
-                           models=self.models)
+                           models=self.models, operator=self.operator)
         app = build_app(self.proxy, self.auth, routes.table(),
                         StreamRoutes(self.streams, self.metrics, time.time).table())
         # In-flight requests are drained by _shutdown itself (the drain timeout can change on

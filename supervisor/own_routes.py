@@ -26,6 +26,7 @@ from .gpu import MIB, GpuMonitor
 from .incidents import IncidentLog
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
+from .operator_actions import ACTIONS, Operator
 from .pool import Pool
 from .policy.balancer import MachineHealth
 from .policy.evidence import FailureKind
@@ -35,7 +36,6 @@ from .resources import Resources
 from .router.models import RouterModels
 from .status_page import StatusPage
 
-GPU_ACTIONS = ("restart", "drain", "pause", "resume")
 
 
 class Host(Protocol):
@@ -100,7 +100,7 @@ class OwnRoutes:
     def __init__(self, host: Host, *, started: float, children: Mapping[str, Child],
                  resources: Resources, pool: Pool, monitor: GpuMonitor, incidents: IncidentLog,
                  metrics: Metrics, timeline: Iterable[dict[str, Any]],
-                 models: RouterModels | None = None) -> None:
+                 models: RouterModels | None = None, operator: Operator | None = None) -> None:
         self.host = host
         self.models = models  # router mode: every model on both routers
         self.started = started  # time.monotonic() when the daemon began
@@ -111,6 +111,7 @@ class OwnRoutes:
         self.incidents = incidents
         self.metrics = metrics
         self.timeline = timeline  # child state changes with wall-clock times, for the drill
+        self.operator = operator or Operator(children["gpu"], resources.paused, models)
 
     def table(self) -> dict[tuple[str, str], OwnRoute]:
         """(method, path) -> handler, for `build_app`."""
@@ -124,7 +125,7 @@ class OwnRoutes:
             ("GET", "/spillway/gpu/history"): self.gpu_history_route,
             ("POST", "/spillway/drill/arm"): self.drill_arm,
         }
-        for action in GPU_ACTIONS:
+        for action in ACTIONS:
             routes[("POST", f"/spillway/gpu/{action}")] = self._gpu_action(action)
         routes.update(StatusPage.load().routes())  # the page at /spillway/ (status_page.py)
         return routes
@@ -182,7 +183,7 @@ class OwnRoutes:
             cpu.state is ChildState.STOPPED and "cpu" not in self.pool.paused
         status = None if gpu.is_ready or cpu.is_ready else self.status()
         return MachineHealth(
-            gpu_serving=gpu.is_ready and "gpu" not in self.pool.paused,
+            gpu_serving=gpu.is_ready and not self.operator.gpu_paused,
             cpu_serving=cpu.is_ready or cpu_startable, gpu_slots=slots, gpu_busy=busy,
             why_not=(status or {}).get("why_not_serving") or "")
 
@@ -196,7 +197,7 @@ class OwnRoutes:
             info["runs_on"] = (devices[0] if devices else
                                "CPU: this llama-server lists no GPU device "
                                "(--list-devices), so the GPU child runs CPU-only")
-            info["paused"] = "gpu" in self.pool.paused
+            info["paused"] = self.operator.gpu_paused
             if fatal:
                 info["why"] = why_gpu_fatal(child, self.host.config.restart.fatal_retry_max_s,
                                             self.res.gpu_need_bytes())
@@ -296,30 +297,7 @@ class OwnRoutes:
 
     def _gpu_action(self, action: str) -> OwnRoute:
         async def act(request: web.Request) -> web.StreamResponse:
-            message = await self.gpu_control(action)
+            message = await self.operator.act(action)
             return json_response({"action": action, "message": message,
                                   "gpu": self.children["gpu"].to_json()})
         return act
-
-    async def gpu_control(self, action: str) -> str:
-        """Operator control of the GPU child (key-guarded routes)."""
-        gpu = self.children["gpu"]
-        if action == "restart":
-            self.pool.paused.discard("gpu")
-            if self.models is not None:
-                for model in self.models.neighbours("gpu"):
-                    model.reset("operator: spillway gpu restart")
-            gpu.restart("operator: spillway gpu restart")
-            return "restarting the GPU child"
-        if action == "drain":
-            if gpu.state is not ChildState.READY:
-                return f"the GPU child is {gpu.state}; nothing to drain"
-            gpu.drain("operator: spillway gpu drain")
-            return "draining the GPU child; it restarts when its requests are done"
-        if action == "pause":
-            self.pool.paused.add("gpu")
-            await gpu.stop("operator: spillway gpu pause (VRAM freed)")
-            return "the GPU child is stopped and its VRAM free; the CPU child serves"
-        self.pool.paused.discard("gpu")
-        gpu.start()
-        return "starting the GPU child"
