@@ -299,11 +299,7 @@ def continuation_body(payload: dict[str, Any], transcript: Transcript) -> dict[s
         given = body.get("input")
         items: list[Any] = [{"role": "user", "content": given}] if isinstance(given, str) \
             else list(given or [])
-        last = items[-1] if items else None
-        if isinstance(last, dict) and last.get("role") == "assistant":
-            last["content"] = last["content"] + transcript.text
-        else:
-            items.append({"type": "message", "role": "assistant", "content": transcript.text})
+        _extend_final(items, transcript.text, {"type": "message"})
         body["input"] = items
         # llama-server passes what it does not convert on to its chat completion.
         body["continue_final_message"] = True
@@ -311,22 +307,22 @@ def continuation_body(payload: dict[str, Any], transcript: Transcript) -> dict[s
     elif kind == "messages":
         # llama-server continues a final assistant message of its own accord (its default
         # --prefill-assistant); the Messages API has no continue_final_message to ask for it.
-        messages = body["messages"]
-        last = messages[-1]
-        if isinstance(last, dict) and last.get("role") == "assistant":
-            last["content"] = last["content"] + transcript.text
-        else:
-            messages.append({"role": "assistant", "content": transcript.text})
+        _extend_final(body["messages"], transcript.text)
     elif kind == "chat":
-        messages = body["messages"]
-        last = messages[-1]
-        if isinstance(last, dict) and last.get("role") == "assistant":
-            # The client's own prefill: the relayed text continues it.
-            last["content"] = last["content"] + transcript.text
-        else:
-            messages.append({"role": "assistant", "content": transcript.text})
+        _extend_final(body["messages"], transcript.text)
         body["continue_final_message"] = True
         body["add_generation_prompt"] = False
     else:
         body["prompt"] = body["prompt"] + transcript.text
     return body
+
+
+def _extend_final(messages: list[Any], text: str, shape: dict[str, str] | None = None) -> None:
+    """The relayed text as the final assistant message: the client's own prefill, when its
+    last message is one, is extended (no second assistant message); else one is added (with
+    `shape`'s extra keys: a /v1/responses item is a `message`)."""
+    last = messages[-1] if messages else None
+    if isinstance(last, dict) and last.get("role") == "assistant":
+        last["content"] = last["content"] + text
+    else:
+        messages.append({**(shape or {}), "role": "assistant", "content": text})

@@ -113,18 +113,19 @@ class ContinuedStream:
             said = False
         return said or bool(choice.get("finish_reason"))
 
-    def _usage(self, usage: dict[str, Any]) -> None:
+    def _usage(self, usage: dict[str, Any], generated: str = "completion_tokens",
+               prompt: str = "prompt_tokens") -> None:
         """Summed: the tokens generated before count as generated; the continuation's prompt
-        held them, so they come off its prompt count."""
+        held them, so they come off its prompt count. (/v1/responses names them output and
+        input tokens.)"""
         n = self.before.tokens
-        done, prompt = usage.get("completion_tokens"), usage.get("prompt_tokens")
+        done, given = usage.get(generated), usage.get(prompt)
         if isinstance(done, int):
-            usage["completion_tokens"] = done + n
-        if isinstance(prompt, int):
-            usage["prompt_tokens"] = max(prompt - n, 0)
-        if isinstance(usage.get("completion_tokens"), int) and \
-                isinstance(usage.get("prompt_tokens"), int):
-            usage["total_tokens"] = usage["completion_tokens"] + usage["prompt_tokens"]
+            usage[generated] = done + n
+        if isinstance(given, int):
+            usage[prompt] = max(given - n, 0)
+        if isinstance(usage.get(generated), int) and isinstance(usage.get(prompt), int):
+            usage["total_tokens"] = usage[generated] + usage[prompt]
 
     def _message_event(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         """/v1/messages: the client has its message_start and its open text block (a stream
@@ -183,7 +184,7 @@ class ContinuedStream:
             self._item(item, whole)
         usage = response.get("usage")
         if isinstance(usage, dict):
-            self._response_usage(usage)
+            self._usage(usage, "output_tokens", "input_tokens")
 
     def _item(self, item: Any, whole: str) -> None:
         if isinstance(item, dict) and item.get("type") == "message":
@@ -191,17 +192,6 @@ class ContinuedStream:
                 item["id"] = self.before.item_id
             for part in item.get("content") or []:
                 _set_text(part, whole)
-
-    def _response_usage(self, usage: dict[str, Any]) -> None:
-        n = self.before.tokens
-        done, given = usage.get("output_tokens"), usage.get("input_tokens")
-        if isinstance(done, int):
-            usage["output_tokens"] = done + n
-        if isinstance(given, int):
-            usage["input_tokens"] = max(given - n, 0)
-        if isinstance(usage.get("output_tokens"), int) and \
-                isinstance(usage.get("input_tokens"), int):
-            usage["total_tokens"] = usage["output_tokens"] + usage["input_tokens"]
 
     def _native(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         if isinstance(obj.get("content"), str):
