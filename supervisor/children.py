@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .clock import Clock, MonotonicClock
-from .config import ChildConfig, RestartConfig
+from .config import ChildConfig, RestartConfig, command_changed
 from .launcher import Launcher, Process, SubprocessLauncher
 from .load import Load
 from .launcher import pick_port as pick_port  # the drill's import
@@ -244,6 +244,22 @@ class Child:
             fatal_retry_max_s=r.fatal_retry_max_s)
 
     # --- asking for changes -----------------------------------------------------------------------
+
+    def configure(self, cfg: ChildConfig, restart: RestartConfig, drain_timeout_s: float) -> None:
+        """A reload: new timeouts at once; a new command drains a READY child (its requests
+        finish, then it restarts with it) and restarts a starting, backing-off or FATAL one.
+        STOPPED, DRAINING and STOPPING children take it at their next start."""
+        self.restart_cfg = restart
+        self.hang_timeout_s = restart.hang_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        changed = command_changed(self.cfg, cfg)
+        self.cfg = cfg
+        if not changed:
+            return
+        if self.state is ChildState.READY:
+            self.drain("config reload: its command changed")
+        elif self.state in (ChildState.STARTING, ChildState.BACKOFF, ChildState.FATAL):
+            self.restart("config reload: its command changed")
 
     def start(self) -> None:
         """Begin supervising: start the process and keep it running."""

@@ -368,26 +368,35 @@ class Daemon:
         or wait) and restarted with the new command."""
         new = self._defer_restart_keys(new, changes)
         self.config = new
-        self.res.config = new
-        self.res.refresh()
+        for configure in self._reconfigurable():
+            configure(new)
+        if self.pool is not None:
+            self.pool.dispatch()
+
+    def _reconfigurable(self) -> list[Callable[[Config], None]]:
+        """Each long-lived part's `configure`, in the order a reload applies them (what the
+        config says, taken by the parts that were wired with it)."""
+        parts: list[Callable[[Config], None]] = [self.res.configure, self._configure_proxy]
+        if self.pool is not None:
+            parts.append(self.pool.configure)
+        if self.models is not None:
+            parts.append(self.models.configure)
+        parts += [
+            lambda new: self.idempotency.configure(**_idempotency_limits(new)),
+            lambda new: self.streams.configure(**_stream_limits(new)),
+            lambda new: self.incidents.configure(*_incident_limits(new)),
+            lambda new: self.monitor.configure(new.monitor.sample_interval_s),
+            lambda new: logging.getLogger().setLevel(new.server.log_level.upper()),
+            self._apply_to_children,
+        ]
+        return parts
+
+    def _configure_proxy(self, new: Config) -> None:
+        """The proxy holds its settings objects: a fresh set is copied onto them."""
         auth, forward, proxy = _proxy_settings(new)
         _copy_onto(self.auth, auth)
         _copy_onto(self.forward_settings, forward)
         _copy_onto(self.proxy_settings, proxy)
-        if self.pool is not None:
-            self.pool.max_wait_s = new.queue.max_wait_s
-            self.pool.line.max_waiting = new.queue.max_waiting
-        if self.models is not None:
-            self.models.configure(new)
-        self.idempotency.configure(**_idempotency_limits(new))
-        self.streams.configure(**_stream_limits(new))
-        (self.incidents.path, self.incidents.max_bytes,
-         self.incidents.backups) = _incident_limits(new)
-        self.monitor.interval_s = new.monitor.sample_interval_s
-        logging.getLogger().setLevel(new.server.log_level.upper())
-        self._apply_to_children(new)
-        if self.pool is not None:
-            self.pool.dispatch()
 
     def _defer_restart_keys(self, new: Config, changes: list[str]) -> Config:
         """RESTART_KEYS that changed are noted for status; the GPU child keeps the card we
@@ -410,21 +419,11 @@ class Daemon:
         return new
 
     def _apply_to_children(self, new: Config) -> None:
-        """New timeouts at once; a child whose command changed is drained or restarted."""
+        """Each child takes its section (children.Child.configure); a hot CPU child that is
+        stopped (and not paused) is started."""
         for name in ROLES:
-            child = self.children[name]
-            child.restart_cfg = new.restart
-            child.hang_timeout_s = new.restart.hang_timeout_s
-            child.drain_timeout_s = new.failover.drain_timeout_s
-            changed = config_module.command_changed(child.cfg, new.child(name))
-            child.cfg = new.child(name)
-            if not changed:
-                continue
-            if child.state is ChildState.READY:
-                child.drain("config reload: its command changed")
-            elif child.state in (ChildState.STARTING, ChildState.BACKOFF, ChildState.FATAL):
-                child.restart("config reload: its command changed")
-            # STOPPED, DRAINING, STOPPING: the new command is used at the next start.
+            self.children[name].configure(new.child(name), new.restart,
+                                          new.failover.drain_timeout_s)
         cpu = self.children["cpu"]
         if new.cpu.mode == "hot" and cpu.state is ChildState.STOPPED and "cpu" not in \
                 self.res.paused:

@@ -87,6 +87,12 @@ class GpuMonitor:
 
     # --- worker thread --------------------------------------------------------------------------
 
+
+    def configure(self, interval_s: float) -> None:
+        """A reload: the new sampling interval (the device stays: gpu.device needs a
+        restart)."""
+        self.interval_s = interval_s
+
     def _init(self) -> None:
         try:
             import pynvml

@@ -82,6 +82,10 @@ class IncidentLog:
         self.written = 0
         self.error: str | None = None
 
+    def configure(self, path: Path, max_bytes: int, backups: int) -> None:
+        """A reload: where the records go, and when the file rotates."""
+        self.path, self.max_bytes, self.backups = path, max_bytes, backups
+
     def write(self, incident: Incident) -> None:
         record = incident.to_json()
         self.recent.append(record)

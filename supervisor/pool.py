@@ -28,6 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .config import Config
 from .metrics import Metrics
 from .policy import admission, waitline
 from .policy.admission import Action, Capacity, ChildView, Decision, Request
@@ -153,6 +154,11 @@ class Pool:
 
     def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
         return self.source.expected_seconds(name, body_size, max_tokens)
+
+    def configure(self, config: Config) -> None:
+        """A reload: the waiting line's new bounds (a shorter line keeps who is in it)."""
+        self.max_wait_s = config.queue.max_wait_s
+        self.line.max_waiting = config.queue.max_waiting
 
     def first_ready(self) -> Upstream | None:
         """The upstream a question outside the caps (a token count) goes to."""

@@ -57,6 +57,11 @@ class Resources:
         self._cpu_need = 0  # cached: asked on every admission, changes only with the config
         self.refresh()
 
+    def configure(self, config: Config) -> None:
+        """A reload: the new config, and what depends on it."""
+        self.config = config
+        self.refresh()
+
     def refresh(self) -> None:
         """Recompute what depends on the config and the model (after a reload, a sample)."""
         self._cpu_need = self._compute_cpu_need()

@@ -105,10 +105,8 @@ class RouterModels:
         """A reload: the new limits for every model's pool and figures."""
         self.config = config
         for entry in self.entries.values():
-            entry.resources.config = config
-            entry.resources.refresh()
-            entry.pool.max_wait_s = config.queue.max_wait_s
-            entry.pool.line.max_waiting = config.queue.max_waiting
+            entry.resources.configure(config)
+            entry.pool.configure(config)
             for upstream in entry.upstreams.values():
                 upstream.drain_timeout_s = config.failover.drain_timeout_s
 
