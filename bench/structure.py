@@ -10,7 +10,9 @@ working tree), in a temporary worktree of its own:
   `and`/`or`), its mean, its maximum, and the functions over 10;
 - coupling: import edges from modules outside proxy/ into proxy/ (the pool importing the
   proxy's types was one), and the Protocol classes that describe an upstream;
-- vocabulary: how many modules define the role names ("gpu", "cpu") as a tuple of their own.
+- vocabulary: how many modules define the role names ("gpu", "cpu") as a tuple of their own;
+- the daemon as the hub: its lines, its `if`s that ask for router mode, and the complexity of
+  the reload's and the operator's functions (WATCHED; "-" where a revision has none).
 
     .venv/bin/python -m bench.structure [REV ...]   (WORKTREE names the working tree)
 
@@ -97,6 +99,49 @@ def _role_tuples(tree: ast.Module) -> int:
     return count
 
 
+WATCHED = ("daemon.Daemon.apply_config", "daemon.Daemon._apply_to_children",
+           "own_routes.OwnRoutes.gpu_control")
+
+
+def _mode_branches(tree: ast.Module) -> int:
+    """`if`s (and conditional expressions) whose test asks for router mode: `.router` or
+    `.models`."""
+    count = 0
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.If, ast.IfExp)):
+            names = {n.attr for n in ast.walk(node.test) if isinstance(n, ast.Attribute)}
+            count += bool(names & {"router", "models"})
+    return count
+
+
+def _foreign_writes(tree: ast.Module) -> int:
+    """Assignments to another object's attribute (`self.part.attr = ...`, or through a local
+    name: `child.cfg = ...`): state written from outside its owner."""
+    count = 0
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = [t for tgt in node.targets for t in
+                       (tgt.elts if isinstance(tgt, ast.Tuple) else [tgt])]
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for t in targets:
+            if isinstance(t, ast.Attribute) and not (isinstance(t.value, ast.Name) and
+                                                     t.value.id == "self"):
+                count += 1
+    return count
+
+
+def _methods(tree: ast.Module, module: str) -> dict[str, int]:
+    found = {}
+    for cls in tree.body:
+        if isinstance(cls, ast.ClassDef):
+            for fn in cls.body:
+                if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    found[f"{module}.{cls.name}.{fn.name}"] = _mccabe(fn)
+    return found
+
+
 def measure(root: Path) -> dict[str, Any]:
     package = root / "supervisor"
     lines = 0
@@ -105,12 +150,19 @@ def measure(root: Path) -> dict[str, Any]:
     protocols: list[str] = []
     role_definitions: list[str] = []
     modules: dict[str, set[str]] = {}
+    methods: dict[str, int] = {}
+    mode_branches = 0
+    foreign_writes = 0
     for path in sorted(package.rglob("*.py")):
         text = path.read_text(encoding="utf-8")
         lines += text.count("\n")
         tree = ast.parse(text)
         module = _module_name(path, root)
         modules[module] = _imports(tree, module, path.name == "__init__.py")
+        methods.update(_methods(tree, module.removeprefix("supervisor.")))
+        if module == "supervisor.daemon":
+            mode_branches = _mode_branches(tree)
+            foreign_writes = _foreign_writes(tree)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 complexities.append((_mccabe(node), f"{module}.{node.name}"))
@@ -132,6 +184,10 @@ def measure(root: Path) -> dict[str, Any]:
     return {
         "lines": lines,
         "children_py_lines": size("children.py"),
+        "daemon_py_lines": size("daemon.py"),
+        "daemon_mode_branches": mode_branches,
+        "daemon_writes_to_other_objects": foreign_writes,
+        **{f"complexity {name}": methods.get(name, "-") for name in WATCHED},
         "router_upstream_py_lines": size("router/upstream.py"),
         "functions": len(values),
         "mean_complexity": round(sum(values) / max(len(values), 1), 2),
@@ -167,7 +223,9 @@ def main() -> None:
             for root in made:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                                 str(root)], capture_output=True)
-    keys = ["lines", "children_py_lines", "router_upstream_py_lines", "functions",
+    keys = ["lines", "children_py_lines", "router_upstream_py_lines", "daemon_py_lines",
+            "daemon_mode_branches", "daemon_writes_to_other_objects",
+            *(f"complexity {name}" for name in WATCHED), "functions",
             "mean_complexity", "max_complexity"]
     head = "| figure | " + " | ".join(revs) + " |"
     rows = [head, "|" + "---|" * (len(revs) + 1)]
