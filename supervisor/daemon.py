@@ -29,6 +29,7 @@ from .balancer import AgentServer
 from .config import Config
 from .gpu import MIB, GpuMonitor
 from .idempotency import IdempotencyStore
+from .modes import Mode, RouterMode, SingleModel
 from .operator_actions import Operator
 from .stream_sessions import StreamSessions
 from .vocabulary import ROLES
@@ -38,7 +39,6 @@ from .policy.lifecycle import ChildState
 from .own_routes import OwnRoutes, status_line
 from .policy.balancer import agent_reply
 from .pool import Pool
-from .pools import Pools
 from .proxy.app import build_app
 from .proxy.auth import AuthSettings
 from .proxy.connections import UpstreamClient
@@ -131,7 +131,7 @@ class Daemon:
         self.streams = StreamSessions(**_stream_limits(config))
         self.resources: Resources | None = None
         self.pool: Pool | None = None
-        self.models: RouterModels | None = None  # router mode: each model's pool
+        self.mode: Mode | None = None  # single model or router (modes.py), built once
         self.proxy: ProxyHandler | None = None
         self.operator: Operator | None = None  # spillway gpu restart|drain|pause|resume
         self.metrics = Metrics()
@@ -160,6 +160,11 @@ class Daemon:
         return self.resources
 
     @property
+    def models(self) -> RouterModels | None:
+        """Router mode: every model's two upstreams and its pool."""
+        return self.mode.models if self.mode is not None else None
+
+    @property
     def gpu_paused(self) -> bool:
         return self.operator is not None and self.operator.gpu_paused
 
@@ -180,9 +185,8 @@ class Daemon:
         owners: dict[str, list[int] | None] = {}
         for name, child in self.children.items():
             pids = [child.pid] if child.pid is not None else []
-            if self.models is not None:
-                pids += [pid for e in self.models.entries.values()
-                         if (pid := e.upstreams[name].pid) is not None]
+            if self.mode is not None:
+                pids += self.mode.instance_pids(name)
             owners[name] = pids or None
         return owners
 
@@ -216,9 +220,8 @@ class Daemon:
             last = child.last_exit
             cause = last.kind if last is not None and not last.planned else "requested"
             self.metrics.restarts.labels(child.name, cause).inc()
-        if new is ChildState.READY and self._session is not None and not self.config.router:
-            # (A router has no model of its own: each model's figures are its own pool's.)
-            self._spawn(self.res.fetch_profile(self._session, child.name), then_dispatch=True)
+        if new is ChildState.READY and self.mode is not None:
+            self.mode.child_ready(child)
         self._maybe_ready()
         self.notifier.status(self.status_line())
 
@@ -231,10 +234,6 @@ class Daemon:
                 is not None and old in (ChildState.BACKOFF, ChildState.FATAL):
             self.metrics.model_reloads.labels(upstream.name, upstream.model,
                                               str(upstream.last_exit.kind)).inc()
-
-    def _find_model(self, name: str) -> tuple[str, Pool] | None:
-        entry = self.models.find(name) if self.models is not None else None
-        return (entry.name, entry.pool) if entry is not None else None
 
     def _http(self) -> aiohttp.ClientSession:
         assert self._session is not None
@@ -261,11 +260,8 @@ class Daemon:
             await asyncio.sleep(self.config.monitor.sample_interval_s)
             self.res.sample()
             self._recover_gpu()
-            await self._stop_idle_cpu()
-            if self.models is not None:
-                self.models.sample()
-                self._unload_idle_cpu_models()
-                self.models.dispatch()
+            if self.mode is not None:
+                self.mode.tick()  # idle CPU work stopped; router mode: each model's too
             if self.pool is not None:
                 self.pool.dispatch()
             self.sample_metrics()
@@ -300,28 +296,6 @@ class Daemon:
             since = f"; {freed // MIB} MiB freed since it went FATAL" if freed else ""
             gpu.restart(f"the GPU has {sample.free_bytes // MIB} MiB free again (needs "
                         f"about {need // MIB} MiB{since})")
-
-    def _unload_idle_cpu_models(self) -> None:
-        """Router mode, on-demand CPU: a model idle on the CPU router for cpu.idle_stop_s is
-        unloaded (the router itself keeps running: without models it costs little)."""
-        if self.models is None or self.config.cpu.mode != "on-demand":
-            return
-        now = time.monotonic()
-        for entry in self.models.entries.values():
-            cpu = entry.upstreams["cpu"]
-            idle = now - entry.pool.last_used["cpu"]
-            if cpu.state is ChildState.READY and cpu.load.in_flight == 0 \
-                    and idle >= self.config.cpu.idle_stop_s:
-                cpu.unload(f"on-demand: idle for {idle:.0f} s")
-
-    async def _stop_idle_cpu(self) -> None:
-        cpu = self.children["cpu"]
-        if self.pool is None or self.config.router:
-            return
-        idle = time.monotonic() - self.pool.last_used["cpu"]
-        if (self.config.cpu.mode == "on-demand" and cpu.state is ChildState.READY
-                and cpu.load.in_flight == 0 and idle >= self.config.cpu.idle_stop_s):
-            self._spawn(cpu.stop(f"on-demand: idle for {idle:.0f} s"))
 
     # --- systemd --------------------------------------------------------------------------------
 
@@ -379,8 +353,8 @@ class Daemon:
         parts: list[Callable[[Config], None]] = [self.res.configure, self._configure_proxy]
         if self.pool is not None:
             parts.append(self.pool.configure)
-        if self.models is not None:
-            parts.append(self.models.configure)
+        if self.mode is not None:
+            parts.append(self.mode.configure)
         parts += [
             lambda new: self.idempotency.configure(**_idempotency_limits(new)),
             lambda new: self.streams.configure(**_stream_limits(new)),
@@ -463,13 +437,8 @@ class Daemon:
         )
         forwarder = Forwarder(self._upstream, self._session, self.forward_settings,
                               on_resend=self._stale_connection)
-        pools = Pools(self.pool)
-        if self.config.router:
-            self.models = RouterModels(self.config, self.children, self.monitor,
-                                       self.res.paused, self._http, metrics=self.metrics,
-                                       boot=self.boot, on_change=self._model_changed)
-            pools = Pools(self.pool, self._find_model, self.models.pools)
-        self.proxy = ProxyHandler(pools, forwarder, self.proxy_settings, self.incidents,
+        self.mode = self._make_mode()
+        self.proxy = ProxyHandler(self.mode.pools(), forwarder, self.proxy_settings, self.incidents,
                                   self.idempotency, self.metrics, self.streams)
         self.metrics.track_streams(self.streams)
         self.operator = Operator(self.children["gpu"], self.res.paused, self.models)
@@ -519,13 +488,24 @@ class Daemon:
                                      self._reload_result, self._reload_started)
             self.reloader.watch()
         for name in ROLES:
-            if name == "cpu" and self.config.cpu.mode == "on-demand" and not self.config.router:
-                continue  # (a CPU router always runs: its models load on demand)
-            self.children[name].start()
+            if self.mode.starts_at_boot(name):
+                self.children[name].start()
         self._maybe_ready()
         await self._stop.wait()
         await self._shutdown()
         return 0
+
+    def _make_mode(self) -> Mode:
+        """Single model or router, from the config at start (a change between them waits
+        for a restart: see _defer_restart_keys)."""
+        assert self.pool is not None
+        if not self.config.router:
+            return SingleModel(self.children, self.res, self.pool, lambda: self.config,
+                               self._http, self._spawn)
+        models = RouterModels(self.config, self.children, self.monitor, self.res.paused,
+                              self._http, metrics=self.metrics, boot=self.boot,
+                              on_change=self._model_changed)
+        return RouterMode(models, self.pool, lambda: self.config)
 
     def _agent_line(self, routes: OwnRoutes) -> str:
         if self.stopping:
@@ -578,8 +558,8 @@ class Daemon:
                 await self._runner.cleanup()
         for task in self._tasks:
             task.cancel()
-        if self.models is not None:
-            await self.models.close()
+        if self.mode is not None:
+            await self.mode.close()
         # A second signal asked for speed: a short grace for the children too.
         grace = 1.0 if self._stop_signals >= 2 else None
         await asyncio.gather(*(c.close(grace) for c in self.children.values()),
