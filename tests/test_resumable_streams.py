@@ -255,3 +255,37 @@ async def test_a_reader_waiting_on_a_live_stream_ends_when_spillway_stops(
             rest = await asyncio.wait_for(r.read(), 30)
             assert b"[DONE]" not in rest
             assert await stopping == 0
+
+
+async def test_a_stop_while_the_stream_waits_in_line_answers_as_llama_server_does(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path,
+        tmp_path: Path) -> None:
+    """Both children busy: the resumable stream waits in line; a Stop takes it out of the
+    line, and its client gets llama-server's 400 "request cancelled by a stop"."""
+    env = {"FAKE_TOKENS": "400", "FAKE_TOKEN_DELAY_S": "0.05", "FAKE_SLOTS": "1"}
+    s = spillway(fake_config(fake_server, tiny_model, gpu={"env": env}, cpu={"env": env}))
+    async with aiohttp.ClientSession() as http:
+        busy = [await http.post(f"{s.url}/v1/chat/completions", json=CHAT) for _ in range(2)]
+        for r in busy:
+            await r.content.readuntil(b"\n\n")
+        waiting = asyncio.create_task(http.post(
+            f"{s.url}/v1/chat/completions", json=CHAT,
+            headers={"X-Conversation-Id": "conv-queued"}))
+
+        async def in_line() -> bool:
+            async with http.get(f"{s.url}/spillway/status") as st:
+                return bool((await st.json()).get("waiting"))
+
+        deadline = asyncio.get_running_loop().time() + 10
+        while not await in_line():
+            assert asyncio.get_running_loop().time() < deadline, "it never waited in line"
+            await asyncio.sleep(0.05)
+        async with http.delete(f"{s.url}/v1/stream?conv_id=conv-queued") as d:
+            assert d.status == 204
+        r = await asyncio.wait_for(waiting, 10)
+        assert r.status == 400
+        assert "request cancelled by a stop" in (await r.json())["error"]["message"]
+        for b in busy:
+            b.close()
+        async with http.get(f"{s.url}/v1/stream?conv_id=conv-queued") as g:
+            assert g.status == 404
