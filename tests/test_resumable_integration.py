@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import openai
 import pytest
-from harness import Spillway
+from harness import Spillway, eventually
 from test_continuation_integration import STORY, dying_gpu, read_stream, smollm2, text_of
 
 from conftest import SpillwayFactory
@@ -38,13 +37,10 @@ def lookup(s: Spillway, conversation: str) -> dict[str, Any] | None:
 
 
 def wait_done(s: Spillway, conversation: str, timeout: float = 120.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = lookup(s, conversation)
-        if found is not None and found["is_done"]:
-            return found
-        time.sleep(0.2)
-    raise AssertionError(f"the stream of {conversation} did not end in {timeout} s")
+    found = eventually(lambda: (f := lookup(s, conversation)) is not None and f["is_done"] and f,
+                       timeout=timeout)
+    assert found, f"the stream of {conversation} did not end in {timeout} s"
+    return dict(found)
 
 
 def test_a_client_that_left_reads_the_whole_continued_answer_after_the_gpu_died(

@@ -272,14 +272,8 @@ async def test_a_stop_while_the_stream_waits_in_line_answers_as_llama_server_doe
             f"{s.url}/v1/chat/completions", json=CHAT,
             headers={"X-Conversation-Id": "conv-queued"}))
 
-        async def in_line() -> bool:
-            async with http.get(f"{s.url}/spillway/status") as st:
-                return bool((await st.json()).get("waiting"))
-
-        deadline = asyncio.get_running_loop().time() + 10
-        while not await in_line():
-            assert asyncio.get_running_loop().time() < deadline, "it never waited in line"
-            await asyncio.sleep(0.05)
+        assert await eventually_async(lambda: s.status().get("waiting")), \
+            "it never waited in line"
         async with http.delete(f"{s.url}/v1/stream?conv_id=conv-queued") as d:
             assert d.status == 204
         r = await asyncio.wait_for(waiting, 10)

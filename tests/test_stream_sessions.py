@@ -131,21 +131,13 @@ async def test_a_reader_waits_for_bytes_past_its_offset_and_for_the_end() -> Non
     store = StreamSessions()
     s = store.start("conv", "rid", now=0.0)
     s.committed = True
-    woke: list[str] = []
-
-    async def reader() -> None:
-        await s.wait_beyond(0)
-        woke.append("bytes")
-        await s.wait_beyond(s.total_bytes)
-        woke.append("end")
-
-    task = asyncio.create_task(reader())
-    await asyncio.sleep(0)
-    assert woke == []
+    first = asyncio.create_task(s.wait_beyond(0))
+    done, _ = await asyncio.wait({first}, timeout=0.05)
+    assert not done  # nothing past offset 0 yet: it waits
     s.append(b"data: a\n\n")
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert woke == ["bytes"]
+    await asyncio.wait_for(first, 1.0)  # woken by the bytes
+    end = asyncio.create_task(s.wait_beyond(s.total_bytes))
+    done, _ = await asyncio.wait({end}, timeout=0.05)
+    assert not done
     store.finished(s, now=1.0)
-    await asyncio.wait_for(task, 1.0)
-    assert woke == ["bytes", "end"]
+    await asyncio.wait_for(end, 1.0)  # woken by the end
