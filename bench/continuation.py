@@ -55,28 +55,6 @@ def config(binary: Path, model: Path, injector: Path, env: dict[str, str],
     return cfg
 
 
-async def stream(http: aiohttp.ClientSession, url: str, tokens: int,
-                 content: str = STORY) -> dict[str, Any]:
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
-    text, done, error, final = "", False, False, None
-    async with http.post(f"{url}/v1/chat/completions", json=body) as r:
-        async for raw in r.content:
-            line = raw.strip()
-            if line == b"data: [DONE]":
-                done = True
-            elif line.startswith(b"data: {"):
-                event = json.loads(line[6:])
-                if "error" in event:
-                    error = True
-                    continue
-                for ch in event.get("choices", []):
-                    text += ch.get("delta", {}).get("content") or ""
-                    if ch.get("finish_reason"):
-                        final = event
-    return {"text": text, "done": done and not error, "final": final}
-
-
 APIS = ("chat", "messages", "responses")
 
 
@@ -99,14 +77,25 @@ def _ended(api: str, event: dict[str, Any]) -> bool:
                                  "responses": "response.completed"}.get(api)
 
 
+def _text_of(api: str, event: dict[str, Any]) -> str:
+    if api == "messages":
+        delta = event.get("delta") or {}
+        return str(delta.get("text") or "") if event.get("type") == "content_block_delta" else ""
+    if api == "responses":
+        return str(event.get("delta") or "") if event.get("type") == \
+            "response.output_text.delta" else ""
+    return "".join(ch.get("delta", {}).get("content") or "" for ch in event.get("choices", []))
+
+
 async def any_stream(http: aiohttp.ClientSession, url: str, api: str, tokens: int,
-                     content: str, leave_after: int | None = None,
+                     content: str = STORY, leave_after: int | None = None,
                      conversation: str | None = None) -> dict[str, Any]:
-    """One stream on `api`: whether it ended whole (its API's last event, no error event);
-    `leave_after` events, the client leaves (with `conversation` as its X-Conversation-Id)."""
+    """One stream on `api`: its text, whether it ended whole (its API's last event, no error
+    event), and (chat) the event with the finish, which carries the timings; `leave_after`
+    events, the client leaves (with `conversation` as its X-Conversation-Id)."""
     path, body = _body(api, tokens, content)
     headers = {"X-Conversation-Id": conversation} if conversation else {}
-    done, error, events = False, False, 0
+    text, done, error, events, final = "", False, False, 0, None
     async with http.post(f"{url}{path}", json=body, headers=headers) as r:
         async for raw in r.content:
             line = raw.strip()
@@ -117,11 +106,15 @@ async def any_stream(http: aiohttp.ClientSession, url: str, api: str, tokens: in
                 events += 1
                 if "error" in event or event.get("type") == "error":
                     error = True
+                    continue
+                text += _text_of(api, event)
+                if any(ch.get("finish_reason") for ch in event.get("choices", [])):
+                    final = event
                 done = done or _ended(api, event)
                 if leave_after is not None and events >= leave_after:
                     r.close()
                     return {"api": api, "left": True, "done": False}
-    return {"api": api, "done": done and not error}
+    return {"api": api, "text": text, "done": done and not error, "final": final}
 
 
 async def read_back(http: aiohttp.ClientSession, url: str, conversation: str) -> bool:
@@ -149,8 +142,8 @@ async def penalty(binary: Path, model: Path, injector: Path, folder: Path) -> di
         s.start()
         try:
             async with aiohttp.ClientSession() as http:
-                whole = await stream(http, s.url, 240)
-                cut = await stream(http, s.url, 240)
+                whole = await any_stream(http, s.url, "chat", 240)
+                cut = await any_stream(http, s.url, "chat", 240)
             [record] = s.wait_incidents(1, timeout=30)
             timings = (cut["final"] or {}).get("timings", {})
             same = next((i for i, (a, b) in enumerate(zip(whole["text"], cut["text"]))
