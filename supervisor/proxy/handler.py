@@ -292,6 +292,7 @@ class ProxyHandler:
         self.open_requests += 1  # until the answer ends, wherever the client is
         self.idle.clear()
         task = asyncio.get_running_loop().create_task(self._produce(request, ctx, session))
+        task.add_done_callback(_log_failed_producer)
         session.stop = task.cancel
         served = await asyncio.shield(task)
         if served is not None:
@@ -645,6 +646,13 @@ class ProxyHandler:
             return  # only the lines that say something went differently
         log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method, request.path,
                  child, status, elapsed, attempts)
+
+
+def _log_failed_producer(task: asyncio.Task[Answered | Broken | None]) -> None:
+    """A resumable stream's task that failed with nobody left to await it (its client went
+    away): said in the log, not lost as an unretrieved exception."""
+    if not task.cancelled() and (error := task.exception()) is not None:
+        log.error("a resumable stream's answer failed: %s", error, exc_info=error)
 
 
 def _outcome(ctx: RequestCtx, status: int, broken: bool) -> str:
