@@ -160,8 +160,8 @@ class Child:
         self.api_key: str = ""
         self.generation = 0
         self.restarts = 0
-        self.quick_failures = 0
-        self.fatal_tries = 0  # tries from FATAL since the last good run (or operator restart)
+        # Quick failures in a row, tries from FATAL since the last good run (lifecycle.py).
+        self.crash_loop = lifecycle.CrashLoop()
         self.next_try_at: float | None = None  # clock time of the next start, in BACKOFF|FATAL
         self.last_exit: ExitRecord | None = None
         self.started_at: float | None = None  # monotonic, of the current process
@@ -235,6 +235,14 @@ class Child:
                                                           ChildState.FATAL):
             return None
         return round(max(0.0, self.next_try_at - self._clock.now()), 1)
+
+    @property
+    def quick_failures(self) -> int:
+        return self.crash_loop.quick_failures
+
+    @property
+    def fatal_tries(self) -> int:
+        return self.crash_loop.fatal_tries
 
     def backoff_policy(self) -> lifecycle.BackoffPolicy:
         r = self.restart_cfg  # read each time: a reload may replace it
@@ -433,8 +441,7 @@ class Child:
         """In FATAL: the reason for the next start, or None after waiting (look again)."""
         cmd, reason = self._take_command()
         if cmd == "restart":  # an operator, a reload, or the card's memory freed
-            self.quick_failures = 0
-            self.fatal_tries = 0
+            self.crash_loop = lifecycle.CrashLoop()
             self.recent_signatures.clear()  # a changed config deserves its own two tries
             return reason
         left = (self.next_try_at or 0.0) - self._clock.now()
@@ -443,45 +450,30 @@ class Child:
             return None
         # The crash-loop back-off's next try: one more quick failure is FATAL again, with a
         # longer wait.
-        self.fatal_tries += 1
-        self.quick_failures = lifecycle.quick_failures_after_fatal_try(self.backoff_policy())
+        self.crash_loop = lifecycle.fatal_try(self.crash_loop, self.backoff_policy())
         return f"try {self.fatal_tries} from FATAL (crash-loop back-off)"
 
     async def _after_exit(self, record: ExitRecord) -> str:
         """After an unplanned exit: EXITED -> STOPPED | BACKOFF (and its wait) | BACKOFF ->
-        FATAL. The reason for the next start."""
+        FATAL, as lifecycle.after_death says. The reason for the next start."""
         self.last_exit = record
-        policy = self.backoff_policy()
         self.recent_signatures.append(record.diagnosis.name if record.diagnosis else None)
-        same = signatures.repeats(self.recent_signatures)
-        decision = lifecycle.after_exit(policy, self.quick_failures, record.run_s,
-                                        self._rng(), served=record.served,
-                                        known_crash_repeats=same)
-        self.quick_failures = decision.quick_failures
-        if decision.quick_failures == 0:
-            self.fatal_tries = 0  # a good run: the crash loop is over
-        if not self._want_running:
-            self._to(ChildState.STOPPED, "exited while stopping")  # EXITED -> STOPPED
+        after = lifecycle.after_death(
+            self.state, self.crash_loop, self.backoff_policy(),
+            what=f"{record.kind}: {record.evidence}", run_s=record.run_s, jitter=self._rng(),
+            served=record.served, wanted=self._want_running,
+            known_crash=record.diagnosis.summary() if record.diagnosis else None,
+            known_crash_repeats=signatures.repeats(self.recent_signatures))
+        self.crash_loop = after.loop
+        fatal = after.path[-1][0] is ChildState.FATAL
+        if fatal and after.wait_s is not None:
+            self.next_try_at = self._clock.now() + after.wait_s  # (said as it goes FATAL)
+        for state, reason in after.path:
+            self._to(state, reason)
+        if after.wait_s is None or fatal:
             return "restart after stop"
-        if decision.fatal:
-            wait = lifecycle.fatal_retry_s(policy, self.fatal_tries)
-            self.next_try_at = self._clock.now() + wait
-            # EXITED -> BACKOFF -> FATAL
-            self._to(ChildState.BACKOFF, f"{record.kind}: {record.evidence}")
-            if same >= lifecycle.KNOWN_CRASH_LIMIT and record.diagnosis is not None:
-                # Restarting cannot mend it: say what it is and what to change.
-                self._to(ChildState.FATAL, f"the same crash {same} times in a row; "
-                                           f"{record.diagnosis.summary()}; "
-                                           f"next try in {wait:.0f} s")
-                return "restart after stop"
-            self._to(ChildState.FATAL, f"{self.quick_failures} quick failures in a row; "
-                                       f"last: {record.kind}: {record.evidence}; "
-                                       f"next try in {wait:.0f} s")
-            return "restart after stop"
-        # EXITED -> BACKOFF; then BACKOFF -> STARTING at the top of the loop
-        self._to(ChildState.BACKOFF, f"restart in {decision.delay_s:.1f} s after "
-                                     f"{record.kind}: {record.evidence}")
-        return await self._back_off(decision.delay_s)
+        # BACKOFF; then BACKOFF -> STARTING at the top of the loop
+        return await self._back_off(after.wait_s)
 
     async def _back_off(self, delay_s: float) -> str:
         """Wait out the back-off (cut short by a stop or a restart); the reason for the next

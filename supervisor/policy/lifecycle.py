@@ -132,3 +132,60 @@ def quick_failures_after_fatal_try(policy: BackoffPolicy) -> int:
     """The quick-failure count a try from FATAL starts with: one more quick failure is FATAL
     again (with a longer wait), instead of another round of max_quick_failures fast starts."""
     return max(policy.max_quick_failures - 1, 0)
+
+
+# --- the crash loop, one step for children and model instances alike --------------------------
+
+
+@dataclass(frozen=True)
+class CrashLoop:
+    """What an upstream (a child, or a model's instance on a router) remembers of its failures:
+    its quick failures in a row, and its tries from FATAL since the last good run."""
+
+    quick_failures: int = 0
+    fatal_tries: int = 0
+
+
+@dataclass(frozen=True)
+class AfterDeath:
+    """What an unplanned end comes to: the states to enter, in order, each with its reason;
+    the wait before the next try (None: it stays STOPPED); the crash loop's new memory."""
+
+    path: tuple[tuple[ChildState, str], ...]
+    wait_s: float | None
+    loop: CrashLoop
+
+
+def after_death(state: ChildState, loop: CrashLoop, policy: BackoffPolicy, *, what: str,
+                run_s: float, jitter: float, served: bool, wanted: bool = True,
+                again: str = "restart", known_crash: str | None = None,
+                known_crash_repeats: int = 0) -> AfterDeath:
+    """An unplanned end, seen in `state` (EXITED when the owner already said so). `what` is
+    its kind and evidence; `again` names the next try in the BACKOFF reason ("restart", or
+    "loaded again" for a model); `known_crash` is a known signature's summary, which a FATAL
+    for repeats of it gives as its reason. Not `wanted` running: it stays STOPPED."""
+    path: list[tuple[ChildState, str]] = [] if state is S.EXITED else [(S.EXITED, what)]
+    decision = after_exit(policy, loop.quick_failures, run_s, jitter, served=served,
+                          known_crash_repeats=known_crash_repeats)
+    # A good run (or a death while serving) ends the crash loop: its FATAL tries too.
+    new = CrashLoop(decision.quick_failures,
+                    0 if decision.quick_failures == 0 else loop.fatal_tries)
+    if not wanted:
+        return AfterDeath((*path, (S.STOPPED, "exited while stopping")), None, new)
+    if not decision.fatal:
+        return AfterDeath((*path, (S.BACKOFF, f"{again} in {decision.delay_s:.1f} s after "
+                                              f"{what}")), decision.delay_s, new)
+    wait = fatal_retry_s(policy, new.fatal_tries)
+    if known_crash_repeats >= KNOWN_CRASH_LIMIT and known_crash is not None:
+        # Restarting cannot mend it: say what it is and what to change.
+        why = f"the same crash {known_crash_repeats} times in a row; {known_crash}"
+    else:
+        why = f"{new.quick_failures} quick failures in a row; last: {what}"
+    return AfterDeath((*path, (S.BACKOFF, what), (S.FATAL, f"{why}; next try in {wait:.0f} s")),
+                      wait, new)
+
+
+def fatal_try(loop: CrashLoop, policy: BackoffPolicy) -> CrashLoop:
+    """The crash-loop back-off's next try from FATAL: counted, and one more quick failure is
+    FATAL again (with a longer wait)."""
+    return CrashLoop(quick_failures_after_fatal_try(policy), loop.fatal_tries + 1)

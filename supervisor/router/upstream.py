@@ -116,8 +116,7 @@ class ModelUpstream:
         self.pid: int | None = None  # the instance's (a grandchild of Spillway's)
         self.loads = 0
         self.failures = 0
-        self.quick_failures = 0
-        self.fatal_tries = 0
+        self.crash_loop = lifecycle.CrashLoop()  # quick failures, tries from FATAL
         self.next_try_at: float | None = None  # clock time, in BACKOFF and FATAL
         self.last_exit: ModelExit | None = None
         self.loading_since: float | None = None
@@ -132,6 +131,14 @@ class ModelUpstream:
         self._tasks: set[asyncio.Task[None]] = set()
         self._seen_state = self.state
         child.listeners.append(self._router_changed)
+
+    @property
+    def quick_failures(self) -> int:
+        return self.crash_loop.quick_failures
+
+    @property
+    def fatal_tries(self) -> int:
+        return self.crash_loop.fatal_tries
 
     # --- what the proxy and the pool read --------------------------------------------------------
 
@@ -251,8 +258,7 @@ class ModelUpstream:
     def reset(self, reason: str) -> None:
         """An operator's restart: forget the crash loop; a FATAL or backing-off model is loaded
         again on demand."""
-        self.quick_failures = 0
-        self.fatal_tries = 0
+        self.crash_loop = lifecycle.CrashLoop()
         self.next_try_at = None
         if self._state in (S.BACKOFF, S.FATAL):
             self._set(S.STOPPED, reason)
@@ -440,23 +446,17 @@ class ModelUpstream:
         self._after_death(record)
 
     def _after_death(self, record: ModelExit) -> None:
-        policy = self.child.backoff_policy()
-        decision = lifecycle.after_exit(policy, self.quick_failures, record.run_s, self._rng(),
-                                        served=record.served)
-        self.quick_failures = decision.quick_failures
-        if decision.quick_failures == 0:
-            self.fatal_tries = 0
-        what = f"{record.kind}: {record.evidence}"
-        self._set(S.EXITED, what)  # STARTING|READY|DRAINING -> EXITED
-        if decision.fatal:
-            wait = lifecycle.fatal_retry_s(policy, self.fatal_tries)
-            self.next_try_at = self._clock.now() + wait
-            self._set(S.BACKOFF, what)
-            self._set(S.FATAL, f"{self.quick_failures} quick failures in a row; last: {what}; "
-                               f"next try in {wait:.0f} s")
-        else:
-            self.next_try_at = self._clock.now() + decision.delay_s
-            self._set(S.BACKOFF, f"loaded again in {decision.delay_s:.1f} s after {what}")
+        """STARTING|READY|DRAINING -> EXITED -> BACKOFF (-> FATAL), as lifecycle.after_death
+        says; then it is loaded again when the wait is over."""
+        after = lifecycle.after_death(
+            self._state, self.crash_loop, self.child.backoff_policy(),
+            what=f"{record.kind}: {record.evidence}", run_s=record.run_s, jitter=self._rng(),
+            served=record.served, again="loaded again")
+        self.crash_loop = after.loop
+        assert after.wait_s is not None  # (always wanted: the router is READY)
+        self.next_try_at = self._clock.now() + after.wait_s
+        for state, reason in after.path:
+            self._set(state, reason)
         self._spawn(self._try_later())
 
     async def _try_later(self) -> None:
@@ -481,9 +481,8 @@ class ModelUpstream:
                 self._set(S.STOPPED, f"back-off over; not loaded again yet: {why_not}")
                 return
             if fatal:
-                self.fatal_tries += 1
-                self.quick_failures = lifecycle.quick_failures_after_fatal_try(
-                    self.child.backoff_policy())
+                self.crash_loop = lifecycle.fatal_try(self.crash_loop,
+                                                      self.child.backoff_policy())
                 self._load(f"try {self.fatal_tries} from FATAL (crash-loop back-off)")
             else:
                 self._load("back-off over")
