@@ -100,7 +100,8 @@ def _role_tuples(tree: ast.Module) -> int:
 
 
 WATCHED = ("daemon.Daemon.apply_config", "daemon.Daemon._apply_to_children",
-           "own_routes.OwnRoutes.gpu_control")
+           "own_routes.OwnRoutes.gpu_control", "children.Child._after_exit",
+           "router.upstream.ModelUpstream._after_death")
 
 
 def _mode_branches(tree: ast.Module) -> int:

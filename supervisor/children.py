@@ -93,6 +93,11 @@ class ExitRecord:
         return self.diagnosis.summary() if self.diagnosis is not None else ""
 
     @property
+    def signature(self) -> str | None:
+        """The known crash signature's name, if one matched."""
+        return self.diagnosis.name if self.diagnosis is not None else None
+
+    @property
     def signal_name(self) -> str | None:
         sig = exit_signal(self.returncode)
         if sig is None:
@@ -457,20 +462,19 @@ class Child:
         """After an unplanned exit: EXITED -> STOPPED | BACKOFF (and its wait) | BACKOFF ->
         FATAL, as lifecycle.after_death says. The reason for the next start."""
         self.last_exit = record
-        self.recent_signatures.append(record.diagnosis.name if record.diagnosis else None)
+        self.recent_signatures.append(record.signature)
         after = lifecycle.after_death(
             self.state, self.crash_loop, self.backoff_policy(),
             what=f"{record.kind}: {record.evidence}", run_s=record.run_s, jitter=self._rng(),
             served=record.served, wanted=self._want_running,
-            known_crash=record.diagnosis.summary() if record.diagnosis else None,
+            known_crash=record.known_crash or None,
             known_crash_repeats=signatures.repeats(self.recent_signatures))
         self.crash_loop = after.loop
-        fatal = after.path[-1][0] is ChildState.FATAL
-        if fatal and after.wait_s is not None:
-            self.next_try_at = self._clock.now() + after.wait_s  # (said as it goes FATAL)
+        if after.fatal:  # the wait is said as it goes FATAL
+            self.next_try_at = self._clock.now() + (after.wait_s or 0.0)
         for state, reason in after.path:
             self._to(state, reason)
-        if after.wait_s is None or fatal:
+        if after.wait_s is None or after.fatal:
             return "restart after stop"
         # BACKOFF; then BACKOFF -> STARTING at the top of the loop
         return await self._back_off(after.wait_s)

@@ -155,6 +155,10 @@ class AfterDeath:
     wait_s: float | None
     loop: CrashLoop
 
+    @property
+    def fatal(self) -> bool:
+        return self.path[-1][0] is S.FATAL
+
 
 def after_death(state: ChildState, loop: CrashLoop, policy: BackoffPolicy, *, what: str,
                 run_s: float, jitter: float, served: bool, wanted: bool = True,
