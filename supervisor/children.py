@@ -129,7 +129,7 @@ class Child:
         cfg: ChildConfig,
         restart: RestartConfig,
         *,
-        drain_timeout_s: float = 30.0,
+        drain_timeout_s: float = lifecycle.DRAIN_TIMEOUT_S,
         hang_timeout_s: float = 120.0,
         vram_probe: VramProbe | None = None,
         vram_short_mib: float = 512.0,

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import llama_args, models_dir
+from .policy.lifecycle import DRAIN_TIMEOUT_S
 from .vocabulary import ROLES
 
 if sys.version_info >= (3, 11):
@@ -311,7 +312,7 @@ class FailoverConfig:
     stream_hold_s: float = field(metadata=key("number", 30.0, check=_non_negative))
     # A stream whose child dies after bytes went out goes on from the other child.
     continue_streams: bool = field(metadata=key("bool", True))
-    drain_timeout_s: float = field(metadata=key("number", 60.0, check=_non_negative))
+    drain_timeout_s: float = field(metadata=key("number", DRAIN_TIMEOUT_S, check=_non_negative))
 
 
 @dataclass(frozen=True)

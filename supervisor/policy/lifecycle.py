@@ -62,6 +62,10 @@ TRANSITIONS: dict[ChildState, frozenset[ChildState]] = {
     S.FATAL: frozenset({S.STARTING, S.STOPPED}),
 }
 
+# How long a drain waits for in-flight work before it stops the upstream anyway
+# (failover.drain_timeout_s's default; a child's and a model instance's alike).
+DRAIN_TIMEOUT_S = 60.0
+
 # States in which the child has a live process that may be serving requests.
 SERVING = frozenset({S.READY, S.DRAINING})
 

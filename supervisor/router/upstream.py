@@ -90,7 +90,8 @@ class ModelExit:
 class ModelUpstream:
     def __init__(self, child: Child, model: str, loader: Loader, *,
                  vram_probe: VramProbe | None = None, vram_short_mib: float = 512.0,
-                 drain_timeout_s: float = 60.0, clock: Clock | None = None,
+                 drain_timeout_s: float = lifecycle.DRAIN_TIMEOUT_S,
+                 clock: Clock | None = None,
                  rng: Callable[[], float] = random.random) -> None:
         self.child = child
         self.model = model
