@@ -8,6 +8,8 @@ working tree), in a temporary worktree of its own:
 - complexity: McCabe's number per function (1 + each decision in its own body: if, for,
   while, except, conditional expression, comprehension, match case, and each extra operand of
   `and`/`or`), its mean, its maximum, and the functions over 10;
+- one writer: state written inside the coroutines a model instance (router/upstream.py)
+  spawns, which should be none (its tasks wait; what they learn is written elsewhere);
 - coupling: import edges from modules outside proxy/ into proxy/ (the pool importing the
   proxy's types was one), and the Protocol classes that describe an upstream;
 - vocabulary: how many modules define the role names ("gpu", "cpu") as a tuple of their own;
@@ -133,6 +135,25 @@ def _foreign_writes(tree: ast.Module) -> int:
     return count
 
 
+def _coroutine_writes(tree: ast.Module) -> int:
+    """State written inside coroutines (the tasks an object spawns): assignments to `self.x`
+    and calls of `self._set`/`self._to`/`self._load`, in `async def` bodies."""
+    count = 0
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                count += sum(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                             and t.value.id == "self" for t in targets)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == "self" and \
+                    node.func.attr in ("_set", "_to", "_load"):
+                count += 1
+    return count
+
+
 def _methods(tree: ast.Module, module: str) -> dict[str, int]:
     found = {}
     for cls in tree.body:
@@ -154,6 +175,7 @@ def measure(root: Path) -> dict[str, Any]:
     methods: dict[str, int] = {}
     mode_branches = 0
     foreign_writes = 0
+    instance_task_writes = 0
     for path in sorted(package.rglob("*.py")):
         text = path.read_text(encoding="utf-8")
         lines += text.count("\n")
@@ -161,6 +183,8 @@ def measure(root: Path) -> dict[str, Any]:
         module = _module_name(path, root)
         modules[module] = _imports(tree, module, path.name == "__init__.py")
         methods.update(_methods(tree, module.removeprefix("supervisor.")))
+        if module == "supervisor.router.upstream":
+            instance_task_writes = _coroutine_writes(tree)
         if module == "supervisor.daemon":
             mode_branches = _mode_branches(tree)
             foreign_writes = _foreign_writes(tree)
@@ -190,6 +214,7 @@ def measure(root: Path) -> dict[str, Any]:
         "daemon_writes_to_other_objects": foreign_writes,
         **{f"complexity {name}": methods.get(name, "-") for name in WATCHED},
         "router_upstream_py_lines": size("router/upstream.py"),
+        "model_instance_state_writes_in_tasks": instance_task_writes,
         "functions": len(values),
         "mean_complexity": round(sum(values) / max(len(values), 1), 2),
         "max_complexity": max(values, default=0),
@@ -224,7 +249,8 @@ def main() -> None:
             for root in made:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                                 str(root)], capture_output=True)
-    keys = ["lines", "children_py_lines", "router_upstream_py_lines", "daemon_py_lines",
+    keys = ["lines", "children_py_lines", "router_upstream_py_lines",
+            "model_instance_state_writes_in_tasks", "daemon_py_lines",
             "daemon_mode_branches", "daemon_writes_to_other_objects",
             *(f"complexity {name}" for name in WATCHED), "functions",
             "mean_complexity", "max_complexity"]

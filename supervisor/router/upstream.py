@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..children import STDERR_TAIL_LINES, Child, VramProbe
+from ..children import STDERR_TAIL_LINES, Child, ExitRecord, VramProbe
 from ..clock import Clock, MonotonicClock
 from ..config import ChildConfig, RestartConfig
 from ..load import Load
@@ -248,13 +248,13 @@ class ModelUpstream:
         if self.state is not S.READY:
             return
         self._set(S.DRAINING, reason)
-        self._spawn(self._drain_then_unload())
+        self._spawn(self._until_drained())
 
     def unload(self, reason: str) -> None:
         """Unload an idle model (to make room for another one under --models-max)."""
         if self.state is S.READY and self.load.in_flight == 0:
             self._set(S.STOPPING, reason)
-            self._spawn(self._ask_unload())
+            self._unload_now()
 
     def reset(self, reason: str) -> None:
         """An operator's restart: forget the crash loop; a FATAL or backing-off model is loaded
@@ -458,10 +458,13 @@ class ModelUpstream:
         self.next_try_at = self._clock.now() + after.wait_s
         for state, reason in after.path:
             self._set(state, reason)
-        self._spawn(self._try_later())
+        self._spawn(self._until_try())
 
-    async def _try_later(self) -> None:
-        """BACKOFF|FATAL: when the wait is over, load it again, if it would fit."""
+    # The tasks below only wait (the clock, the router, a load's answer) and hand what they
+    # learned to a method that is not a coroutine: state is written there, never in a task.
+
+    async def _until_try(self) -> None:
+        """BACKOFF|FATAL: until the wait is over and the router READY; then _try_due."""
         while self._state in (S.BACKOFF, S.FATAL) and self.next_try_at is not None:
             left = self.next_try_at - self._clock.now()
             if left > 0:
@@ -470,24 +473,28 @@ class ModelUpstream:
             if self.child.state is not S.READY:
                 await self.child.wait_state(S.READY)  # its instance needs a router
                 continue
-            fatal = self._state is S.FATAL
-            why_not = self.load_guard() if self.load_guard is not None else None
-            if why_not is not None:
-                if fatal:  # stays FATAL; looked at again after the next interval
-                    self.next_try_at = self._clock.now() + lifecycle.fatal_retry_s(
-                        self.child.backoff_policy(), self.fatal_tries)
-                    self.reason = f"{self.reason.split('; not loaded:')[0]}; not loaded: " \
-                                  f"{why_not}"
-                    continue
-                self._set(S.STOPPED, f"back-off over; not loaded again yet: {why_not}")
-                return
-            if fatal:
-                self.crash_loop = lifecycle.fatal_try(self.crash_loop,
-                                                      self.child.backoff_policy())
-                self._load(f"try {self.fatal_tries} from FATAL (crash-loop back-off)")
-            else:
-                self._load("back-off over")
+            self._try_due()
             return
+
+    def _try_due(self) -> None:
+        """The back-off's wait is over: load it again, if it would fit."""
+        fatal = self._state is S.FATAL
+        why_not = self.load_guard() if self.load_guard is not None else None
+        if why_not is not None:
+            if fatal:  # stays FATAL; looked at again after the next interval
+                self.next_try_at = self._clock.now() + lifecycle.fatal_retry_s(
+                    self.child.backoff_policy(), self.fatal_tries)
+                self.reason = f"{self.reason.split('; not loaded:')[0]}; not loaded: " \
+                              f"{why_not}"
+                self._spawn(self._until_try())
+                return
+            self._set(S.STOPPED, f"back-off over; not loaded again yet: {why_not}")
+            return
+        if fatal:
+            self.crash_loop = lifecycle.fatal_try(self.crash_loop, self.child.backoff_policy())
+            self._load(f"try {self.fatal_tries} from FATAL (crash-loop back-off)")
+        else:
+            self._load("back-off over")
 
     def _load(self, reason: str) -> None:
         self.next_try_at = None
@@ -496,7 +503,9 @@ class ModelUpstream:
         self._spawn(self._ask_load())
 
     async def _ask_load(self) -> None:
-        problem = await self.loader.load(self.model)
+        self._load_answered(await self.loader.load(self.model))
+
+    def _load_answered(self, problem: str | None) -> None:
         if problem is None or self._state is not S.STARTING or self._instance_open:
             return
         # The router refused (its --models-max, a model it no longer lists): not a failure of
@@ -505,21 +514,32 @@ class ModelUpstream:
         self._set(S.STOPPING, f"the router did not load it: {problem}")
         self._set(S.STOPPED, f"the router did not load it: {problem}")
 
-    async def _drain_then_unload(self) -> None:
+    async def _until_drained(self) -> None:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.load.idle.wait(), self.drain_timeout_s)
+        self._drained()
+
+    def _drained(self) -> None:
         if self._state is S.DRAINING:
             self._set(S.STOPPING, "drained: unloading it")
-            await self._ask_unload()
+            self._unload_now()
+
+    def _unload_now(self) -> None:
+        self._planned_end = True  # its end, when the router tells it, is no failure
+        self._spawn(self._ask_unload())
 
     async def _ask_unload(self) -> None:
-        self._planned_end = True
-        problem = await self.loader.unload(self.model)
+        self._unload_answered(await self.loader.unload(self.model))
+
+    def _unload_answered(self, problem: str | None) -> None:
         if problem is not None and self._state is S.STOPPING and not self._instance_open:
             self._set(S.STOPPED, "unloaded")
 
     async def _end_with_router(self, generation: int, router_generation: int) -> None:
-        record = await self.child.exit_of(router_generation, 2.0)
+        self._router_ended(generation, await self.child.exit_of(router_generation, 2.0))
+
+    def _router_ended(self, generation: int, record: ExitRecord | None) -> None:
+        """The router's end, the evidence for its instance's (which it took along)."""
         fut = self._exits.get(generation)
         if fut is None or fut.done():
             return
