@@ -299,6 +299,10 @@ class ModelUpstream:
         """The router's `spawning server instance with name=M on port P`."""
         self._begin_instance(port, "loading (the router spawned its instance)")
 
+    def heard_pid(self, pid: int | None) -> None:
+        """Its instance's process, found from its port (the watch looks it up)."""
+        self.pid = pid
+
     def heard_instance_line(self, text: str) -> None:
         self.instance_lines.append(text)
         if self.armed_signal is not None and not self.armed_on_neighbour_load \

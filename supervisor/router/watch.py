@@ -73,7 +73,7 @@ class RouterWatch:
             if upstream.is_ready and upstream.pid is None:
                 # Its `loaded` event came first (the output is read behind the event stream
                 # when the cores are busy), when its port was not known: its pid is found now.
-                upstream.pid = self.instance_pid(r.port)
+                upstream.heard_pid(self.instance_pid(r.port))
             for other in self.neighbours() if self.neighbours is not None else ():
                 if other.model != r.model:
                     other.heard_neighbour_load(r.model)
@@ -144,7 +144,7 @@ class RouterWatch:
                     self._loaded(upstream)
 
     def _loaded(self, upstream: ModelUpstream) -> None:
-        upstream.pid = self.instance_pid(upstream.instance_port)
+        upstream.heard_pid(self.instance_pid(upstream.instance_port))
         if self.on_loaded is not None:
             self.on_loaded(upstream)
 
