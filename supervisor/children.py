@@ -123,7 +123,7 @@ class ExitRecord:
 VramProbe = Callable[[float], VramSample | None]
 
 
-class Child:
+class Child(lifecycle.CrashLoopCounters):
     def __init__(
         self,
         cfg: ChildConfig,
@@ -240,14 +240,6 @@ class Child:
                                                           ChildState.FATAL):
             return None
         return round(max(0.0, self.next_try_at - self._clock.now()), 1)
-
-    @property
-    def quick_failures(self) -> int:
-        return self.crash_loop.quick_failures
-
-    @property
-    def fatal_tries(self) -> int:
-        return self.crash_loop.fatal_tries
 
     def backoff_policy(self) -> lifecycle.BackoffPolicy:
         r = self.restart_cfg  # read each time: a reload may replace it

@@ -150,6 +150,21 @@ class CrashLoop:
     fatal_tries: int = 0
 
 
+class CrashLoopCounters:
+    """The crash loop's figures, as status and the operator read them, for an object that
+    keeps its `crash_loop` (a child, a model instance)."""
+
+    crash_loop: CrashLoop
+
+    @property
+    def quick_failures(self) -> int:
+        return self.crash_loop.quick_failures
+
+    @property
+    def fatal_tries(self) -> int:
+        return self.crash_loop.fatal_tries
+
+
 @dataclass(frozen=True)
 class AfterDeath:
     """What an unplanned end comes to: the states to enter, in order, each with its reason;

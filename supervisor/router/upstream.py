@@ -87,7 +87,7 @@ class ModelExit:
                 "run_s": round(self.run_s, 3), "time": rfc3339(self.time)}
 
 
-class ModelUpstream:
+class ModelUpstream(lifecycle.CrashLoopCounters):
     def __init__(self, child: Child, model: str, loader: Loader, *,
                  vram_probe: VramProbe | None = None, vram_short_mib: float = 512.0,
                  drain_timeout_s: float = lifecycle.DRAIN_TIMEOUT_S,
@@ -132,14 +132,6 @@ class ModelUpstream:
         self._tasks: set[asyncio.Task[None]] = set()
         self._seen_state = self.state
         child.listeners.append(self._router_changed)
-
-    @property
-    def quick_failures(self) -> int:
-        return self.crash_loop.quick_failures
-
-    @property
-    def fatal_tries(self) -> int:
-        return self.crash_loop.fatal_tries
 
     # --- what the proxy and the pool read --------------------------------------------------------
 
