@@ -263,6 +263,10 @@ def format_status(status: dict[str, Any]) -> str:
     else:
         out.append(f"GPU: none ({status.get('gpu_note')})")
     out.append(f"waiting: {status.get('waiting', 0)}")
+    streams = status.get("streams") or {}
+    if streams.get("live") or streams.get("finished"):
+        out.append(f"resumable streams: {streams['live']} live, {streams['finished']} finished "
+                   f"({streams['held_bytes'] / 1048576:.1f} MiB held)")
     if not status.get("serving"):
         out.append(f"NOT SERVING: {status.get('why_not_serving')}")
     cfg = status.get("config", {})

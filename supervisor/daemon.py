@@ -445,7 +445,7 @@ class Daemon:
         routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
-                           models=self.models, operator=self.operator)
+                           models=self.models, operator=self.operator, streams=self.streams)
         app = build_app(self.proxy, self.auth, routes.table(),
                         StreamRoutes(self.streams, self.metrics, time.time).table())
         # In-flight requests are drained by _shutdown itself (the drain timeout can change on

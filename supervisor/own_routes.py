@@ -27,6 +27,7 @@ from .incidents import IncidentLog
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .metrics import Metrics
 from .operator_actions import ACTIONS, Operator
+from .stream_sessions import StreamSessions
 from .pool import Pool
 from .policy.balancer import MachineHealth
 from .policy.evidence import FailureKind
@@ -100,7 +101,8 @@ class OwnRoutes:
     def __init__(self, host: Host, *, started: float, children: Mapping[str, Child],
                  resources: Resources, pool: Pool, monitor: GpuMonitor, incidents: IncidentLog,
                  metrics: Metrics, timeline: Iterable[dict[str, Any]],
-                 models: RouterModels | None = None, operator: Operator | None = None) -> None:
+                 models: RouterModels | None = None, operator: Operator | None = None,
+                 streams: StreamSessions | None = None) -> None:
         self.host = host
         self.models = models  # router mode: every model on both routers
         self.started = started  # time.monotonic() when the daemon began
@@ -112,6 +114,7 @@ class OwnRoutes:
         self.metrics = metrics
         self.timeline = timeline  # child state changes with wall-clock times, for the drill
         self.operator = operator or Operator(children["gpu"], resources.paused, models)
+        self.streams = streams  # resumable streams' replay buffers
 
     def table(self) -> dict[tuple[str, str], OwnRoute]:
         """(method, path) -> handler, for `build_app`."""
@@ -166,6 +169,7 @@ class OwnRoutes:
                        "restart_needed": list(self.host.restart_notes)},
             "router": self.models is not None,
             "models": self.models.listing() if self.models is not None else None,
+            "streams": self.streams.summary() if self.streams is not None else None,
         }
 
     def machine_health(self) -> MachineHealth:

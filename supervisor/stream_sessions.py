@@ -208,6 +208,12 @@ class StreamSessions:
     def held_bytes(self) -> int:
         return sum(s.held_bytes for s in self._sessions.values())
 
+    def summary(self) -> dict[str, Any]:
+        """For the status: how many streams are held, and how much of the budget they use."""
+        return {"live": self.live, "finished": self.finished_count,
+                "held_bytes": self.held_bytes, "finished_budget_bytes": self.max_total_bytes,
+                "ttl_s": self.ttl_s}
+
     def _finished_bytes(self) -> int:
         return sum(s.held_bytes for s in self._finished.values())
 

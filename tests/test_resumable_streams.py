@@ -15,6 +15,7 @@ from harness import eventually_async, fake_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SpillwayFactory
+from supervisor.cli import format_status
 
 pytestmark = pytest.mark.asyncio
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -96,6 +97,11 @@ async def test_a_stream_is_read_again_byte_for_byte_and_the_child_never_sees_the
     posted = [r for r in lines(state) if r["path"] == "/v1/chat/completions"]
     assert posted and all("x-conversation-id" not in {k.lower() for k in r["headers"]}
                           for r in posted)
+    # The status says what is held, and so does `spillway status`.
+    status = s.status()
+    assert status["streams"]["live"] == 0 and status["streams"]["finished"] == 1
+    assert status["streams"]["held_bytes"] == len(sent)
+    assert "resumable streams: 0 live, 1 finished" in format_status(status)
 
 
 async def test_a_client_that_leaves_does_not_stop_the_answer_and_reads_it_later(
