@@ -11,7 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from harness import eventually_async, fake_config
+from harness import Spillway, eventually_async, fake_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SpillwayFactory
@@ -53,6 +53,15 @@ async def post_stream(http: aiohttp.ClientSession, url: str, conversation: str,
             got += chunk
         r.close()
         return r.status, got
+
+
+def long_answers(spillway: SpillwayFactory, fake_server: Path, tiny_model: Path,
+                 tmp_path: Path) -> tuple[Spillway, Path]:
+    """A GPU child whose answers take 400 tokens at 50 ms each, and the file where it records
+    each stream its reader left (cut off) before the end."""
+    cuts = tmp_path / "cuts.jsonl"
+    env = {"FAKE_TOKENS": "400", "FAKE_TOKEN_DELAY_S": "0.05", "FAKE_CUT_FILE": str(cuts)}
+    return spillway(fake_config(fake_server, tiny_model, gpu={"env": env})), cuts
 
 
 async def metric(http: aiohttp.ClientSession, url: str, name: str,
@@ -126,9 +135,7 @@ async def test_a_client_that_leaves_does_not_stop_the_answer_and_reads_it_later(
 async def test_a_stop_ends_the_answer_on_the_child_and_forgets_it(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path,
         tmp_path: Path) -> None:
-    cuts = tmp_path / "cuts.jsonl"
-    env = {"FAKE_TOKENS": "400", "FAKE_TOKEN_DELAY_S": "0.05", "FAKE_CUT_FILE": str(cuts)}
-    s = spillway(fake_config(fake_server, tiny_model, gpu={"env": env}))
+    s, cuts = long_answers(spillway, fake_server, tiny_model, tmp_path)
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{s.url}/v1/chat/completions", json=CHAT,
                              headers={"X-Conversation-Id": "conv-stop"}) as r:
@@ -155,9 +162,7 @@ async def test_a_stop_ends_the_answer_on_the_child_and_forgets_it(
 async def test_a_new_stream_of_the_conversation_stops_the_old_one(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path,
         tmp_path: Path) -> None:
-    cuts = tmp_path / "cuts.jsonl"
-    env = {"FAKE_TOKENS": "400", "FAKE_TOKEN_DELAY_S": "0.05", "FAKE_CUT_FILE": str(cuts)}
-    s = spillway(fake_config(fake_server, tiny_model, gpu={"env": env}))
+    s, cuts = long_answers(spillway, fake_server, tiny_model, tmp_path)
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{s.url}/v1/chat/completions", json=CHAT,
                              headers={"X-Conversation-Id": "conv"}) as old:

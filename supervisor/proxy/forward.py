@@ -100,7 +100,9 @@ class RequestCtx:
     # A stream that may be continued on the other child: what the client has of it so far.
     follow: continuation.Transcript | None = None
     continued: bool = False  # it was continued once (never twice)
-    # A resumable stream (X-Conversation-Id): its replay buffer, which every byte sent joins.
+    # A resumable stream: its X-Conversation-Id (read once, checked), and its replay buffer,
+    # which every byte sent joins.
+    conversation: str | None = None
     resumable: StreamSession | None = None
     event_stream: web.StreamResponse | None = None  # the client's, once its headers went out
 

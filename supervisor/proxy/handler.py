@@ -207,12 +207,13 @@ class ProxyHandler:
             # A stream that may go on from the other child if its own dies after bytes: what
             # the client receives of it is followed.
             ctx.follow = continuation.Transcript(continuation.route_kind(ctx.path) or "chat")
-        conversation = request.headers.get("X-Conversation-Id")
-        if conversation is not None and ctx.stream and not \
-                0 < len(conversation) <= MAX_CONVERSATION_ID:
-            return self._early(ctx, request, rid, "bad_request", errors.invalid_request(
-                400, f"X-Conversation-Id must be 1 to {MAX_CONVERSATION_ID} characters", rid,
-                param="X-Conversation-Id"))
+        conversation = request.headers.get("X-Conversation-Id") if ctx.stream else None
+        if conversation is not None:
+            if not 0 < len(conversation) <= MAX_CONVERSATION_ID:
+                return self._early(ctx, request, rid, "bad_request", errors.invalid_request(
+                    400, f"X-Conversation-Id must be 1 to {MAX_CONVERSATION_ID} characters",
+                    rid, param="X-Conversation-Id"))
+            ctx.conversation = conversation
         if self.pools.router:
             named = payload.get("model") if payload else request.query.get("model")
             ctx.model = self.pools.for_model(named if isinstance(named, str) else None,
@@ -276,9 +277,8 @@ class ProxyHandler:
 
     async def _serve_and_record(self, request: web.Request,
                                 ctx: RequestCtx) -> Answered | Broken:
-        conversation = request.headers.get("X-Conversation-Id")
-        if conversation and ctx.stream:
-            return await self._resumable(request, ctx, conversation)
+        if ctx.conversation is not None:
+            return await self._resumable(request, ctx, ctx.conversation)
         return await self._serve_recorded(request, ctx)
 
     async def _resumable(self, request: web.Request, ctx: RequestCtx,
