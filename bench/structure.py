@@ -9,7 +9,12 @@ working tree), in a temporary worktree of its own:
   while, except, conditional expression, comprehension, match case, and each extra operand of
   `and`/`or`), its mean, its maximum, and the functions over 10;
 - one writer: state written inside the coroutines a model instance (router/upstream.py)
-  spawns, which should be none (its tasks wait; what they learn is written elsewhere);
+  spawns, which should be none (its tasks wait; what they learn is written elsewhere); the
+  lifecycle's own state (state, reason, crash loop, next try, generation, commands) written
+  inside coroutines, in either half; and the modules that take transitions (that call
+  `check_transition`): one state machine is one such module;
+- the lifecycle's lines: both halves, the pure step (policy/lifecycle.py) and the engine, all
+  lines and code lines (not blank, comment or docstring);
 - coupling: import edges from modules outside proxy/ into proxy/ (the pool importing the
   proxy's types was one), and the Protocol classes that describe an upstream;
 - vocabulary: how many modules define the role names ("gpu", "cpu") as a tuple of their own;
@@ -24,10 +29,12 @@ Prints a table; writes bench/results/structure.{json,md}.
 from __future__ import annotations
 
 import ast
+import io
 import json
 import subprocess
 import sys
 import tempfile
+import tokenize
 from pathlib import Path
 from typing import Any
 
@@ -102,8 +109,16 @@ def _role_tuples(tree: ast.Module) -> int:
 
 
 WATCHED = ("daemon.Daemon.apply_config", "daemon.Daemon._apply_to_children",
-           "own_routes.OwnRoutes.gpu_control", "children.Child._after_exit",
-           "router.upstream.ModelUpstream._after_death")
+           "own_routes.OwnRoutes.gpu_control", "children.Child._own",
+           "children.Child._after_exit", "children.Child._run_process",
+           "router.upstream.ModelUpstream._after_death", "router.upstream.ModelUpstream._ended",
+           "router.upstream.ModelUpstream._judge_end", "engine.Engine._do")
+# Where the lifecycle is: the two halves, the pure step, the engine.
+LIFECYCLE_FILES = ("children.py", "router/upstream.py", "policy/lifecycle.py", "engine.py")
+# The lifecycle's own state, as either half kept it (before issue 22's engine) or reads it.
+LIFECYCLE_ATTRS = frozenset({"state", "_state", "reason", "crash_loop", "next_try_at",
+                             "generation", "_want_running", "_command", "_command_reason",
+                             "_instance_open", "loading_since", "_planned_end"})
 
 
 def _mode_branches(tree: ast.Module) -> int:
@@ -154,6 +169,34 @@ def _coroutine_writes(tree: ast.Module) -> int:
     return count
 
 
+def _lifecycle_writes_in_tasks(tree: ast.Module) -> int:
+    """The lifecycle's own state written inside coroutines: assignments to LIFECYCLE_ATTRS
+    on `self`, and transitions (`self._to`, `self._set`), in `async def` bodies."""
+    count = 0
+    for fn in ast.walk(tree):
+        if not isinstance(fn, ast.AsyncFunctionDef):
+            continue
+        for node in ast.walk(fn):
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                count += sum(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
+                             and t.value.id == "self" and t.attr in LIFECYCLE_ATTRS
+                             for t in targets)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
+                    isinstance(node.func.value, ast.Name) and node.func.value.id == "self" and \
+                    node.func.attr in ("_to", "_set"):
+                count += 1
+    return count
+
+
+def _takes_transitions(tree: ast.Module) -> bool:
+    """Whether the module calls check_transition (takes transitions of its own)."""
+    return any(isinstance(n, ast.Call) and (
+        (isinstance(n.func, ast.Name) and n.func.id == "check_transition") or
+        (isinstance(n.func, ast.Attribute) and n.func.attr == "check_transition"))
+        for n in ast.walk(tree))
+
+
 def _methods(tree: ast.Module, module: str) -> dict[str, int]:
     found = {}
     for cls in tree.body:
@@ -162,6 +205,39 @@ def _methods(tree: ast.Module, module: str) -> dict[str, int]:
                 if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     found[f"{module}.{cls.name}.{fn.name}"] = _mccabe(fn)
     return found
+
+
+def _code_lines(text: str) -> int:
+    """Lines that hold code: not blank, not only a comment, not in a docstring."""
+    tree = ast.parse(text)
+    docs: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and \
+                    isinstance(first.value.value, str):
+                docs.update(range(first.lineno, (first.end_lineno or first.lineno) + 1))
+    skip = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT,
+            tokenize.ENDMARKER)
+    code: set[int] = set()
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type not in skip:
+            code.update(range(tok.start[0], tok.end[0] + 1))
+    return len(code - docs)
+
+
+def _module_figures(tree: ast.Module, module: str, found: dict[str, Any]) -> None:
+    """What one module adds to the figures that concern a few modules."""
+    short = module.removeprefix("supervisor.")
+    if module == "supervisor.router.upstream":
+        found["instance_task_writes"] = _coroutine_writes(tree)
+    if module == "supervisor.daemon":
+        found["mode_branches"] = _mode_branches(tree)
+        found["foreign_writes"] = _foreign_writes(tree)
+    if short in ("children", "router.upstream"):
+        found["lifecycle_task_writes"] += _lifecycle_writes_in_tasks(tree)
+    if _takes_transitions(tree):
+        found["transition_takers"].append(short)
 
 
 def measure(root: Path) -> dict[str, Any]:
@@ -173,9 +249,8 @@ def measure(root: Path) -> dict[str, Any]:
     role_definitions: list[str] = []
     modules: dict[str, set[str]] = {}
     methods: dict[str, int] = {}
-    mode_branches = 0
-    foreign_writes = 0
-    instance_task_writes = 0
+    found: dict[str, Any] = {"mode_branches": 0, "foreign_writes": 0, "instance_task_writes": 0,
+                             "lifecycle_task_writes": 0, "transition_takers": []}
     for path in sorted(package.rglob("*.py")):
         text = path.read_text(encoding="utf-8")
         lines += text.count("\n")
@@ -183,11 +258,7 @@ def measure(root: Path) -> dict[str, Any]:
         module = _module_name(path, root)
         modules[module] = _imports(tree, module, path.name == "__init__.py")
         methods.update(_methods(tree, module.removeprefix("supervisor.")))
-        if module == "supervisor.router.upstream":
-            instance_task_writes = _coroutine_writes(tree)
-        if module == "supervisor.daemon":
-            mode_branches = _mode_branches(tree)
-            foreign_writes = _foreign_writes(tree)
+        _module_figures(tree, module, found)
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 complexities.append((_mccabe(node), f"{module}.{node.name}"))
@@ -206,15 +277,25 @@ def measure(root: Path) -> dict[str, Any]:
         p = package / rel
         return p.read_text(encoding="utf-8").count("\n") if p.exists() else 0
 
+    def code(rel: str) -> int:
+        p = package / rel
+        return _code_lines(p.read_text(encoding="utf-8")) if p.exists() else 0
+
     return {
         "lines": lines,
         "children_py_lines": size("children.py"),
         "daemon_py_lines": size("daemon.py"),
-        "daemon_mode_branches": mode_branches,
-        "daemon_writes_to_other_objects": foreign_writes,
+        "daemon_mode_branches": found["mode_branches"],
+        "daemon_writes_to_other_objects": found["foreign_writes"],
         **{f"complexity {name}": methods.get(name, "-") for name in WATCHED},
         "router_upstream_py_lines": size("router/upstream.py"),
-        "model_instance_state_writes_in_tasks": instance_task_writes,
+        "lifecycle_py_lines": size("policy/lifecycle.py"),
+        "engine_py_lines": size("engine.py"),
+        "lifecycle_lines_all": sum(size(r) for r in LIFECYCLE_FILES),
+        "lifecycle_code_lines_all": sum(code(r) for r in LIFECYCLE_FILES),
+        "model_instance_state_writes_in_tasks": found["instance_task_writes"],
+        "lifecycle_state_writes_in_tasks": found["lifecycle_task_writes"],
+        "modules_taking_transitions": sorted(found["transition_takers"]),
         "functions": len(values),
         "mean_complexity": round(sum(values) / max(len(values), 1), 2),
         "max_complexity": max(values, default=0),
@@ -249,8 +330,10 @@ def main() -> None:
             for root in made:
                 subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force",
                                 str(root)], capture_output=True)
-    keys = ["lines", "children_py_lines", "router_upstream_py_lines",
-            "model_instance_state_writes_in_tasks", "daemon_py_lines",
+    keys = ["lines", "children_py_lines", "router_upstream_py_lines", "lifecycle_py_lines",
+            "engine_py_lines", "lifecycle_lines_all", "lifecycle_code_lines_all",
+            "model_instance_state_writes_in_tasks",
+            "lifecycle_state_writes_in_tasks", "daemon_py_lines",
             "daemon_mode_branches", "daemon_writes_to_other_objects",
             *(f"complexity {name}" for name in WATCHED), "functions",
             "mean_complexity", "max_complexity"]
@@ -258,8 +341,8 @@ def main() -> None:
     rows = [head, "|" + "---|" * (len(revs) + 1)]
     for k in keys:
         rows.append(f"| {k} | " + " | ".join(str(results[r][k]) for r in revs) + " |")
-    for k in ("over_10", "modules_importing_proxy_from_outside", "upstream_protocols",
-              "modules_defining_roles"):
+    for k in ("modules_taking_transitions", "over_10", "modules_importing_proxy_from_outside",
+              "upstream_protocols", "modules_defining_roles"):
         cells = []
         for r in revs:
             names = ", ".join(x.removeprefix("supervisor.") for x in results[r][k])

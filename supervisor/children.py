@@ -1,8 +1,12 @@
 """The supervised llama-server processes: the only code that spawns, signals and watches them.
 
-One task owns each child and is the only writer of its state (policy/lifecycle.py says which
-transitions are legal and how long to back off). Others ask for changes through `start`,
-`stop`, `restart` and `drain`, and read the state, pid, port and evidence.
+Each child's lifecycle has one owner (engine.py: one task, one inbox, the only writer of its
+state), which asks policy/lifecycle.step what each event comes to; this module is a child's
+effects: a launch is a process, supervised by a task of its own that probes /health (posting
+Ready, or Unresponsive after the start or hang timeout) and, once the process is reaped,
+posts its Ended with the exit record; a stop is SIGTERM, grace, SIGKILL. Others ask for
+changes through `start`, `stop`, `restart` and `drain` (events posted to the owner), and read
+the state, pid, port and evidence.
 
 Every child:
 - listens on a loopback port Spillway picks, with a random API key only Spillway knows (given in
@@ -15,7 +19,7 @@ Every child:
 - is stopped with SIGTERM to its group, a grace period, then SIGKILL (llama-server does not exit
   while a client is connected).
 
-The effects go through two seams, so that this state machine is unit tested without processes
+The effects go through two seams, so that a child's lifecycle is unit tested without processes
 or sleeping (tests/test_child_lifecycle.py): the launcher (launcher.py: spawning, signalling,
 reading output, the health probe) and the clock (clock.py: the lifecycle's waits, i.e. health
 and liveness polls, back-off, drain, grace, and the times that decide the start timeout, the
@@ -40,6 +44,7 @@ from typing import Any
 
 from .clock import Clock, MonotonicClock
 from .config import ChildConfig, RestartConfig, command_changed
+from .engine import Engine
 from .launcher import Launcher, Process, SubprocessLauncher
 from .load import Load
 from .launcher import pick_port as pick_port  # the drill's import
@@ -148,56 +153,77 @@ class Child(lifecycle.CrashLoopCounters):
         self.vram_short_mib = vram_short_mib
         self.extra_env = dict(extra_env or {})
         self.cpu = cpu or host_cpu()  # the crash signatures' facts (AMX, ...)
-        self._rng = rng
         self._clock: Clock = clock or MonotonicClock()  # every timed wait
         # The processes and the health probe; a launcher made here is closed by `close`.
         self._own_launcher: SubprocessLauncher | None = None
         if launcher is None:
             launcher = self._own_launcher = SubprocessLauncher()
         self._launcher: Launcher = launcher
+        # Its requests in flight: counted by the pool (the one writer), read here.
+        self.load = Load()
+        # The lifecycle's one owner (engine.py): the state, the crash loop and the next try
+        # are its Life's, read through the properties below.
+        self.engine = Engine(self.name, self, lifecycle.CHILD, policy=self.backoff_policy,
+                             drain_timeout_s=lambda: self.drain_timeout_s,
+                             idle=self.load.idle, clock=self._clock, rng=rng)
 
-        self.state = ChildState.STOPPED
         self.state_since = time.monotonic()
-        self.reason = "not started"  # why it is in its state, for status
         self.pid: int | None = None
         self.host = "127.0.0.1"  # every child listens on loopback only
         self.port: int | None = None
         self.api_key: str = ""
-        self.generation = 0
         self.restarts = 0
-        # Quick failures in a row, tries from FATAL since the last good run (lifecycle.py).
-        self.crash_loop = lifecycle.CrashLoop()
-        self.next_try_at: float | None = None  # clock time of the next start, in BACKOFF|FATAL
         self.last_exit: ExitRecord | None = None
         self.started_at: float | None = None  # monotonic, of the current process
         self.ready_at: float | None = None
-        self.last_start_s: float | None = None  # spawn -> ready, of the last start
         self.tasks_started = 0  # `launch_slot_` lines: executions, counted by the child itself
         self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
         # Lines a crash signature names (an "AMX model buffer" line at load), kept past the
         # tail's bound for this process's whole life.
         self.marker_lines: deque[str] = deque(maxlen=MARKER_LINES)
-        # The signature of each of the last unplanned exits (None: none matched), newest last.
-        self.recent_signatures: deque[str | None] = deque(maxlen=8)
-        # Its requests in flight: counted by the pool (the one writer), read here.
-        self.load = Load()
         self.listeners: list[StateListener] = []
         # Each output line, as read (router mode: the router's own lines tell of its models).
         self.line_listeners: list[Callable[[str], None]] = []
         self.armed_signal: int | None = None  # the drill's: sent when the next task launches
-        self._process: Process | None = None  # the running process (for the drill's signal)
 
-        self._want_running = False
-        self._command: str | None = None  # "restart" | "drain" | "stop"
-        self._command_reason = ""
-        self._wake = asyncio.Event()
-        self._state_changed = asyncio.Event()
+        # The running process, its supervision (spawn, probes, exit) and how Spillway is
+        # ending it, if it is: (planned, a note for an unplanned end's record).
+        self._process: Process | None = None
+        self._waiter: asyncio.Task[int] | None = None
+        self._run: asyncio.Task[None] | None = None
+        self._ending: tuple[bool, str] | None = None
+        self._probe_wake = asyncio.Event()  # the probes stop: it left STARTING|READY
         self._exits: dict[int, asyncio.Future[ExitRecord]] = {}
-        self._owner: asyncio.Task[None] | None = None
-        self._closed = False
-        self._grace_override: float | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # --- reading ----------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> ChildState:
+        return self.engine.life.state
+
+    @property
+    def reason(self) -> str:
+        """Why it is in its state, for status."""
+        return self.engine.life.reason
+
+    @property
+    def generation(self) -> int:
+        return self.engine.life.generation
+
+    @property
+    def crash_loop(self) -> lifecycle.CrashLoop:  # type: ignore[override]
+        return self.engine.life.loop
+
+    @property
+    def next_try_at(self) -> float | None:
+        """Clock time of the next start, in BACKOFF and FATAL."""
+        return self.engine.life.next_try_at
+
+    @property
+    def last_start_s(self) -> float | None:
+        """STARTING to READY, the last time."""
+        return self.engine.life.last_start_s
 
     @property
     def base_url(self) -> str:
@@ -248,7 +274,7 @@ class Child(lifecycle.CrashLoopCounters):
             quick_failure_s=r.quick_failure_s, max_quick_failures=r.max_quick_failures,
             fatal_retry_max_s=r.fatal_retry_max_s)
 
-    # --- asking for changes -----------------------------------------------------------------------
+    # --- asking for changes: each is an event for the owner ---------------------------------------
 
     def configure(self, cfg: ChildConfig, restart: RestartConfig, drain_timeout_s: float) -> None:
         """A reload: new timeouts at once; a new command drains a READY child (its requests
@@ -259,69 +285,47 @@ class Child(lifecycle.CrashLoopCounters):
         self.drain_timeout_s = drain_timeout_s
         changed = command_changed(self.cfg, cfg)
         self.cfg = cfg
-        if not changed:
-            return
-        if self.state is ChildState.READY:
-            self.drain("config reload: its command changed")
-        elif self.state in (ChildState.STARTING, ChildState.BACKOFF, ChildState.FATAL):
-            self.restart("config reload: its command changed")
+        if changed:
+            self.engine.post(lifecycle.CommandChanged("config reload: its command changed"))
 
     def start(self) -> None:
-        """Begin supervising: start the process and keep it running."""
-        self._want_running = True
-        if self.state is ChildState.FATAL:
-            self._command, self._command_reason = "restart", "start asked for"
-        if self._owner is None:
-            self._owner = asyncio.create_task(self._own(), name=f"child-{self.name}")
-        self._wake.set()
+        """Begin supervising: start the process and keep it running; from FATAL, at once."""
+        first = self.engine.life.generation == 0
+        self.engine.post(lifecycle.Start("starting" if first else "start asked for",
+                                         keep=True))
 
     def restart(self, reason: str) -> None:
         """Stop the process now (SIGTERM, grace, SIGKILL) and start it again; from BACKOFF or
         FATAL, start at once."""
-        self._want_running = True
-        self._command, self._command_reason = "restart", reason
-        if self._owner is None:
-            self._owner = asyncio.create_task(self._own(), name=f"child-{self.name}")
-        self._wake.set()
+        self.engine.post(lifecycle.Restart(reason))
 
     def drain(self, reason: str) -> None:
         """No new work; in-flight work finishes (up to the drain timeout); then restart."""
-        if self.state is ChildState.READY:
-            self._command, self._command_reason = "drain", reason
-            self._wake.set()
+        self.engine.post(lifecycle.Drain(reason))
 
     async def stop(self, reason: str = "stop asked for", grace_s: float | None = None) -> None:
-        """Stop the process and wait until it is gone; the child stays STOPPED."""
-        self._grace_override = grace_s
-        self._want_running = False
-        self._command, self._command_reason = "stop", reason
-        self._wake.set()
-        while self.state not in (ChildState.STOPPED,) and self._owner is not None:
-            if self._owner.done():
-                break
-            await self._wait_state_change()
+        """Stop the process and wait until it is gone; the child stays STOPPED (unless it is
+        started again meanwhile)."""
+        await self.engine.ask(lifecycle.Stop(reason, grace_s))
+        await self.engine.until(lambda life: life.state is ChildState.STOPPED or life.wanted)
 
     async def close(self, grace_s: float | None = None) -> None:
         """Stop for good (daemon shutdown)."""
         await self.stop("daemon shutting down", grace_s)
-        self._closed = True
-        self._wake.set()
-        if self._owner is not None:
+        await self.engine.close()
+        for task in [*self._tasks, *([self._run] if self._run is not None else [])]:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._owner
+                await task
+        for fut in self._exits.values():
+            if not fut.done():
+                fut.cancel()
         if self._own_launcher is not None:
             await self._own_launcher.close()
 
     async def wait_state(self, *states: ChildState, timeout: float | None = None) -> bool:
         """Wait until the child is in one of `states`; False on timeout."""
-        async def waiter() -> None:
-            while self.state not in states:
-                await self._wait_state_change()
-        try:
-            await asyncio.wait_for(waiter(), timeout)
-            return True
-        except TimeoutError:
-            return False
+        return await self.engine.wait_state(*states, timeout=timeout)
 
     async def exit_of(self, generation: int, timeout: float) -> ExitRecord | None:
         """The exit record of process `generation`, waiting up to `timeout` for it to end."""
@@ -366,124 +370,59 @@ class Child(lifecycle.CrashLoopCounters):
                     signal.Signals(sig).name)
         proc.signal_group(sig)
 
-    # --- the owner task ---------------------------------------------------------------------------
+    # --- the effects: what the owner carries out (engine.Effects) ---------------------------------
 
-    def _to(self, new: ChildState, reason: str) -> None:
-        old = self.state
-        lifecycle.check_transition(old, new)
-        self.state = new
+    def entered(self, old: ChildState, new: ChildState, reason: str) -> None:
         self.state_since = time.monotonic()
-        self.reason = reason
         log.info("[%s] %s -> %s: %s", self.name, old, new, reason)
+        if new not in _PROBED:
+            self._probe_wake.set()
         for listener in list(self.listeners):
             try:
                 listener(self, old, new, reason)
             except Exception:  # noqa: BLE001 - a listener must not break the owner task
                 log.exception("state listener failed")
-        self._state_changed.set()
-        self._state_changed = asyncio.Event()
 
-    async def _wait_state_change(self) -> None:
-        await self._state_changed.wait()
+    def launch(self, generation: int, reason: str) -> None:
+        if generation > 1:
+            self.restarts += 1
+        loop = asyncio.get_running_loop()
+        self._exits = {g: f for g, f in self._exits.items() if g >= generation - 4}
+        self._exits[generation] = loop.create_future()
+        self._ending = None
+        self._probe_wake = asyncio.Event()
+        self._run = asyncio.create_task(self._run_process(generation),
+                                        name=f"child-{self.name}-{generation}")
 
-    def _take_command(self) -> tuple[str | None, str]:
-        cmd, reason = self._command, self._command_reason
-        self._command, self._command_reason = None, ""
-        return cmd, reason
+    def terminate(self, action: lifecycle.Terminate) -> None:
+        proc, waiter = self._process, self._waiter
+        if proc is None or waiter is None or waiter.done() or proc.returncode is not None \
+                or self._ending is not None:
+            return  # gone already (its end is on its way), or being ended
+        self._ending = (action.planned, action.note)
+        self._probe_wake.set()
+        grace = self.cfg.stop_grace_s if action.grace_s is None else action.grace_s
+        self._spawn(self._terminate(proc, waiter, grace))
 
-    async def _wait_wake(self, timeout: float | None = None) -> bool:
-        """Wait for a command; True if one came, False on timeout."""
-        if not await self._clock.wait(self._wake, timeout):
-            return False
-        self._wake.clear()
-        return True
+    def recorded(self, end: lifecycle.Ended) -> None:
+        record = end.record
+        assert isinstance(record, ExitRecord)
+        fut = self._exits.get(record.generation)
+        if fut is not None and not fut.done():
+            fut.set_result(record)
+        if not end.planned:
+            self.last_exit = record
 
-    async def _own(self) -> None:
-        start_reason = "starting"
-        try:
-            while not self._closed:
-                if not self._want_running:
-                    await self._while_stopped()
-                    start_reason = "start asked for"
-                    continue
-                if self.state is ChildState.FATAL:
-                    fatal_reason = await self._from_fatal()
-                    if fatal_reason is None:
-                        continue
-                    start_reason = fatal_reason
-                else:
-                    cmd, reason = self._take_command()  # a restart before the start is moot
-                    if cmd == "restart":
-                        start_reason = reason
-                if self.generation > 0:
-                    self.restarts += 1
-                # STOPPED|BACKOFF|FATAL -> STARTING
-                self.next_try_at = None
-                self._to(ChildState.STARTING, start_reason)
-                record = await self._run_process()
-                start_reason = "restart after stop"
-                if record is not None and not record.planned:
-                    start_reason = await self._after_exit(record)
-        finally:
-            self._fail_pending_exits()
+    def opened(self, generation: int, since: int) -> None:
+        pass  # a child's process begins with its launch
 
-    async def _while_stopped(self) -> None:
-        """Not wanted running: BACKOFF|FATAL|EXITED -> STOPPED, then wait for a command."""
-        self._take_command()
-        if self.state in (ChildState.BACKOFF, ChildState.FATAL, ChildState.EXITED):
-            self._to(ChildState.STOPPED, "stop asked for")
-        await self._wait_wake()
+    def orphaned(self, generation: int) -> None:
+        pass  # a child has no host
 
-    async def _from_fatal(self) -> str | None:
-        """In FATAL: the reason for the next start, or None after waiting (look again)."""
-        cmd, reason = self._take_command()
-        if cmd == "restart":  # an operator, a reload, or the card's memory freed
-            self.crash_loop = lifecycle.CrashLoop()
-            self.recent_signatures.clear()  # a changed config deserves its own two tries
-            return reason
-        left = (self.next_try_at or 0.0) - self._clock.now()
-        if left > 0:
-            await self._wait_wake(left)
-            return None
-        # The crash-loop back-off's next try: one more quick failure is FATAL again, with a
-        # longer wait.
-        self.crash_loop = lifecycle.fatal_try(self.crash_loop, self.backoff_policy())
-        return f"try {self.fatal_tries} from FATAL (crash-loop back-off)"
+    def why_not_now(self) -> str | None:
+        return None  # a child is always tried (the GPU's freed memory restarts it early)
 
-    async def _after_exit(self, record: ExitRecord) -> str:
-        """After an unplanned exit: EXITED -> STOPPED | BACKOFF (and its wait) | BACKOFF ->
-        FATAL, as lifecycle.after_death says. The reason for the next start."""
-        self.last_exit = record
-        self.recent_signatures.append(record.signature)
-        after = lifecycle.after_death(
-            self.state, self.crash_loop, self.backoff_policy(),
-            what=f"{record.kind}: {record.evidence}", run_s=record.run_s, jitter=self._rng(),
-            served=record.served, wanted=self._want_running,
-            known_crash=record.known_crash or None,
-            known_crash_repeats=signatures.repeats(self.recent_signatures))
-        self.crash_loop = after.loop
-        if after.fatal:  # the wait is said as it goes FATAL
-            self.next_try_at = self._clock.now() + (after.wait_s or 0.0)
-        for state, reason in after.path:
-            self._to(state, reason)
-        if after.wait_s is None or after.fatal:
-            return "restart after stop"
-        # BACKOFF; then BACKOFF -> STARTING at the top of the loop
-        return await self._back_off(after.wait_s)
-
-    async def _back_off(self, delay_s: float) -> str:
-        """Wait out the back-off (cut short by a stop or a restart); the reason for the next
-        start."""
-        until = self.next_try_at = self._clock.now() + delay_s
-        while (left := until - self._clock.now()) > 0 and self._want_running:
-            if await self._wait_wake(left) and self._command == "restart":
-                return self._command_reason or "restart asked for"
-        return "backoff over"
-
-    def _fail_pending_exits(self) -> None:
-        for fut in self._exits.values():
-            if not fut.done():
-                fut.cancel()
+    # --- one process, from spawn to exit ----------------------------------------------------------
 
     def _environment(self, api_key: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in _OWNED_ENV}
@@ -494,7 +433,7 @@ class Child(lifecycle.CrashLoopCounters):
         env["LLAMA_API_KEY"] = api_key
         return env
 
-    async def _spawn(self) -> Process:
+    async def _spawn_process(self) -> Process:
         # Never the last process's port: connections pooled to it must not reach the new one.
         self.port = pick_port(avoid=self.port)
         self.api_key = secrets.token_urlsafe(24)
@@ -503,25 +442,19 @@ class Child(lifecycle.CrashLoopCounters):
         log.info("[%s] starting: %s", self.name, " ".join(argv))
         return await self._launcher.spawn(argv, self._environment(self.api_key))
 
-    async def _run_process(self) -> ExitRecord | None:
-        """One process from spawn to exit. Returns its exit record (planned or not)."""
-        self.generation += 1
-        generation = self.generation
-        loop = asyncio.get_running_loop()
-        exit_future: asyncio.Future[ExitRecord] = loop.create_future()
-        self._exits = {g: f for g, f in self._exits.items() if g >= generation - 4}
-        self._exits[generation] = exit_future
+    async def _run_process(self, generation: int) -> None:
+        """Process `generation` from spawn to exit: its probes post Ready or Unresponsive,
+        its end posts Ended."""
         spawned_at = time.monotonic()
         spawned = self._clock.now()
         try:
-            proc = await self._spawn()
+            proc = await self._spawn_process()
         except OSError as e:
-            record = ExitRecord(generation, 0, 127, FailureKind.CRASH, f"cannot start "
-                                f"{self.cfg.llama_server!r}: {e}", time.time(),
-                                time.monotonic(), 0.0, planned=False)
-            exit_future.set_result(record)
-            self._to(ChildState.EXITED, record.evidence)
-            return record
+            self.engine.post(_ended(ExitRecord(
+                generation, 0, 127, FailureKind.CRASH,
+                f"cannot start {self.cfg.llama_server!r}: {e}", time.time(), time.monotonic(),
+                0.0, planned=False)))
+            return
         self.pid = proc.pid
         self._process = proc
         self.started_at = spawned_at
@@ -529,63 +462,61 @@ class Child(lifecycle.CrashLoopCounters):
         self.stderr_tail.clear()
         self.marker_lines.clear()
         reader = asyncio.create_task(self._read_output(proc), name=f"child-{self.name}-output")
-        waiter = asyncio.create_task(proc.wait(), name=f"child-{self.name}-wait")
+        waiter = self._waiter = asyncio.create_task(proc.wait(), name=f"child-{self.name}-wait")
         tasks_before = self.tasks_started
         try:
-            planned, note = await self._supervise(proc, waiter, spawned)
+            await self._probe(generation, waiter, spawned)
+            await asyncio.shield(waiter)
         finally:
             await self._reap(proc, waiter, reader)
+        planned, note = self._ending or (False, "")
         record = self._exit_record(generation, proc, spawned, planned, note,
                                    served=self.tasks_started > tasks_before)
-        exit_future.set_result(record)
         self.pid = None
         self._process = None
         self.started_at = None
-        if planned:
-            self._to(ChildState.STOPPED, f"stopped ({describe_exit(record.returncode)})")
-        else:
+        if not planned:
             log.warning("[%s] exited: %s (%s)", self.name, record.kind, record.evidence)
             if record.diagnosis is not None:
                 log.warning("[%s] %s", self.name, record.diagnosis.summary())
-            self._to(ChildState.EXITED, f"{record.kind}: {record.evidence}")
-        return record
+        self.engine.post(_ended(record))
 
-    async def _supervise(self, proc: Process, waiter: asyncio.Task[int],
-                         spawned: float) -> tuple[bool, str]:
-        """STARTING, READY, DRAINING and STOPPING of one process, until it is gone (or stopping
-        it is over): (planned, a note on why Spillway ended it unplanned)."""
-        outcome = await self._until_ready(waiter)
-        if outcome == "ready":
-            self.ready_at = time.monotonic()
-            self.last_start_s = self._clock.now() - spawned
-            self._to(ChildState.READY, f"ready in {self.last_start_s:.2f} s")
-            outcome = await self._while_ready(waiter)
-        if outcome == "command":
-            return await self._on_command(proc, waiter), ""
-        if outcome == "timeout":
-            await self._terminate(proc, waiter)
-            return False, f"not ready after {self.cfg.start_timeout_s:.0f} s (start timeout)"
-        if outcome == "hung":
-            await self._terminate(proc, waiter, grace_s=HUNG_GRACE_S)
-            return False, f"/health unanswered for {self.hang_timeout_s:.0f} s"
-        return False, ""
+    def _probing(self, waiter: asyncio.Task[int]) -> bool:
+        return not waiter.done() and self._ending is None and \
+            self.engine.life.state in _PROBED
 
-    async def _on_command(self, proc: Process, waiter: asyncio.Task[int]) -> bool:
-        """A command while starting or ready: drain first if asked to, then STOPPING. True if
-        Spillway stopped the process, False if it exited first."""
-        cmd, reason = self._take_command()
-        outcome = "command"
-        if cmd == "drain" and self.state is ChildState.READY:
-            self._to(ChildState.DRAINING, reason)
-            outcome = await self._while_draining(waiter)
-            if outcome == "command":
-                _, reason2 = self._take_command()
-                reason = reason2 or reason
-        if outcome == "exited":
-            return False
-        self._to(ChildState.STOPPING, reason)
-        await self._terminate(proc, waiter)
-        return True
+    async def _probe(self, generation: int, waiter: asyncio.Task[int], spawned: float) -> None:
+        """/health until it answers (the start timeout), then every LIVENESS_POLL_S while it
+        serves (the hang timeout); over when it leaves STARTING|READY or is being ended."""
+        deadline = self._clock.now() + self.cfg.start_timeout_s
+        while True:
+            if not self._probing(waiter):
+                return
+            if self._clock.now() > deadline:
+                self.engine.post(lifecycle.Unresponsive(
+                    generation, f"not ready after {self.cfg.start_timeout_s:.0f} s "
+                                "(start timeout)"))
+                return
+            if await self._health_ok(timeout=2.0):
+                break
+            await self._sleep_or_exit(waiter, HEALTH_POLL_S)
+        self.ready_at = time.monotonic()
+        self.engine.post(lifecycle.Ready(generation))
+        last_ok = self._clock.now()
+        while True:
+            woke = await self._sleep_or_exit(waiter, LIVENESS_POLL_S)
+            if not self._probing(waiter):
+                return
+            if woke:
+                continue
+            limit = min(LIVENESS_TIMEOUT_S, self.hang_timeout_s or LIVENESS_TIMEOUT_S)
+            if await self._health_ok(timeout=limit):
+                last_ok = self._clock.now()
+            elif self.hang_timeout_s > 0 and self._clock.now() - last_ok > self.hang_timeout_s:
+                self.engine.post(lifecycle.Unresponsive(
+                    generation, f"/health unanswered for {self.hang_timeout_s:.0f} s",
+                    HUNG_GRACE_S))
+                return
 
     async def _reap(self, proc: Process, waiter: asyncio.Task[int],
                     reader: asyncio.Task[None]) -> None:
@@ -617,83 +548,34 @@ class Child(lifecycle.CrashLoopCounters):
                           self._clock.now() - spawned, planned=planned, served=served,
                           diagnosis=diagnosis)
 
-    async def _until_ready(self, waiter: asyncio.Task[int]) -> str:
-        """'ready' | 'exited' | 'timeout' | 'command'."""
-        deadline = self._clock.now() + self.cfg.start_timeout_s
-        while True:
-            if waiter.done():
-                return "exited"
-            if self._command in ("stop", "restart"):
-                return "command"
-            if self._clock.now() > deadline:
-                return "timeout"
-            if await self._health_ok(timeout=2.0):
-                return "ready"
-            await self._sleep_or_exit(waiter, HEALTH_POLL_S)
-
-    async def _while_ready(self, waiter: asyncio.Task[int]) -> str:
-        """'exited' | 'command' | 'hung'."""
-        last_ok = self._clock.now()
-        while True:
-            if waiter.done():
-                return "exited"
-            if self._command is not None:
-                return "command"
-            woke = await self._sleep_or_exit(waiter, LIVENESS_POLL_S)
-            if woke or waiter.done():
-                continue
-            limit = min(LIVENESS_TIMEOUT_S, self.hang_timeout_s or LIVENESS_TIMEOUT_S)
-            if await self._health_ok(timeout=limit):
-                last_ok = self._clock.now()
-            elif self.hang_timeout_s > 0 and self._clock.now() - last_ok > self.hang_timeout_s:
-                return "hung"
-
-    async def _while_draining(self, waiter: asyncio.Task[int]) -> str:
-        """'exited' | 'command' (stop/restart) | 'drained' (idle or drain timeout)."""
-        idle = asyncio.create_task(self.load.idle.wait())
-        wake = asyncio.create_task(self._wake.wait())
-        try:
-            done = await self._clock.wait_any({waiter, idle, wake}, self.drain_timeout_s)
-        finally:
-            idle.cancel()
-            wake.cancel()
-        if waiter in done:
-            return "exited"
-        if wake in done:
-            self._wake.clear()
-            if self._command in ("stop", "restart"):
-                return "command"
-        return "drained"
-
     async def _sleep_or_exit(self, waiter: asyncio.Task[int], seconds: float) -> bool:
-        """Sleep, cut short by the process exiting or a command. True if a command came."""
-        wake = asyncio.create_task(self._wake.wait())
+        """Sleep, cut short by the process exiting or the probes' end. True if the probes'
+        end came."""
+        wake = asyncio.create_task(self._probe_wake.wait())
         try:
             done = await self._clock.wait_any({waiter, wake}, seconds)
         finally:
             wake.cancel()
-        if wake in done:
-            self._wake.clear()
-            return True
-        return False
+        return wake in done
 
     async def _health_ok(self, timeout: float) -> bool:
         if self.port is None:
             return False
         return await self._launcher.health(self.port, timeout)
 
-    async def _terminate(self, proc: Process, waiter: asyncio.Task[int],
-                         grace_s: float | None = None) -> None:
+    async def _terminate(self, proc: Process, waiter: asyncio.Task[int], grace: float) -> None:
         """SIGTERM to the group, a grace period, then SIGKILL."""
-        if grace_s is None:
-            grace_s = self._grace_override
-        grace = self.cfg.stop_grace_s if grace_s is None else grace_s
         proc.signal_group(signal.SIGTERM)
         if not await self._clock.wait_any({waiter}, grace):
             log.warning("[%s] still running %.0f s after SIGTERM; sending SIGKILL",
                         self.name, grace)
             proc.signal_group(signal.SIGKILL)
             await self._clock.wait_any({waiter}, 10)
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _read_output(self, proc: Process) -> None:
         while True:
@@ -714,3 +596,19 @@ class Child(lifecycle.CrashLoopCounters):
                 self.tasks_started += 1
                 if self.armed_signal is not None:
                     self._fire_armed(proc)
+
+
+# The states in which a process is probed (/health): starting, and serving.
+_PROBED = frozenset({ChildState.STARTING, ChildState.READY})
+
+
+def _ended(record: ExitRecord) -> lifecycle.Ended:
+    """A process's end, as the lifecycle hears it."""
+    d = record.diagnosis
+    return lifecycle.Ended(
+        record.generation, record.planned,
+        what=f"stopped ({describe_exit(record.returncode)})" if record.planned
+        else f"{record.kind}: {record.evidence}",
+        run_s=record.run_s, served=record.served,
+        signature=d.name if d is not None and d.signature.deterministic else None,
+        known_crash=record.known_crash or None, record=record)

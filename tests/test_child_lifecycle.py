@@ -128,12 +128,11 @@ async def test_stopped_to_starting_to_ready() -> None:
         rig.child.start()
         await rig.until(S.READY)
         assert rig.path() == ["STOPPED -> STARTING", "STARTING -> READY"]
-        # Probes 1 and 2 say "loading", probe 3 says ready. The first poll's wait is cut
-        # short by the start's own wake-up, the second is a whole poll.
+        # Probes 1 and 2 say "loading", probe 3 says ready: two whole polls between them.
         assert rig.procs[0].probes == 3
-        assert rig.clock.process_waits == [HEALTH_POLL_S]
-        assert rig.when(S.READY) - rig.when(S.STARTING) == pytest.approx(HEALTH_POLL_S)
-        assert rig.child.last_start_s == pytest.approx(HEALTH_POLL_S)
+        assert rig.clock.process_waits == [HEALTH_POLL_S, HEALTH_POLL_S]
+        assert rig.when(S.READY) - rig.when(S.STARTING) == pytest.approx(2 * HEALTH_POLL_S)
+        assert rig.child.last_start_s == pytest.approx(2 * HEALTH_POLL_S)
         assert rig.reasons(S.STARTING) == ["starting"]
         assert rig.child.pid == rig.procs[0].pid and rig.child.generation == 1
         assert rig.child.stderr_tail[-1] == "main: loading model"
@@ -420,14 +419,17 @@ async def test_stop_from_backoff_and_fatal() -> None:
         assert rig.clock.waits == [] and len(rig.launcher.spawns) == 2
 
 
-async def test_exited_to_stopped_when_it_dies_as_a_stop_comes() -> None:
+async def test_stopping_to_exited_to_stopped_when_it_dies_as_a_stop_comes() -> None:
     async with Rig() as rig:
         rig.child.start()
         await rig.until(S.READY)
-        # The death and the stop in the same moment: the owner sees the exit first.
+        # The death and the stop in the same moment: the owner takes the stop first (the
+        # exit reaches its inbox once the process is reaped), but the stop never reached the
+        # process: its end is a death, with its evidence, and nothing restarts it.
         rig.procs[0].crash(-SIGABRT)
         await rig.child.stop()
-        assert rig.path()[-2:] == ["READY -> EXITED", "EXITED -> STOPPED"]
+        assert rig.path()[-3:] == ["READY -> STOPPING", "STOPPING -> EXITED",
+                                   "EXITED -> STOPPED"]
         assert rig.reasons(S.STOPPED) == ["exited while stopping"]
         assert rig.procs[0].signals == []
         assert rig.child.last_exit is not None and rig.child.last_exit.returncode == -SIGABRT
@@ -567,8 +569,9 @@ EDGES: dict[Edge, Scenario] = {
     (S.DRAINING, S.STOPPING): test_draining_to_stopping_on_the_drain_timeout,
     (S.DRAINING, S.EXITED): test_draining_to_exited_when_it_dies_while_draining,
     (S.STOPPING, S.STOPPED): test_stop_is_sigterm_then_grace_then_sigkill,
+    (S.STOPPING, S.EXITED): test_stopping_to_exited_to_stopped_when_it_dies_as_a_stop_comes,
     (S.EXITED, S.BACKOFF): test_starting_to_exited_to_backoff_to_starting_with_jitter,
-    (S.EXITED, S.STOPPED): test_exited_to_stopped_when_it_dies_as_a_stop_comes,
+    (S.EXITED, S.STOPPED): test_stopping_to_exited_to_stopped_when_it_dies_as_a_stop_comes,
     (S.BACKOFF, S.STARTING): test_starting_to_exited_to_backoff_to_starting_with_jitter,
     (S.BACKOFF, S.FATAL): test_quick_failures_in_a_row_go_fatal_then_the_crash_loop_back_off_tries_again,  # noqa: E501
     (S.BACKOFF, S.STOPPED): test_stop_from_backoff_and_fatal,

@@ -1,5 +1,5 @@
-"""One crash loop for children and model instances (policy/lifecycle.after_death and
-fatal_try): a table of deaths, run against the pure step, then against a child (on fake
+"""One crash loop for children and model instances (policy/lifecycle.step): a table of
+deaths, run against the pure step, then against a child (on fake
 processes, tests/fake_launcher.py) and a model's instance on a router (on a fake router and
 loader, as in test_router_upstream.py), each on a fake clock. Both must take the table's path:
 the same states, the same waits before each next try, the same counters."""
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 from fake_clock import FakeClock
 from test_child_lifecycle import Rig, quick_crash
-from test_router_upstream import FakeLoader, FakeRouter, loaded, settle
+from test_router_upstream import FakeLoader, FakeRouter, exited, loaded, settle
 
 from supervisor.policy import lifecycle
 from supervisor.policy.lifecycle import ChildState as S
@@ -40,20 +40,32 @@ CASES = [
 ]
 
 
-def pure_path(case: Case) -> tuple[list[str], list[float | None], lifecycle.CrashLoop]:
-    """The table, from the pure step alone."""
-    loop, path, waits = lifecycle.CrashLoop(), [], []
+def pure_path(case: Case) -> tuple[list[str], list[float], lifecycle.CrashLoop]:
+    """The table, from the pure step alone: quick deaths while starting, each next try when
+    its wait is over, then the start that works."""
+    life = lifecycle.Life(state=S.STARTING, wanted=True, generation=1, running=True)
+    path: list[str] = []
+    waits: list[float] = []
+    now = 1000.0
+
+    def step(event: lifecycle.Event) -> list[lifecycle.Action]:
+        nonlocal life
+        ctx = lifecycle.Context(now=now, policy=POLICY, manner=lifecycle.CHILD)
+        life, actions = lifecycle.step(life, event, ctx)
+        return actions
+
     for _ in range(case.deaths):
-        if path and path[-1] == "FATAL":
-            loop = lifecycle.fatal_try(loop, POLICY)
-        after = lifecycle.after_death(S.STARTING, loop, POLICY, what="crash: x", run_s=0.1,
-                                      jitter=0.5, served=False)
-        loop = after.loop
-        path += [str(state) for state, _ in after.path if state is not S.EXITED]
-        waits.append(after.wait_s)
-    if path and path[-1] == "FATAL":  # the start that works is a try from FATAL too
-        loop = lifecycle.fatal_try(loop, POLICY)
-    return path, waits, loop
+        if life.next_try_at is not None:
+            now = life.next_try_at
+            step(lifecycle.Due(now))  # the next try, from BACKOFF or FATAL
+        actions = step(lifecycle.Ended(life.generation, False, "crash: x", run_s=0.1))
+        path += [str(a.new) for a in actions if isinstance(a, lifecycle.Enter)
+                 and a.new in (S.BACKOFF, S.FATAL)]
+        waits += [a.after_s for a in actions if isinstance(a, lifecycle.WakeAt)]
+    if life.next_try_at is not None:
+        now = life.next_try_at
+        step(lifecycle.Due(now))  # the start that works is a try too
+    return path, waits, life.loop
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -61,18 +73,6 @@ def test_the_pure_step_takes_the_tables_path(case: Case) -> None:
     path, waits, loop = pure_path(case)
     assert tuple(path) == case.path and tuple(waits) == case.waits
     assert loop.fatal_tries == case.fatal_tries
-    # The reasons say the next try's wait; a FATAL says the count and the last failure.
-    fatal = lifecycle.after_death(S.EXITED, lifecycle.CrashLoop(2, 0), POLICY, what="crash: x",
-                                  run_s=0.1, jitter=0.5, served=False)
-    assert fatal.path[-1] == (S.FATAL, "3 quick failures in a row; last: crash: x; next try "
-                                       "in 30 s")
-    known = lifecycle.after_death(S.EXITED, lifecycle.CrashLoop(), POLICY, what="crash: x",
-                                  run_s=0.1, jitter=0.5, served=True, known_crash="AMX",
-                                  known_crash_repeats=2)
-    assert known.path[-1][1].startswith("the same crash 2 times in a row; AMX")
-    stopping = lifecycle.after_death(S.EXITED, lifecycle.CrashLoop(), POLICY, what="x",
-                                     run_s=0.1, jitter=0.5, served=False, wanted=False)
-    assert stopping.path == ((S.STOPPED, "exited while stopping"),) and stopping.wait_s is None
 
 
 def _entered(seen: list[tuple[S, S, float | None]]) -> tuple[list[str], list[float | None]]:
@@ -113,9 +113,9 @@ async def test_a_model_instance_takes_the_tables_path(case: Case) -> None:
     for _ in range(case.deaths):
         assert upstream.state is S.STARTING
         upstream.heard_spawn(5001)
-        upstream.heard_exit(1)  # dies while loading: a quick failure
+        await exited(upstream, 1)  # dies while loading: a quick failure
         await settle(clock, upstream.next_try_in_s() or 0.0)
-    loaded(upstream)
+    await loaded(upstream)
     assert upstream.state is S.READY
     path, waits = _entered(seen)
     assert tuple(path) == case.path

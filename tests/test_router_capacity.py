@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_router_upstream import FakeLoader, FakeRouter, loaded
+from test_router_upstream import FakeLoader, FakeRouter, loaded, told
 from tinymodel import write_tiny_model
 
 from supervisor import config as config_module
@@ -119,7 +119,7 @@ async def test_models_max_unloads_an_idle_model_first_and_refuses_when_all_are_b
     routers = Routers(config(models_max=2), FakeMonitor(free_mib=None))
     for name in ("a", "b"):
         routers.add(name)
-        loaded(routers.models[name]["gpu"])
+        await loaded(routers.models[name]["gpu"])
     c = routers.add("c")
     busy: list[Any] = []
     for name in ("a", "b"):
@@ -130,12 +130,14 @@ async def test_models_max_unloads_an_idle_model_first_and_refuses_when_all_are_b
     busy[0].load.give_back(generation=True)  # `a` is idle now: it makes room
     assert c.load_refusal("gpu") is None
     c.start_child("gpu")
+    await told(routers.models["a"]["gpu"])
     assert routers.models["a"]["gpu"].state is S.STOPPING
     assert routers.models["c"]["gpu"].state is S.STOPPED  # loads once `a` is gone
-    await asyncio.sleep(0)
     assert routers.loader.unloads == ["a"]
     routers.models["a"]["gpu"].heard_exit(1)  # the unload, reported as status 1
+    await told(routers.models["a"]["gpu"])
     for _ in range(5):
         await asyncio.sleep(0)
+    await told(routers.models["c"]["gpu"])
     assert routers.models["c"]["gpu"].state is S.STARTING and routers.loader.loads == ["c"]
     assert routers.models["a"]["gpu"].failures == 0

@@ -2,7 +2,10 @@
 (listing, status events, its output lines) drives the model's state; a death backs off and
 loads again, too many quick failures make the model FATAL alone, with the crash-loop back-off;
 an unload is no failure; a router that goes away takes its instances with it. The router child
-and its loads are fakes (FakeRouter, FakeLoader below); time is a fake clock."""
+and its loads are fakes (FakeRouter, FakeLoader below); time is a fake clock.
+
+What the watch hears is posted to the model's owner task (engine.py): `told` waits until the
+owner has taken everything posted so far."""
 
 from __future__ import annotations
 
@@ -91,14 +94,27 @@ def make(vram: VramSample | None = None) -> tuple[ModelUpstream, FakeRouter, Fak
     return upstream, router, loader, clock
 
 
-def loaded(upstream: ModelUpstream, port: int = 5001) -> None:
+async def told(upstream: ModelUpstream) -> None:
+    """Until the owner has taken every event posted so far, and what they started has run."""
+    await upstream.engine.taken()
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+async def loaded(upstream: ModelUpstream, port: int = 5001) -> None:
     upstream.heard_spawn(port)
     upstream.heard_status(StatusChange("alpha", "loaded", None, None, 1024, 1000))
+    await told(upstream)
+
+
+async def exited(upstream: ModelUpstream, status: int) -> None:
+    upstream.heard_exit(status)
+    await told(upstream)
 
 
 async def settle(clock: FakeClock, seconds: float = 0.0) -> None:
     await clock.sleep(seconds)
-    for _ in range(5):
+    for _ in range(10):
         await asyncio.sleep(0)
 
 
@@ -111,22 +127,23 @@ async def test_stopped_to_ready_on_demand_then_a_death_backs_off_and_loads_again
     upstream.start()  # STOPPED -> STARTING: the pool's on-demand load
     await settle(clock)
     assert loader.loads == ["alpha"] and upstream.state is S.STARTING
-    loaded(upstream)  # STARTING -> READY
+    await loaded(upstream)  # STARTING -> READY
     assert upstream.state is S.READY and upstream.generation == 1 and upstream.loads == 1
     assert upstream.running(1)
     upstream.heard_instance_line("ggml.c:123: some assertion")
-    upstream.heard_exit(1)  # READY -> EXITED -> BACKOFF
+    await exited(upstream, 1)  # READY -> EXITED -> BACKOFF
     assert upstream.state is S.BACKOFF and not upstream.running(1)
     record = await upstream.exit_of(1, 0.1)
     assert record is not None and record.kind is FailureKind.CRASH and not record.planned
     assert "exited with status 1" in record.evidence
     # The same death, told again by the status event: no second failure.
     upstream.heard_status(StatusChange("alpha", "unloaded", 1, None, None, None))
+    await told(upstream)
     assert upstream.failures == 1
     # BACKOFF -> STARTING: loaded again, by Spillway, after the back-off (0.5 s, jitter 1.0x).
     await settle(clock, 0.6)
     assert loader.loads == ["alpha", "alpha"] and upstream.state is S.STARTING
-    loaded(upstream, port=5002)
+    await loaded(upstream, port=5002)
     assert upstream.state is S.READY and upstream.generation == 2
     assert (S.READY, S.EXITED) in heard and (S.EXITED, S.BACKOFF) in heard
 
@@ -134,9 +151,9 @@ async def test_stopped_to_ready_on_demand_then_a_death_backs_off_and_loads_again
 @pytest.mark.asyncio
 async def test_a_terse_cuda_line_with_vram_short_is_a_runtime_oom() -> None:
     upstream, _, _, _ = make(vram=VramSample(free_mib=61, total_mib=143771, age_s=0.4))
-    loaded(upstream)
+    await loaded(upstream)
     upstream.heard_instance_line("/src/ggml-cuda.cu:109: CUDA error")
-    upstream.heard_exit(1)
+    await exited(upstream, 1)
     assert upstream.last_exit is not None
     assert upstream.last_exit.kind is FailureKind.RUNTIME_OOM
     assert "61 MiB" in upstream.last_exit.evidence
@@ -154,13 +171,14 @@ async def test_quick_failures_make_the_model_fatal_then_the_crash_loop_back_off_
         assert upstream.state is S.STARTING
         upstream.heard_spawn(5001)
         upstream.heard_instance_line("failed to allocate buffer for kv cache")
-        upstream.heard_exit(1)  # dies while loading: a quick failure
+        await exited(upstream, 1)  # dies while loading: a quick failure
     assert upstream.state is S.FATAL
     assert upstream.last_exit is not None and upstream.last_exit.kind is FailureKind.LOAD_OOM
     assert len(loader.loads) == RESTART.max_quick_failures
     # FATAL means "stop hammering": not started on demand (nor by the router's autoload, which
     # Spillway turns off).
     upstream.start()
+    await told(upstream)
     assert upstream.state is S.FATAL and len(loader.loads) == RESTART.max_quick_failures
     # The crash-loop back-off's first try: min(backoff_max_s, fatal_retry_max_s) = 30 s.
     assert upstream.next_try_in_s() == 30.0
@@ -170,11 +188,11 @@ async def test_quick_failures_make_the_model_fatal_then_the_crash_loop_back_off_
     assert len(loader.loads) == RESTART.max_quick_failures + 1
     # One more quick failure is FATAL again, with a doubled wait.
     upstream.heard_spawn(5001)
-    upstream.heard_exit(1)
+    await exited(upstream, 1)
     assert upstream.state is S.FATAL and upstream.next_try_in_s() == 60.0
     await settle(clock)
     assert upstream.state is S.STARTING and upstream.fatal_tries == 2
-    loaded(upstream)
+    await loaded(upstream)
     assert upstream.state is S.READY
 
 
@@ -182,8 +200,8 @@ async def test_quick_failures_make_the_model_fatal_then_the_crash_loop_back_off_
 async def test_a_load_that_would_not_fit_after_the_back_off_waits_for_demand() -> None:
     upstream, _, loader, clock = make()
     upstream.load_guard = lambda: "loading it needs about 900 MiB of VRAM; 100 MiB free"
-    loaded(upstream)
-    upstream.heard_exit(1)
+    await loaded(upstream)
+    await exited(upstream, 1)
     await settle(clock, 1.0)
     # BACKOFF -> STOPPED: not loaded onto a card it does not fit.
     assert upstream.state is S.STOPPED and loader.loads == []
@@ -193,32 +211,34 @@ async def test_a_load_that_would_not_fit_after_the_back_off_waits_for_demand() -
 @pytest.mark.asyncio
 async def test_an_unload_is_not_a_failure_even_with_status_one() -> None:
     upstream, _, loader, _ = make()
-    loaded(upstream)
+    await loaded(upstream)
     upstream.unload("--models-max reached")
-    await asyncio.sleep(0)
+    await told(upstream)
     assert loader.unloads == ["alpha"] and upstream.state is S.STOPPING
     # The router reports an unload that had to kill the instance as status 1, too.
-    upstream.heard_exit(1)
+    await exited(upstream, 1)
     assert upstream.state is S.STOPPED and upstream.failures == 0
     # The router's own LRU eviction (its log line) is planned as well.
-    loaded(upstream)
+    await loaded(upstream)
     upstream.heard_eviction()
     upstream.heard_status(StatusChange("alpha", "unloaded", 1, None, None, None))
+    await told(upstream)
     assert upstream.state is S.STOPPED and upstream.failures == 0
 
 
 @pytest.mark.asyncio
 async def test_a_router_that_goes_away_takes_the_model_with_it() -> None:
     upstream, router, _, _ = make()
-    loaded(upstream)
+    await loaded(upstream)
     router.to(S.EXITED)
-    assert upstream.state is S.EXITED  # the router's state while it is not ready
+    assert upstream.state is S.EXITED  # the router's state while it is not ready, at once
     assert not upstream.running(1)
     record = await upstream.exit_of(1, 1.0)
     assert record is not None and "router" in record.evidence
     router.to(S.BACKOFF)
     router.to(S.STARTING)
     router.to(S.READY)
+    await told(upstream)
     # A fresh router has loaded nothing: the model loads again on demand; no model failure.
     assert upstream.state is S.STOPPED and upstream.failures == 0
 
@@ -229,26 +249,29 @@ async def test_the_listing_reconciles_what_the_events_missed() -> None:
     info = ModelInfo(name="alpha", status="loaded", failed=False, exit_code=None, args=(),
                      path="/m/alpha.gguf", port=5009, n_ctx=1024, size=1000, aliases=())
     upstream.heard_listing(info)
+    await told(upstream)
     assert upstream.state is S.READY and upstream.instance_port == 5009
     gone = ModelInfo(name="alpha", status="unloaded", failed=True, exit_code=1, args=(),
                      path="/m/alpha.gguf", port=5009, n_ctx=None, size=None, aliases=())
     upstream.heard_listing(gone)
+    await told(upstream)
     assert upstream.state is S.BACKOFF and upstream.failures == 1
 
 
 @pytest.mark.asyncio
 async def test_a_drain_unloads_when_its_requests_are_done() -> None:
     upstream, _, loader, _ = make()
-    loaded(upstream)
+    await loaded(upstream)
     upstream.load.take(generation=True)
     upstream.drain("OOM survived")
-    await asyncio.sleep(0)
+    await told(upstream)
     assert upstream.state is S.DRAINING and loader.unloads == []
     upstream.load.give_back(generation=True)
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await told(upstream)
+    await told(upstream)
     assert loader.unloads == ["alpha"] and upstream.state is S.STOPPING
     upstream.heard_status(StatusChange("alpha", "unloaded", 0, None, None, None))
+    await told(upstream)
     assert upstream.state is S.STOPPED and upstream.failures == 0
 
 
@@ -266,7 +289,7 @@ async def test_a_load_the_router_refuses_leaves_it_stopped_without_a_failure() -
 async def test_the_drill_arm_fires_on_the_task_or_on_a_neighbour_load() -> None:
     import signal
     upstream, _, _, _ = make()
-    loaded(upstream)
+    await loaded(upstream)
     for when_neighbour in (False, True):
         proc = await asyncio.create_subprocess_exec("sleep", "30")
         upstream.pid = proc.pid
@@ -282,6 +305,6 @@ async def test_the_drill_arm_fires_on_the_task_or_on_a_neighbour_load() -> None:
 @pytest.mark.asyncio
 async def test_an_instance_still_running_gives_no_exit_record_after_the_wait() -> None:
     upstream, _, _, _ = make()
-    loaded(upstream)
+    await loaded(upstream)
     assert await upstream.exit_of(1, 0.05) is None  # still running: the caller decides
     assert await upstream.exit_of(7, 0.05) is None  # no such instance

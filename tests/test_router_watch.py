@@ -15,7 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from test_router_upstream import FakeLoader, FakeRouter
+from test_router_upstream import FakeLoader, FakeRouter, told
 
 from supervisor.policy.lifecycle import ChildState as S
 from supervisor.policy.router import StatusChange
@@ -118,15 +118,18 @@ async def test_the_routers_output_lines_tell_which_instance_is_which_model() -> 
     lines = (FIXTURES / "router.log").read_text().splitlines()
     for line in lines:
         watch.heard_line(line)
+        if "alpha" in upstreams:
+            await told(upstreams["alpha"])  # its owner takes what the line told
         if "proxy_reques" in line and upstreams["alpha"].state is S.STARTING:
             # (the router's "loaded" comes as an event, not a line)
             upstreams["alpha"].heard_status(StatusChange("alpha", "loaded", None, None, 1024,
                                                          None))
     alpha = upstreams["alpha"]
+    await told(alpha)
     # The fixture: alpha spawned on 52251, killed (status 1), spawned again on 53723.
     assert alpha.failures >= 1 and alpha.last_exit is not None
     assert alpha.instance_port != 52251
-    assert any("llama_server: model loaded" in line for line in alpha.instance_lines)
+    assert any("llama_server: model loaded" in line for line in alpha.stderr_tail)
     assert "beta" in upstreams  # its spawn line made its upstream
 
 
@@ -145,11 +148,11 @@ async def test_an_instance_loaded_before_its_spawn_line_is_read_gets_its_pid_the
     watch.heard_line("srv          load: spawning server instance with name=alpha on port 5100")
     alpha = upstreams["alpha"]
     alpha.heard_status(StatusChange("alpha", "loaded", None, None, 1024, None))
-    watch._loaded(alpha)
+    await told(alpha)  # READY: the watch looks its pid up (the port's: none)
     alpha.heard_exit(1)  # killed; loaded again, and its `loaded` comes before its spawn line
     alpha.heard_status(StatusChange("alpha", "loading", None, None, None, None))
     alpha.heard_status(StatusChange("alpha", "loaded", None, None, 1024, None))
-    watch._loaded(alpha)
+    await told(alpha)
     assert alpha.state is S.READY and alpha.pid is None
     watch.heard_line("srv          load: spawning server instance with name=alpha on port 5200")
     assert alpha.instance_port == 5200 and alpha.pid == 4242

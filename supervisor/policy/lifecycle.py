@@ -1,10 +1,13 @@
-"""Child states, the transitions allowed between them, and the restart backoff.
+"""The lifecycle of an upstream: a child process, or a model's instance on a router child.
 
-Imports nothing: the owner task of each child (children.py) is the only writer of its state and
-asks this module whether a transition is legal and how long to back off.
+Its states, the transitions allowed between them, the restart back-off, and `step`: what one
+event comes to, as a new state and the actions to carry out. Pure, and imports nothing of
+Spillway's: one owner task per upstream (engine.py) is the only writer of its state; it takes
+events from its inbox, asks `step`, and carries the actions out through the upstream's effects
+(children.py: processes; router/upstream.py: the router's load and unload).
 
     STOPPED -> STARTING -> READY -> DRAINING -> STOPPING -> STOPPED
-    STARTING|READY|DRAINING -> EXITED -> BACKOFF -> STARTING
+    STARTING|READY|DRAINING|STOPPING -> EXITED -> BACKOFF -> STARTING
     BACKOFF -> FATAL (too many quick failures) -> STARTING (the crash-loop back-off's next
     try, an operator, or memory freed)
 
@@ -16,7 +19,9 @@ after min(backoff_max_s, fatal_retry_max_s), doubling up to fatal_retry_max_s.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 
 class ChildState(enum.StrEnum):
@@ -48,7 +53,9 @@ TRANSITIONS: dict[ChildState, frozenset[ChildState]] = {
     # DRAINING -> EXITED: died while draining
     S.DRAINING: frozenset({S.STOPPING, S.READY, S.EXITED}),
     # STOPPING -> STOPPED: the process is gone (SIGTERM, grace, SIGKILL)
-    S.STOPPING: frozenset({S.STOPPED}),
+    # STOPPING -> EXITED: it died of its own before the stop reached it (a crash as the stop
+    # came): a death, with its evidence, not a stop
+    S.STOPPING: frozenset({S.STOPPED, S.EXITED}),
     # EXITED -> BACKOFF: every unplanned exit waits before the next start
     # EXITED -> STOPPED: the exit came while a stop was wanted anyway
     S.EXITED: frozenset({S.BACKOFF, S.STOPPED}),
@@ -165,50 +172,545 @@ class CrashLoopCounters:
         return self.crash_loop.fatal_tries
 
 
-@dataclass(frozen=True)
-class AfterDeath:
-    """What an unplanned end comes to: the states to enter, in order, each with its reason;
-    the wait before the next try (None: it stays STOPPED); the crash loop's new memory."""
-
-    path: tuple[tuple[ChildState, str], ...]
-    wait_s: float | None
-    loop: CrashLoop
-
-    @property
-    def fatal(self) -> bool:
-        return self.path[-1][0] is S.FATAL
-
-
-def after_death(state: ChildState, loop: CrashLoop, policy: BackoffPolicy, *, what: str,
-                run_s: float, jitter: float, served: bool, wanted: bool = True,
-                again: str = "restart", known_crash: str | None = None,
-                known_crash_repeats: int = 0) -> AfterDeath:
-    """An unplanned end, seen in `state` (EXITED when the owner already said so). `what` is
-    its kind and evidence; `again` names the next try in the BACKOFF reason ("restart", or
-    "loaded again" for a model); `known_crash` is a known signature's summary, which a FATAL
-    for repeats of it gives as its reason. Not `wanted` running: it stays STOPPED."""
-    path: list[tuple[ChildState, str]] = [] if state is S.EXITED else [(S.EXITED, what)]
-    decision = after_exit(policy, loop.quick_failures, run_s, jitter, served=served,
-                          known_crash_repeats=known_crash_repeats)
-    # A good run (or a death while serving) ends the crash loop: its FATAL tries too.
-    new = CrashLoop(decision.quick_failures,
-                    0 if decision.quick_failures == 0 else loop.fatal_tries)
-    if not wanted:
-        return AfterDeath((*path, (S.STOPPED, "exited while stopping")), None, new)
-    if not decision.fatal:
-        return AfterDeath((*path, (S.BACKOFF, f"{again} in {decision.delay_s:.1f} s after "
-                                              f"{what}")), decision.delay_s, new)
-    wait = fatal_retry_s(policy, new.fatal_tries)
-    if known_crash_repeats >= KNOWN_CRASH_LIMIT and known_crash is not None:
-        # Restarting cannot mend it: say what it is and what to change.
-        why = f"the same crash {known_crash_repeats} times in a row; {known_crash}"
-    else:
-        why = f"{new.quick_failures} quick failures in a row; last: {what}"
-    return AfterDeath((*path, (S.BACKOFF, what), (S.FATAL, f"{why}; next try in {wait:.0f} s")),
-                      wait, new)
-
-
 def fatal_try(loop: CrashLoop, policy: BackoffPolicy) -> CrashLoop:
     """The crash-loop back-off's next try from FATAL: counted, and one more quick failure is
     FATAL again (with a longer wait)."""
     return CrashLoop(quick_failures_after_fatal_try(policy), loop.fatal_tries + 1)
+
+
+# --- one step for children and model instances ------------------------------------------------
+#
+# An upstream's whole state is a `Life`; what happens to it is an event; `step` says what the
+# event comes to: the new Life, and the actions (transitions to tell, a launch, a stop, a wait)
+# that its owner carries out. The two kinds differ only in what a `Manner` says.
+
+
+@dataclass(frozen=True)
+class Manner:
+    """What differs between a child and a model's instance, for the lifecycle."""
+
+    launch_opens: bool  # a launch is the process (a child); else the router says when an
+    # instance begins (a model: `Began`)
+    ready: str  # the READY reason's word: "ready in 1.20 s", "loaded in 1.20 s"
+    again: str  # the next try, as the BACKOFF reason says it
+    after_drain: str | None  # a child starts again after a drain, with this reason; a model
+    # is unloaded and loaded again on demand (None)
+    drained: str | None  # a model's STOPPING reason when its drain is over (a child's keeps
+    # the drain's own)
+
+
+CHILD = Manner(launch_opens=True, ready="ready", again="restart",
+               after_drain="restart after stop", drained=None)
+MODEL = Manner(launch_opens=False, ready="loaded", again="loaded again", after_drain=None,
+               drained="drained: unloading it")
+
+
+@dataclass(frozen=True)
+class Life:
+    """Everything the lifecycle knows of one upstream."""
+
+    state: ChildState = S.STOPPED
+    reason: str = "not started"
+    since: float = 0.0  # clock time the state was entered
+    wanted: bool = False  # kept running: started and not stopped (a model's instance always
+    # is, while its router is up: a death is followed by a load)
+    then: str | None = None  # once the current process has stopped, start again (the reason)
+    generation: int = 0  # processes (a child) or instances (a model) so far
+    running: bool = False  # the current generation has not ended
+    host_up: bool = True  # a model's router is READY (a child has no host)
+    loop: CrashLoop = field(default_factory=CrashLoop)
+    next_try_at: float | None = None  # clock time of the next try, in BACKOFF and FATAL
+    signatures: tuple[str | None, ...] = ()  # the known crash signature of each of the
+    # last unplanned ends (None: none matched), newest last
+    last_start_s: float | None = None  # STARTING to READY, the last time
+
+
+# The signatures kept: enough for any repeat count the crash table asks for.
+SIGNATURES_KEPT = 8
+
+
+@dataclass(frozen=True)
+class Context:
+    """What a step may read besides the Life and the event. `jitter` is asked once for each
+    death that backs off, `why_not_now` (a model's capacity guard) once for each try that is
+    due: the owner supplies both, tests supply numbers."""
+
+    now: float  # the clock
+    policy: BackoffPolicy
+    manner: Manner
+    drain_timeout_s: float = DRAIN_TIMEOUT_S
+    jitter: Callable[[], float] = lambda: 0.5
+    why_not_now: Callable[[], str | None] = lambda: None
+
+
+# --- events: what the owner's inbox takes ---
+
+
+@dataclass(frozen=True)
+class Start:
+    """Start it if it is stopped. `keep` (a child's start): keep it running, so from FATAL
+    at once, and once a stop in progress is over; without it (a model's load on demand), now
+    or not at all: a model in FATAL waits for its crash-loop back-off."""
+
+    reason: str
+    keep: bool = False
+
+
+@dataclass(frozen=True)
+class Restart:
+    """Stop the process (if any) and start again; from BACKOFF or FATAL, at once."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Drain:
+    """READY only: no new work; when its requests are done (or the drain timeout), stop it."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Stop:
+    """Stop it and keep it stopped."""
+
+    reason: str
+    grace_s: float | None = None  # SIGTERM to SIGKILL, when not the configured one
+
+
+@dataclass(frozen=True)
+class CommandChanged:
+    """A reload changed its command: a READY one drains (its requests finish, then it starts
+    with the new one); a starting, backing-off or FATAL one restarts."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Unload:
+    """A model's idle instance, unloaded to make room for another."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Forgive:
+    """An operator's restart of a model: the crash loop forgotten; from BACKOFF or FATAL it
+    is loaded again on demand."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Began:
+    """A model's instance began (the router spawned it, or lists it loading or loaded)."""
+
+    reason: str
+    since: int = 0  # where its output begins in the upstream's count of lines heard
+
+
+@dataclass(frozen=True)
+class Ready:
+    """It answers: a child's /health said 200, the router said a model is loaded."""
+
+    generation: int | None = None  # None: the current one
+
+
+@dataclass(frozen=True)
+class Unresponsive:
+    """A child that did not get ready in time, or stopped answering /health: end it."""
+
+    generation: int
+    note: str
+    grace_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Ended:
+    """Its process or instance ended, and what the evidence says."""
+
+    generation: int
+    planned: bool  # Spillway (or the router, evicting it) ended it
+    what: str  # "kind: evidence", or how a planned end went ("stopped (exited with code 0)")
+    run_s: float = 0.0
+    served: bool = False  # it had started work on a request
+    signature: str | None = None  # a known crash signature that repeats the same way on
+    # every start (signatures.py's deterministic ones): two in a row are FATAL
+    known_crash: str | None = None  # its verdict and remedy, in a sentence
+    record: object = None  # the upstream's own record of the end (exit_of's answer)
+
+
+@dataclass(frozen=True)
+class Idle:
+    """A drain's wait is over: its requests are done, or the drain timed out."""
+
+
+@dataclass(frozen=True)
+class Due:
+    """The clock reached a back-off's end (`at`)."""
+
+    at: float
+
+
+@dataclass(frozen=True)
+class LoadRefused:
+    """The router did not take a load (its --models-max, a model it no longer lists)."""
+
+    problem: str
+
+
+@dataclass(frozen=True)
+class UnloadRefused:
+    """The router did not take an unload: nothing of the model was loaded."""
+
+
+@dataclass(frozen=True)
+class HostChanged:
+    """A model's router changed state: `ready` (requests pass), `serving` (its instances
+    live: READY or DRAINING)."""
+
+    ready: bool
+    serving: bool
+    reason: str
+
+
+Event = (Start | Restart | Drain | Stop | CommandChanged | Unload | Forgive | Began | Ready
+         | Unresponsive | Ended | Idle | Due | LoadRefused | UnloadRefused | HostChanged)
+
+
+# --- actions: what the owner carries out ---
+
+
+@dataclass(frozen=True)
+class Enter:
+    """A transition, to tell (the log, the listeners); `life` is the Life as it entered, for
+    whoever reads the upstream while it is told."""
+
+    old: ChildState
+    new: ChildState
+    reason: str
+    life: Life = field(compare=False, repr=False, default_factory=Life)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Start it: a child spawns process `generation`; a model asks its router to load it."""
+
+    generation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Opened:
+    """A model's instance `generation` began, its output from line `since` on."""
+
+    generation: int
+    since: int
+
+
+@dataclass(frozen=True)
+class Terminate:
+    """End the running process or instance: a child's SIGTERM, grace, SIGKILL; a model's
+    unload. Planned, or (a child not ready in time, or hung) with a note for its record."""
+
+    planned: bool
+    grace_s: float | None = None
+    note: str = ""
+
+
+@dataclass(frozen=True)
+class Record:
+    """An end, as the lifecycle took it: exit_of's answer, the last exit, the counters."""
+
+    end: Ended
+
+
+@dataclass(frozen=True)
+class Orphaned:
+    """A model's instance `generation` ended with its router (the router's exit is the
+    evidence; it is no failure of the model)."""
+
+    generation: int
+
+
+@dataclass(frozen=True)
+class WakeAt:
+    """Post `Due(at)` when the clock reaches `at` (`after_s` from now)."""
+
+    at: float
+    after_s: float
+
+
+@dataclass(frozen=True)
+class WaitIdle:
+    """Post `Idle()` when its requests are done, or after `timeout_s`."""
+
+    timeout_s: float
+
+
+Action = Enter | Launch | Opened | Terminate | Record | Orphaned | WakeAt | WaitIdle
+
+# The states in which a process or instance may be running (a stop ends it).
+_LIVE = frozenset({S.STARTING, S.READY, S.DRAINING})
+
+
+class _Turn:
+    """One step's work: the Life as it changes, and the actions in order."""
+
+    def __init__(self, life: Life, ctx: Context) -> None:
+        self.life = life
+        self.ctx = ctx
+        self.actions: list[Action] = []
+
+    def set(self, **changes: object) -> None:
+        self.life = replace(self.life, **changes)  # type: ignore[arg-type]
+
+    def enter(self, new: ChildState, reason: str) -> None:
+        old = self.life.state
+        check_transition(old, new)
+        # A start or a stop ends the wait for the next try.
+        ends_wait = new in (S.STARTING, S.STOPPED)
+        self.set(state=new, reason=reason, since=self.ctx.now,
+                 next_try_at=None if ends_wait else self.life.next_try_at)
+        self.actions.append(Enter(old, new, reason, self.life))
+
+    def launch(self, reason: str) -> None:
+        self.enter(S.STARTING, reason)
+        if self.ctx.manner.launch_opens:
+            self.set(generation=self.life.generation + 1, running=True)
+        self.actions.append(Launch(self.life.generation, reason))
+
+    def stop_it(self, reason: str, grace_s: float | None = None) -> None:
+        self.enter(S.STOPPING, reason)
+        self.actions.append(Terminate(planned=True, grace_s=grace_s))
+
+    def wait(self, seconds: float) -> None:
+        at = self.ctx.now + seconds
+        self.set(next_try_at=at)
+        self.actions.append(WakeAt(at, seconds))
+
+    def restart_now(self, reason: str) -> None:
+        """From STOPPED, BACKOFF or FATAL: start at once. From FATAL the crash loop is
+        forgotten: an operator, a reload or freed memory deserves its own tries."""
+        if self.life.state is S.FATAL:
+            self.set(loop=CrashLoop(), signatures=())
+        self.launch(reason)
+
+    def start_after_stop(self) -> None:
+        """STOPPED: a start asked for while it stopped comes now."""
+        then = self.life.then
+        self.set(then=None)
+        if then is not None:
+            self.launch(then)
+
+    def walk_to_stopped(self, reason: str) -> None:
+        """Legal steps from wherever it is to STOPPED; BACKOFF and FATAL stay."""
+        steps = {S.READY: S.STOPPING, S.STARTING: S.STOPPING, S.DRAINING: S.STOPPING,
+                 S.STOPPING: S.STOPPED, S.EXITED: S.STOPPED}
+        while (next_state := steps.get(self.life.state)) is not None:
+            self.enter(next_state, reason)
+
+
+def step(life: Life, event: Event, ctx: Context) -> tuple[Life, list[Action]]:
+    """What `event` comes to for an upstream in `life`: its new Life, and the actions to
+    carry out, in order. An event that does not apply in the current state changes nothing."""
+    turn = _Turn(life, ctx)
+    _HANDLERS[type(event)](turn, event)
+    return turn.life, turn.actions
+
+
+def _start(t: _Turn, e: Start) -> None:
+    t.set(wanted=True)
+    state = t.life.state
+    if state is S.STOPPED and t.life.host_up:
+        t.launch(e.reason)
+    elif state is S.FATAL and e.keep:
+        t.restart_now(e.reason)
+    elif state is S.STOPPING and e.keep and t.life.then is None:
+        t.set(then="restart after stop")
+
+
+def _restart(t: _Turn, e: Restart) -> None:
+    t.set(wanted=True)
+    state = t.life.state
+    if state in _LIVE:
+        t.set(then="restart after stop")
+        t.stop_it(e.reason)
+    elif state is S.STOPPING:
+        t.set(then=e.reason)
+    elif state in (S.STOPPED, S.BACKOFF, S.FATAL) and t.life.host_up:
+        t.restart_now(e.reason)
+
+
+def _drain(t: _Turn, e: Drain) -> None:
+    if t.life.state is S.READY:
+        t.enter(S.DRAINING, e.reason)
+        t.set(then=t.ctx.manner.after_drain)
+        t.actions.append(WaitIdle(t.ctx.drain_timeout_s))
+
+
+def _stop(t: _Turn, e: Stop) -> None:
+    t.set(wanted=False, then=None)
+    state = t.life.state
+    if state in _LIVE:
+        t.stop_it(e.reason, e.grace_s)
+    elif state in (S.BACKOFF, S.FATAL):
+        t.enter(S.STOPPED, "stop asked for")
+
+
+def _command_changed(t: _Turn, e: CommandChanged) -> None:
+    if t.life.state is S.READY:
+        _drain(t, Drain(e.reason))
+    elif t.life.state in (S.STARTING, S.BACKOFF, S.FATAL):
+        _restart(t, Restart(e.reason))
+
+
+def _unload(t: _Turn, e: Unload) -> None:
+    if t.life.state is S.READY:
+        t.stop_it(e.reason)
+
+
+def _forgive(t: _Turn, e: Forgive) -> None:
+    t.set(loop=CrashLoop(), next_try_at=None)
+    if t.life.state in (S.BACKOFF, S.FATAL):
+        t.enter(S.STOPPED, e.reason)
+
+
+def _began(t: _Turn, e: Began) -> None:
+    if not t.life.running:
+        t.set(generation=t.life.generation + 1, running=True)
+        t.actions.append(Opened(t.life.generation, e.since))
+    if t.life.state in (S.STOPPED, S.BACKOFF, S.FATAL):
+        t.enter(S.STARTING, e.reason)
+
+
+def _ready(t: _Turn, e: Ready) -> None:
+    current = e.generation is None or e.generation == t.life.generation
+    if current and t.life.running and t.life.state is S.STARTING:
+        took = t.ctx.now - t.life.since
+        t.set(last_start_s=took)
+        t.enter(S.READY, f"{t.ctx.manner.ready} in {took:.2f} s")
+
+
+def _unresponsive(t: _Turn, e: Unresponsive) -> None:
+    if e.generation == t.life.generation and t.life.running and \
+            t.life.state in (S.STARTING, S.READY):
+        t.actions.append(Terminate(planned=False, grace_s=e.grace_s, note=e.note))
+
+
+def _ended(t: _Turn, e: Ended) -> None:
+    if e.generation != t.life.generation or not t.life.running:
+        return  # already told (a router says an instance's end twice), or an older one's
+    t.set(running=False)
+    t.actions.append(Record(e))
+    if e.planned:
+        t.walk_to_stopped(e.what)
+        t.start_after_stop()
+        return
+    then, stopping = t.life.then, t.life.state is S.STOPPING
+    t.set(then=None, signatures=(*t.life.signatures, e.signature)[-SIGNATURES_KEPT:])
+    repeats = _repeats(t.life.signatures)
+    decision = after_exit(t.ctx.policy, t.life.loop.quick_failures, e.run_s, t.ctx.jitter(),
+                          served=e.served, known_crash_repeats=repeats)
+    # A good run (or a death while serving) ends the crash loop: its FATAL tries too.
+    count = decision.quick_failures
+    t.set(loop=CrashLoop(count, t.life.loop.fatal_tries if count else 0))
+    # The wait is said as the death is told (the status of BACKOFF and FATAL gives it).
+    wait_s = fatal_retry_s(t.ctx.policy, t.life.loop.fatal_tries) if decision.fatal \
+        else decision.delay_s
+    t.set(next_try_at=t.ctx.now + wait_s)
+    t.enter(S.EXITED, e.what)
+    if not t.life.wanted:
+        t.enter(S.STOPPED, "exited while stopping")
+        return
+    if decision.fatal:
+        if repeats >= KNOWN_CRASH_LIMIT and e.known_crash is not None:
+            # Restarting cannot mend it: say what it is and what to change.
+            why = f"the same crash {repeats} times in a row; {e.known_crash}"
+        else:
+            why = f"{count} quick failures in a row; last: {e.what}"
+        t.enter(S.BACKOFF, e.what)
+        t.enter(S.FATAL, f"{why}; next try in {wait_s:.0f} s")
+    else:
+        t.enter(S.BACKOFF, f"{t.ctx.manner.again} in {wait_s:.1f} s after {e.what}")
+    if then is not None and stopping:  # a restart asked for as it died: the back-off is
+        t.restart_now(then)  # cut short (a drain's restart is not asked for: it backs off)
+    else:
+        t.wait(wait_s)
+
+
+def _repeats(signatures: tuple[str | None, ...]) -> int:
+    """How many unplanned ends in a row, the newest included, had the newest's known crash
+    signature (0 when it had none): signatures.repeats, on the Life's own memory."""
+    if not signatures or signatures[-1] is None:
+        return 0
+    n = 0
+    for name in reversed(signatures):
+        if name != signatures[-1]:
+            break
+        n += 1
+    return n
+
+
+def _idle(t: _Turn, e: Idle) -> None:
+    if t.life.state is S.DRAINING:
+        t.stop_it(t.ctx.manner.drained or t.life.reason)
+
+
+def _due(t: _Turn, e: Due) -> None:
+    if t.life.state in (S.BACKOFF, S.FATAL) and e.at == t.life.next_try_at and t.life.host_up:
+        _try(t)
+
+
+def _try(t: _Turn) -> None:
+    """The back-off's wait is over: start again, if it would fit now."""
+    fatal = t.life.state is S.FATAL
+    why_not = t.ctx.why_not_now()
+    if why_not is not None:
+        if not fatal:
+            t.enter(S.STOPPED, f"backoff over; not {t.ctx.manner.again} yet: {why_not}")
+            return
+        # Stays FATAL; looked at again after the next interval.
+        t.set(reason=f"{t.life.reason.split('; not loaded:')[0]}; not loaded: {why_not}")
+        t.wait(fatal_retry_s(t.ctx.policy, t.life.loop.fatal_tries))
+        return
+    if fatal:
+        t.set(loop=fatal_try(t.life.loop, t.ctx.policy))
+        t.launch(f"try {t.life.loop.fatal_tries} from FATAL (crash-loop back-off)")
+    else:
+        t.launch("backoff over")
+
+
+def _load_refused(t: _Turn, e: LoadRefused) -> None:
+    # Not a failure of the model: it is loaded again on demand.
+    if t.life.state is S.STARTING and not t.life.running:
+        t.enter(S.STOPPING, f"the router did not load it: {e.problem}")
+        t.enter(S.STOPPED, f"the router did not load it: {e.problem}")
+
+
+def _unload_refused(t: _Turn, e: UnloadRefused) -> None:
+    if t.life.state is S.STOPPING and not t.life.running:
+        t.enter(S.STOPPED, "unloaded")
+        t.start_after_stop()
+
+
+def _host_changed(t: _Turn, e: HostChanged) -> None:
+    t.set(host_up=e.ready)
+    if not e.serving:
+        # The router's instances end with it; BACKOFF and FATAL keep their timers.
+        if t.life.running:
+            t.set(running=False)
+            t.actions.append(Orphaned(t.life.generation))
+        t.set(then=None)
+        t.walk_to_stopped(e.reason)
+    elif e.ready and t.life.state in (S.BACKOFF, S.FATAL) and \
+            t.life.next_try_at is not None and t.ctx.now >= t.life.next_try_at:
+        _try(t)  # its wait ran out while the router was away
+
+
+_HANDLERS: dict[type, Callable[[_Turn, Any], None]] = {
+    Start: _start, Restart: _restart, Drain: _drain, Stop: _stop,
+    CommandChanged: _command_changed, Unload: _unload, Forgive: _forgive, Began: _began,
+    Ready: _ready, Unresponsive: _unresponsive, Ended: _ended, Idle: _idle, Due: _due,
+    LoadRefused: _load_refused, UnloadRefused: _unload_refused, HostChanged: _host_changed,
+}

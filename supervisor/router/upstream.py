@@ -10,11 +10,12 @@ model), the same lifecycle words as for a child, with what the router says of th
 
 The router passes requests to an instance; when it is not READY (starting, backing off, gone),
 none of its models is: the model's state is then the router's. When the router is READY, it is
-the model's own state, written here and nowhere else, from what the watch (watch.py) hears: the
+the model's own: the Life of its engine (engine.py, the same owner task and the same
+`lifecycle.step` as a child's), which takes as events what the watch (watch.py) hears: the
 router's `/models` listing, its `/models/sse` status changes, and its output lines (the spawn
 line with the instance's port, the instance's own lines relayed with a `[port]` prefix, and
 `instance name=M exited with status N`). The log line and the status event tell the same death
-twice; the first one decides, the second finds the instance already ended.
+twice; the first one taken decides, the second finds the instance already ended.
 
 Spillway loads the models itself (the routers run with `--no-models-autoload`): on demand when a
 request needs one (the pool's `start_child`), after a back-off when its instance died, and from
@@ -37,13 +38,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..children import STDERR_TAIL_LINES, Child, ExitRecord, VramProbe
+from ..children import STDERR_TAIL_LINES, Child, VramProbe
 from ..clock import Clock, MonotonicClock
 from ..config import ChildConfig, RestartConfig
+from ..engine import Engine, Heard
 from ..load import Load
 from ..policy import lifecycle
 from ..policy.evidence import FailureKind
-from ..policy.lifecycle import SERVING, ChildState
+from ..policy.lifecycle import SERVING, ChildState, Life
 from ..policy.router import ModelInfo, StatusChange, classify_instance_exit
 from ..timefmt import rfc3339
 from ..vocabulary import StateListener
@@ -101,33 +103,37 @@ class ModelUpstream(lifecycle.CrashLoopCounters):
         self.vram_short_mib = vram_short_mib
         self.drain_timeout_s = drain_timeout_s
         self._clock: Clock = clock or MonotonicClock()
-        self._rng = rng
         self.load = Load()  # written by the pool
+        # The lifecycle's one owner: the model's own state is its Life's. Always wanted: an
+        # instance that dies is loaded again (an unload is not a death).
+        self.engine = Engine(f"{child.name}:{model}", self, lifecycle.MODEL,
+                             policy=child.backoff_policy,
+                             drain_timeout_s=lambda: self.drain_timeout_s, idle=self.load.idle,
+                             clock=self._clock, rng=rng,
+                             life=Life(reason="not loaded", wanted=True,
+                                       host_up=child.state is S.READY))
         self.listeners: list[StateListener] = []
         # Why a load would not fit now (VRAM, RAM, --models-max), or None: capacity.py's.
         self.load_guard: Callable[[], str | None] | None = None
-        self.info: ModelInfo | None = None  # the router's last word on it
 
-        self._state = S.STOPPED
-        self.reason = "not loaded"
-        self.state_since = time.monotonic()
-        self.generation = 0  # one per instance
-        self._instance_open = False  # the current generation's instance has not ended
+        # What the watch heard, as it heard it (facts, not the lifecycle's state).
+        self.info: ModelInfo | None = None  # the router's last word on it
         self.instance_port: int | None = None
         self.pid: int | None = None  # the instance's (a grandchild of Spillway's)
-        self.loads = 0
-        self.failures = 0
-        self.crash_loop = lifecycle.CrashLoop()  # quick failures, tries from FATAL
-        self.next_try_at: float | None = None  # clock time, in BACKOFF and FATAL
-        self.last_exit: ModelExit | None = None
-        self.loading_since: float | None = None
-        self.loaded_at: float | None = None
-        self.last_start_s: float | None = None  # load time of the last load
-        self.instance_lines: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
-        self._exits: dict[int, asyncio.Future[ModelExit]] = {}
-        self._planned_end = False
+        self._lines: deque[str] = deque(maxlen=STDERR_TAIL_LINES)  # its instances' lines
+        self._lines_heard = 0  # ... counted, so that an instance's own begin where it began
+        self._instance_since = 0
+        self._evicted = False  # the router said it is unloading it (its LRU under
+        # --models-max): the next end is planned
         self.armed_signal: int | None = None  # the drill's (see arm)
         self.armed_on_neighbour_load = False
+
+        self.state_since = time.monotonic()
+        self.loads = 0
+        self.failures = 0
+        self.last_exit: ModelExit | None = None
+        self.loaded_at: float | None = None
+        self._exits: dict[int, asyncio.Future[ModelExit]] = {}
         self._changed = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._seen_state = self.state
@@ -138,7 +144,29 @@ class ModelUpstream(lifecycle.CrashLoopCounters):
     @property
     def state(self) -> ChildState:
         router = self.child.state
-        return self._state if router is S.READY else router
+        return self.engine.life.state if router is S.READY else router
+
+    @property
+    def reason(self) -> str:
+        return self.engine.life.reason
+
+    @property
+    def generation(self) -> int:
+        """One per instance."""
+        return self.engine.life.generation
+
+    @property
+    def crash_loop(self) -> lifecycle.CrashLoop:  # type: ignore[override]
+        return self.engine.life.loop
+
+    @property
+    def next_try_at(self) -> float | None:
+        return self.engine.life.next_try_at
+
+    @property
+    def last_start_s(self) -> float | None:
+        """Its last load's time."""
+        return self.engine.life.last_start_s
 
     @property
     def api_key(self) -> str:
@@ -166,7 +194,9 @@ class ModelUpstream(lifecycle.CrashLoopCounters):
 
     @property
     def stderr_tail(self) -> Sequence[str]:
-        return self.instance_lines
+        """The current instance's lines (the router relays them with its port)."""
+        own = self._lines_heard - self._instance_since
+        return list(self._lines)[-own:] if own > 0 else []
 
     @property
     def restart_cfg(self) -> RestartConfig:
@@ -174,7 +204,7 @@ class ModelUpstream(lifecycle.CrashLoopCounters):
 
     def running(self, generation: int) -> bool:
         fut = self._exits.get(generation)
-        return (generation == self.generation and self._instance_open and fut is not None
+        return (generation == self.generation and self.engine.life.running and fut is not None
                 and not fut.done() and self.child.state in SERVING)
 
     async def exit_of(self, generation: int, timeout: float) -> ModelExit | None:
@@ -193,7 +223,7 @@ class ModelUpstream(lifecycle.CrashLoopCounters):
     def next_try_in_s(self) -> float | None:
         if self.child.state is not S.READY:
             return self.child.next_try_in_s()
-        if self.next_try_at is None or self._state not in (S.BACKOFF, S.FATAL):
+        if self.next_try_at is None or self.engine.life.state not in (S.BACKOFF, S.FATAL):
             return None
         return round(max(0.0, self.next_try_at - self._clock.now()), 1)
 
@@ -217,7 +247,7 @@ class ModelUpstream(lifecycle.CrashLoopCounters):
             "state_for_s": round(now - self.state_since, 3),
             "generation": self.generation,
             "pid": self.pid,
-            "instance_port": self.instance_port if self._instance_open else None,
+            "instance_port": self.instance_port if self.engine.life.running else None,
             "loads": self.loads,
             "failures": self.failures,
             "quick_failures": self.quick_failures,
@@ -228,78 +258,84 @@ class ModelUpstream(lifecycle.CrashLoopCounters):
             "in_flight": self.load.in_flight,
         }
 
-    # --- asking for changes -----------------------------------------------------------------------
+    # --- asking for changes: each is an event for the owner ---------------------------------------
 
     def start(self) -> None:
         """Load it now, if it is not loaded and may be (the pool's on-demand start)."""
-        if self.child.state is S.READY and self._state is S.STOPPED:
-            self._load("loaded on demand")
+        self.engine.post(lifecycle.Start("loaded on demand"))
 
     def drain(self, reason: str) -> None:
         """No new work; when its requests are done, unload it (it loads again on demand)."""
-        if self.state is not S.READY:
-            return
-        self._set(S.DRAINING, reason)
-        self._spawn(self._until_drained())
+        self.engine.post(lifecycle.Drain(reason))
 
     def unload(self, reason: str) -> None:
         """Unload an idle model (to make room for another one under --models-max)."""
-        if self.state is S.READY and self.load.in_flight == 0:
-            self._set(S.STOPPING, reason)
-            self._unload_now()
+        if self.load.in_flight == 0:
+            self.engine.post(lifecycle.Unload(reason))
 
     def reset(self, reason: str) -> None:
         """An operator's restart: forget the crash loop; a FATAL or backing-off model is loaded
         again on demand."""
-        self.crash_loop = lifecycle.CrashLoop()
-        self.next_try_at = None
-        if self._state in (S.BACKOFF, S.FATAL):
-            self._set(S.STOPPED, reason)
+        self.engine.post(lifecycle.Forgive(reason))
 
     async def close(self) -> None:
+        await self.engine.close()
         for task in list(self._tasks):
             task.cancel()
         for fut in self._exits.values():
             if not fut.done():
                 fut.cancel()
 
-    # --- what the watch hears ---------------------------------------------------------------------
+    # --- what the watch hears: facts kept, events posted ----------------------------------------
 
     def heard_listing(self, info: ModelInfo) -> None:
         """Its entry in the router's /models (read when the router is ready, and after the
         event stream dropped, so that nothing missed stays wrong)."""
         self.info = info
+        if info.port:
+            self.instance_port = info.port
         if info.status == "loaded":
-            self._begin_instance(info.port, "loaded (the router's listing)")
-            self._loaded()
+            self._began("loaded (the router's listing)")
+            self.engine.post(lifecycle.Ready())
         elif info.status == "loading":
-            self._begin_instance(info.port, "loading (the router's listing)")
-        elif info.status == "unloaded" and self._instance_open:
-            self._ended(info.exit_code if info.failed else 0)
+            self._began("loading (the router's listing)")
+        elif info.status == "unloaded":
+            self._gone(info.exit_code if info.failed else 0)
 
     def heard_status(self, change: StatusChange) -> None:
         """A /models/sse status change."""
         if change.status == "loading":
-            self._begin_instance(None, "loading")
+            self._began("loading")
         elif change.status == "loaded":
-            self._begin_instance(None, "loaded")
-            self._loaded()
+            self._began("loaded")
+            self.engine.post(lifecycle.Ready())
         elif change.status == "unloaded":
-            self._ended(change.exit_code)
+            self._gone(change.exit_code)
 
     def heard_spawn(self, port: int) -> None:
         """The router's `spawning server instance with name=M on port P`."""
-        self._begin_instance(port, "loading (the router spawned its instance)")
+        self.instance_port = port
+        self.pid = None  # its process is looked up from the port next
+        self._began("loading (the router spawned its instance)")
 
     def heard_pid(self, pid: int | None) -> None:
         """Its instance's process, found from its port (the watch looks it up)."""
         self.pid = pid
 
     def heard_instance_line(self, text: str) -> None:
-        self.instance_lines.append(text)
+        self._lines.append(text)
+        self._lines_heard += 1
         if self.armed_signal is not None and not self.armed_on_neighbour_load \
                 and "launch_slot_" in text:
             self._fire_armed()
+
+    def heard_exit(self, status: int) -> None:
+        """The router's `instance name=M exited with status N`."""
+        self._gone(status)
+
+    def heard_eviction(self) -> None:
+        """The router is unloading it to make room under --models-max: planned, no failure."""
+        self._evicted = True
 
     def arm(self, sig: int | None, on_neighbour_load: bool = False) -> None:
         """The drill without a GPU: send `sig` to this model's instance as its next task
@@ -335,25 +371,43 @@ class ModelUpstream(lifecycle.CrashLoopCounters):
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, sig)
 
-    def heard_exit(self, status: int) -> None:
-        """The router's `instance name=M exited with status N`."""
-        self._ended(status)
+    def _began(self, reason: str) -> None:
+        self.engine.post(lifecycle.Began(reason, since=self._lines_heard))
 
-    def heard_eviction(self) -> None:
-        """The router is unloading it to make room under --models-max: planned, no failure."""
-        self._planned_end = True
+    def _gone(self, exit_code: int | None) -> None:
+        self.engine.post(Heard(lambda life: self._judge_end(life, exit_code)))
 
-    # --- the model's state ------------------------------------------------------------------------
+    def _judge_end(self, life: Life, exit_code: int | None) -> lifecycle.Ended | None:
+        """An instance's end, as of the moment the owner takes it: an unload (planned) or a
+        death (with its evidence); None when it was told already."""
+        if not life.running:
+            return None  # the log line and the status event both say it
+        loading = life.state is S.STARTING
+        planned = self._evicted or life.state is S.STOPPING or (exit_code == 0 and not loading)
+        self._evicted = False
+        served = self.load.generation > 0
+        run_s = 0.0 if loading or self.loaded_at is None else self._clock.now() - self.loaded_at
+        vram = self.vram_probe(time.monotonic()) if self.vram_probe is not None else None
+        verdict = classify_instance_exit(exit_code, list(self.stderr_tail), loading=loading,
+                                         vram=vram, vram_short_mib=self.vram_short_mib)
+        record = ModelExit(life.generation, exit_code, verdict.kind,
+                           verdict.evidence if not planned else "unloaded", planned, served,
+                           run_s, time.time())
+        return lifecycle.Ended(life.generation, planned,
+                               "unloaded" if planned else f"{verdict.kind}: {verdict.evidence}",
+                               run_s=run_s, served=served, record=record)
 
-    def _set(self, new: ChildState, reason: str) -> None:
-        old = self._state
-        lifecycle.check_transition(old, new)
-        self._state = new
-        self.reason = reason
-        log.info("[%s:%s] %s -> %s: %s", self.name, self.model, old, new, reason)
+    def _router_changed(self, child: Child, old: ChildState, new: ChildState,
+                        reason: str) -> None:
+        if new not in SERVING:
+            self._evicted = False
+        # The router's instances end with it (and its exit is the evidence).
+        self.engine.post(lifecycle.HostChanged(ready=new is S.READY, serving=new in SERVING,
+                                               reason=f"the {self.name} router is {new}"))
         self._notify(reason)
 
     def _notify(self, reason: str) -> None:
+        """The model's state as the pool reads it (the router's, or its own) changed: tell."""
         now = self.state
         old, self._seen_state = self._seen_state, now
         if old is not now:
@@ -361,181 +415,68 @@ class ModelUpstream(lifecycle.CrashLoopCounters):
             for listener in list(self.listeners):
                 try:
                     listener(self, old, now, reason)
-                except Exception:  # noqa: BLE001 - a listener must not break the watch
+                except Exception:  # noqa: BLE001 - a listener must not break the owner
                     log.exception("state listener failed")
         self._changed.set()
         self._changed = asyncio.Event()
 
-    def _router_changed(self, child: Child, old: ChildState, new: ChildState,
-                        reason: str) -> None:
-        if new not in SERVING and self._instance_open:
-            # The router's instances end with it (and its exit is the evidence).
-            self._instance_open = False
-            self._spawn(self._end_with_router(self.generation, child.generation))
-        if new not in SERVING:
-            self._planned_end = False
-            self._walk_to_stopped(f"the {self.name} router is {new}")
+    # --- the effects: what the owner carries out (engine.Effects) ---------------------------------
+
+    def entered(self, old: ChildState, new: ChildState, reason: str) -> None:
+        log.info("[%s:%s] %s -> %s: %s", self.name, self.model, old, new, reason)
+        if new is S.READY:
+            self.loaded_at = self._clock.now()
+            self.loads += 1
         self._notify(reason)
 
-    def _walk_to_stopped(self, reason: str) -> None:
-        """Legal steps from wherever it is to STOPPED (a router that went away); BACKOFF and
-        FATAL stay, with their timers."""
-        steps = {S.READY: S.STOPPING, S.STARTING: S.STOPPING, S.DRAINING: S.STOPPING,
-                 S.STOPPING: S.STOPPED, S.EXITED: S.STOPPED}
-        while (step := steps.get(self._state)) is not None:
-            self._set(step, reason)
-
-    def _begin_instance(self, port: int | None, reason: str) -> None:
-        if not self._instance_open:
-            self.generation += 1
-            self._instance_open = True
-            self.instance_lines.clear()
-            self.pid = None
-            self.loading_since = self._clock.now()
-            self._exits[self.generation] = asyncio.get_running_loop().create_future()
-            for old in [g for g in self._exits if g < self.generation - 2]:
-                fut = self._exits.pop(old)
-                if not fut.done():
-                    fut.cancel()
-        if port:
-            self.instance_port = port
-        if self._state in (S.STOPPED, S.BACKOFF, S.FATAL):
-            self.next_try_at = None
-            self._set(S.STARTING, reason)
-
-    def _loaded(self) -> None:
-        if self._state is not S.STARTING:
-            return
-        now = self._clock.now()
-        if self.loading_since is not None:
-            self.last_start_s = now - self.loading_since
-        self.loaded_at = now
-        self.loads += 1
-        took = f" in {self.last_start_s:.2f} s" if self.last_start_s is not None else ""
-        self._set(S.READY, f"loaded{took}")
-
-    def _ended(self, exit_code: int | None) -> None:
-        """Its instance ended: an unload (planned) or a death (evidence, back-off)."""
-        if not self._instance_open:
-            return  # already told (the log line and the status event both say it)
-        self._instance_open = False
-        now = self._clock.now()
-        loading = self._state is S.STARTING
-        planned = self._planned_end or self._state is S.STOPPING or (
-            exit_code == 0 and not loading)
-        self._planned_end = False
-        served = self.load.generation > 0
-        run_s = 0.0 if loading or self.loaded_at is None else now - self.loaded_at
-        vram = self.vram_probe(time.monotonic()) if self.vram_probe is not None else None
-        verdict = classify_instance_exit(exit_code, list(self.instance_lines), loading=loading,
-                                         vram=vram, vram_short_mib=self.vram_short_mib)
-        record = ModelExit(self.generation, exit_code, verdict.kind,
-                           verdict.evidence if not planned else "unloaded", planned, served,
-                           run_s, time.time())
-        fut = self._exits.get(self.generation)
-        if fut is not None and not fut.done():
-            fut.set_result(record)
-        if planned:
-            self._walk_to_stopped("unloaded")
-            return
-        self.failures += 1
-        self.last_exit = record
-        self._after_death(record)
-
-    def _after_death(self, record: ModelExit) -> None:
-        """STARTING|READY|DRAINING -> EXITED -> BACKOFF (-> FATAL), as lifecycle.after_death
-        says; then it is loaded again when the wait is over."""
-        after = lifecycle.after_death(
-            self._state, self.crash_loop, self.child.backoff_policy(),
-            what=f"{record.kind}: {record.evidence}", run_s=record.run_s, jitter=self._rng(),
-            served=record.served, again="loaded again")
-        self.crash_loop = after.loop
-        assert after.wait_s is not None  # (always wanted: the router is READY)
-        self.next_try_at = self._clock.now() + after.wait_s
-        for state, reason in after.path:
-            self._set(state, reason)
-        self._spawn(self._until_try())
-
-    # The tasks below only wait (the clock, the router, a load's answer) and hand what they
-    # learned to a method that is not a coroutine: state is written there, never in a task.
-
-    async def _until_try(self) -> None:
-        """BACKOFF|FATAL: until the wait is over and the router READY; then _try_due."""
-        while self._state in (S.BACKOFF, S.FATAL) and self.next_try_at is not None:
-            left = self.next_try_at - self._clock.now()
-            if left > 0:
-                await self._clock.wait(asyncio.Event(), left)
-                continue
-            if self.child.state is not S.READY:
-                await self.child.wait_state(S.READY)  # its instance needs a router
-                continue
-            self._try_due()
-            return
-
-    def _try_due(self) -> None:
-        """The back-off's wait is over: load it again, if it would fit."""
-        fatal = self._state is S.FATAL
-        why_not = self.load_guard() if self.load_guard is not None else None
-        if why_not is not None:
-            if fatal:  # stays FATAL; looked at again after the next interval
-                self.next_try_at = self._clock.now() + lifecycle.fatal_retry_s(
-                    self.child.backoff_policy(), self.fatal_tries)
-                self.reason = f"{self.reason.split('; not loaded:')[0]}; not loaded: " \
-                              f"{why_not}"
-                self._spawn(self._until_try())
-                return
-            self._set(S.STOPPED, f"back-off over; not loaded again yet: {why_not}")
-            return
-        if fatal:
-            self.crash_loop = lifecycle.fatal_try(self.crash_loop, self.child.backoff_policy())
-            self._load(f"try {self.fatal_tries} from FATAL (crash-loop back-off)")
-        else:
-            self._load("back-off over")
-
-    def _load(self, reason: str) -> None:
-        self.next_try_at = None
-        self._set(S.STARTING, reason)
-        self.loading_since = self._clock.now()
+    def launch(self, generation: int, reason: str) -> None:
         self._spawn(self._ask_load())
 
+    def opened(self, generation: int, since: int) -> None:
+        self._instance_since = since
+        self._exits[generation] = asyncio.get_running_loop().create_future()
+        for older in [g for g in self._exits if g < generation - 2]:
+            fut = self._exits.pop(older)
+            if not fut.done():
+                fut.cancel()
+
+    def terminate(self, action: lifecycle.Terminate) -> None:
+        self._spawn(self._ask_unload())  # its end, when the router tells it, is planned
+
+    def recorded(self, end: lifecycle.Ended) -> None:
+        record = end.record
+        assert isinstance(record, ModelExit)
+        fut = self._exits.get(record.generation)
+        if fut is not None and not fut.done():
+            fut.set_result(record)
+        if not end.planned:
+            self.failures += 1
+            self.last_exit = record
+
+    def orphaned(self, generation: int) -> None:
+        self._spawn(self._end_with_router(generation, self.child.generation))
+
+    def why_not_now(self) -> str | None:
+        return self.load_guard() if self.load_guard is not None else None
+
+    # The tasks below only wait (a load's or an unload's answer, the router's exit record) and
+    # post what they learned, or (the router's end) complete the instance's exit record.
+
     async def _ask_load(self) -> None:
-        self._load_answered(await self.loader.load(self.model))
-
-    def _load_answered(self, problem: str | None) -> None:
-        if problem is None or self._state is not S.STARTING or self._instance_open:
-            return
-        # The router refused (its --models-max, a model it no longer lists): not a failure of
-        # the model; it is loaded again on demand.
-        log.warning("[%s:%s] the router did not load it: %s", self.name, self.model, problem)
-        self._set(S.STOPPING, f"the router did not load it: {problem}")
-        self._set(S.STOPPED, f"the router did not load it: {problem}")
-
-    async def _until_drained(self) -> None:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.load.idle.wait(), self.drain_timeout_s)
-        self._drained()
-
-    def _drained(self) -> None:
-        if self._state is S.DRAINING:
-            self._set(S.STOPPING, "drained: unloading it")
-            self._unload_now()
-
-    def _unload_now(self) -> None:
-        self._planned_end = True  # its end, when the router tells it, is no failure
-        self._spawn(self._ask_unload())
+        problem = await self.loader.load(self.model)
+        if problem is not None:
+            # The router refused (its --models-max, a model it no longer lists): not a
+            # failure of the model; it is loaded again on demand.
+            log.warning("[%s:%s] the router did not load it: %s", self.name, self.model,
+                        problem)
+            self.engine.post(lifecycle.LoadRefused(problem))
 
     async def _ask_unload(self) -> None:
-        self._unload_answered(await self.loader.unload(self.model))
-
-    def _unload_answered(self, problem: str | None) -> None:
-        if problem is not None and self._state is S.STOPPING and not self._instance_open:
-            self._set(S.STOPPED, "unloaded")
+        if await self.loader.unload(self.model) is not None:
+            self.engine.post(lifecycle.UnloadRefused())
 
     async def _end_with_router(self, generation: int, router_generation: int) -> None:
-        self._router_ended(generation, await self.child.exit_of(router_generation, 2.0))
-
-    def _router_ended(self, generation: int, record: ExitRecord | None) -> None:
-        """The router's end, the evidence for its instance's (which it took along)."""
+        record = await self.child.exit_of(router_generation, 2.0)
         fut = self._exits.get(generation)
         if fut is None or fut.done():
             return

@@ -54,9 +54,24 @@ class RouterWatch:
         self.listed: list[str] = []  # the models the router listed last, in its order
         self.last_listing: Any = None  # its last /models answer, as JSON
         self._ports: dict[int, str] = {}  # instance port -> model
+        self._followed: set[str] = set()  # the models whose READY it is told of
         self._task: asyncio.Task[None] | None = None
         child.line_listeners.append(self.heard_line)
         child.listeners.append(self._router_changed)
+
+    def _upstream(self, model: str) -> ModelUpstream:
+        """The model's upstream on this router; told to the watch when it becomes READY (its
+        owner takes what the watch heard in its own time)."""
+        upstream = self.upstream_for(model)
+        if model not in self._followed:
+            self._followed.add(model)
+            upstream.listeners.append(self._model_changed)
+        return upstream
+
+    def _model_changed(self, upstream: ModelUpstream, old: ChildState, new: ChildState,
+                       reason: str) -> None:
+        if new is ChildState.READY:
+            self._loaded(upstream)
 
     # --- the router's output ---------------------------------------------------------------------
 
@@ -65,10 +80,10 @@ class RouterWatch:
         if r.kind == "instance" and r.port is not None:
             model = self._ports.get(r.port)
             if model is not None:
-                self.upstream_for(model).heard_instance_line(r.text)
+                self._upstream(model).heard_instance_line(r.text)
         elif r.kind == "spawn" and r.model is not None and r.port is not None:
             self._ports[r.port] = r.model
-            upstream = self.upstream_for(r.model)
+            upstream = self._upstream(r.model)
             upstream.heard_spawn(r.port)
             if upstream.is_ready and upstream.pid is None:
                 # Its `loaded` event came first (the output is read behind the event stream
@@ -78,9 +93,9 @@ class RouterWatch:
                 if other.model != r.model:
                     other.heard_neighbour_load(r.model)
         elif r.kind == "exit" and r.model is not None and r.status is not None:
-            self.upstream_for(r.model).heard_exit(r.status)
+            self._upstream(r.model).heard_exit(r.status)
         elif (m := _EVICTION.search(line)) is not None:
-            self.upstream_for(m.group(1)).heard_eviction()
+            self._upstream(m.group(1)).heard_eviction()
 
     # --- following /models ------------------------------------------------------------------------
 
@@ -118,11 +133,7 @@ class RouterWatch:
         for info in infos:
             if info.status == "loaded" and info.port:
                 self._ports[info.port] = info.name
-            upstream = self.upstream_for(info.name)
-            was_ready = upstream.is_ready
-            upstream.heard_listing(info)
-            if upstream.is_ready and not was_ready:
-                self._loaded(upstream)
+            self._upstream(info.name).heard_listing(info)
 
     async def _events(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=None)
@@ -137,11 +148,7 @@ class RouterWatch:
                 change = parse_sse_data(line[5:].strip())
                 if change is None:
                     continue
-                upstream = self.upstream_for(change.model)
-                was_ready = upstream.is_ready
-                upstream.heard_status(change)
-                if upstream.is_ready and not was_ready:
-                    self._loaded(upstream)
+                self._upstream(change.model).heard_status(change)
 
     def _loaded(self, upstream: ModelUpstream) -> None:
         upstream.heard_pid(self.instance_pid(upstream.instance_port))
