@@ -23,8 +23,8 @@ The effects go through two seams, so that a child's lifecycle is unit tested wit
 or sleeping (tests/test_child_lifecycle.py): the launcher (launcher.py: spawning, signalling,
 reading output, the health probe) and the clock (clock.py: the lifecycle's waits, i.e. health
 and liveness polls, back-off, drain, grace, and the times that decide the start timeout, the
-hang timeout and quick failures). Only the callers' own timeouts (`wait_state`, `exit_of`) and
-the last-resort reaping after a cancellation take real time.
+hang timeout and quick failures). Only the callers' own timeouts (`wait_state`, `exit_of`)
+take real time.
 """
 
 from __future__ import annotations
@@ -193,6 +193,7 @@ class Child(lifecycle.CrashLoopCounters):
         self._run: asyncio.Task[None] | None = None
         self._ending: tuple[bool, str] | None = None
         self._probe_wake = asyncio.Event()  # the probes stop: it left STARTING|READY
+        self._unkillable = asyncio.Event()  # SIGKILL did not end it: reaped as it is
         self._exits: dict[int, asyncio.Future[ExitRecord]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -307,7 +308,9 @@ class Child(lifecycle.CrashLoopCounters):
         """Stop the process and wait until it is gone; the child stays STOPPED (unless it is
         started again meanwhile)."""
         await self.engine.ask(lifecycle.Stop(reason, grace_s))
-        await self.engine.until(lambda life: life.state is ChildState.STOPPED or life.wanted)
+        if not self.engine.closed:
+            await self.engine.until(lambda life: life.state is ChildState.STOPPED or
+                                    life.wanted)
 
     async def close(self, grace_s: float | None = None) -> None:
         """Stop for good (daemon shutdown)."""
@@ -391,6 +394,7 @@ class Child(lifecycle.CrashLoopCounters):
         self._exits[generation] = loop.create_future()
         self._ending = None
         self._probe_wake = asyncio.Event()
+        self._unkillable = asyncio.Event()
         self._run = asyncio.create_task(self._run_process(generation),
                                         name=f"child-{self.name}-{generation}")
 
@@ -464,10 +468,12 @@ class Child(lifecycle.CrashLoopCounters):
         reader = asyncio.create_task(self._read_output(proc), name=f"child-{self.name}-output")
         waiter = self._waiter = asyncio.create_task(proc.wait(), name=f"child-{self.name}-wait")
         tasks_before = self.tasks_started
+        given_up = asyncio.ensure_future(self._unkillable.wait())
         try:
             await self._probe(generation, waiter, spawned)
-            await asyncio.shield(waiter)
+            await asyncio.wait({waiter, given_up}, return_when=asyncio.FIRST_COMPLETED)
         finally:
+            given_up.cancel()
             await self._reap(proc, waiter, reader)
         planned, note = self._ending or (False, "")
         record = self._exit_record(generation, proc, spawned, planned, note,
@@ -521,10 +527,10 @@ class Child(lifecycle.CrashLoopCounters):
     async def _reap(self, proc: Process, waiter: asyncio.Task[int],
                     reader: asyncio.Task[None]) -> None:
         """The process gone (SIGKILL if cancelled while it runs) and its last lines read."""
-        if not waiter.done():  # cancelled: never leave a process behind
+        if not waiter.done():  # cancelled, or SIGKILL did not end it: one more, and on
             proc.signal_group(signal.SIGKILL)
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(waiter), 5)
+                await self._clock.wait_any({waiter}, 5)
         with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
             await asyncio.wait_for(reader, 2.0)  # the last lines are the evidence
         reader.cancel()
@@ -570,7 +576,8 @@ class Child(lifecycle.CrashLoopCounters):
             log.warning("[%s] still running %.0f s after SIGTERM; sending SIGKILL",
                         self.name, grace)
             proc.signal_group(signal.SIGKILL)
-            await self._clock.wait_any({waiter}, 10)
+            if not await self._clock.wait_any({waiter}, 10):
+                self._unkillable.set()  # (uninterruptible sleep): its end is recorded as is
 
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.create_task(coro)

@@ -129,6 +129,10 @@ class Engine:
         except TimeoutError:
             return False
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self) -> None:
         """The owner and its waits end; what is still in the inbox is dropped."""
         self._closed = True

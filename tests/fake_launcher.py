@@ -32,6 +32,7 @@ class Script:
     last_words: Sequence[str] = ()  # ... printed just before
     hang_after_s: float | None = None  # /health stops answering this long after its spawn
     ignores_sigterm: bool = False  # only SIGKILL ends it
+    unkillable: bool = False  # nothing ends it (a process in uninterruptible sleep)
     sigterm_exit_s: float = 0.0  # how long it takes to exit after SIGTERM
     sigterm_code: int = 0  # its exit status after SIGTERM
     spawn_error: OSError | None = None  # cannot be started at all
@@ -89,7 +90,7 @@ class FakeProcess:
 
     def signal_group(self, sig: int) -> None:
         self.signals.append((self.clock.now(), sig))
-        if not self.alive:
+        if not self.alive or self.script.unkillable:
             return
         if sig == signal.SIGTERM:
             if self.script.ignores_sigterm:

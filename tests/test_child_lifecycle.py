@@ -367,6 +367,22 @@ async def test_stop_is_sigterm_then_grace_then_sigkill() -> None:
         assert rig.child.pid is None
 
 
+async def test_a_process_that_even_sigkill_does_not_end_is_given_up_on() -> None:
+    # (a process stuck in uninterruptible sleep, on a dying GPU driver, say): the stop ends
+    # after the grace and SIGKILL's 10 s, and its end is recorded as it is.
+    async with Rig(Script(unkillable=True), stop_grace_s=2.0) as rig:
+        rig.child.start()
+        await rig.until(S.READY)
+        t = rig.clock.now()
+        await rig.child.stop()
+        # SIGTERM, the grace, SIGKILL, 10 s; one more SIGKILL as it is reaped, 5 s.
+        assert rig.procs[0].signals == [(t, SIGTERM), (t + 2.0, SIGKILL), (t + 12.0, SIGKILL)]
+        assert rig.when(S.STOPPED) == t + 17.0
+        assert rig.child.state is S.STOPPED and rig.child.pid is None
+        record = await rig.child.exit_of(1, timeout=1)
+        assert record is not None and record.planned and record.returncode == -SIGKILL
+
+
 async def test_stop_of_a_child_that_obeys_sigterm_sends_nothing_more() -> None:
     async with Rig(Script(sigterm_exit_s=3.0), stop_grace_s=7.0) as rig:
         rig.child.start()
