@@ -150,9 +150,11 @@ def _foreign_writes(tree: ast.Module) -> int:
     return count
 
 
-def _coroutine_writes(tree: ast.Module) -> int:
+def _coroutine_writes(tree: ast.Module, attrs: frozenset[str] | None = None) -> int:
     """State written inside coroutines (the tasks an object spawns): assignments to `self.x`
-    and calls of `self._set`/`self._to`/`self._load`, in `async def` bodies."""
+    (to the `attrs` alone, when given) and calls of `self._set`/`self._to` (and, with no
+    `attrs`, `self._load`), in `async def` bodies."""
+    calls = ("_set", "_to") if attrs is not None else ("_set", "_to", "_load")
     count = 0
     for fn in ast.walk(tree):
         if not isinstance(fn, ast.AsyncFunctionDef):
@@ -161,30 +163,11 @@ def _coroutine_writes(tree: ast.Module) -> int:
             if isinstance(node, (ast.Assign, ast.AugAssign)):
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 count += sum(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
-                             and t.value.id == "self" for t in targets)
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
-                    isinstance(node.func.value, ast.Name) and node.func.value.id == "self" and \
-                    node.func.attr in ("_set", "_to", "_load"):
-                count += 1
-    return count
-
-
-def _lifecycle_writes_in_tasks(tree: ast.Module) -> int:
-    """The lifecycle's own state written inside coroutines: assignments to LIFECYCLE_ATTRS
-    on `self`, and transitions (`self._to`, `self._set`), in `async def` bodies."""
-    count = 0
-    for fn in ast.walk(tree):
-        if not isinstance(fn, ast.AsyncFunctionDef):
-            continue
-        for node in ast.walk(fn):
-            if isinstance(node, (ast.Assign, ast.AugAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                count += sum(isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name)
-                             and t.value.id == "self" and t.attr in LIFECYCLE_ATTRS
+                             and t.value.id == "self" and (attrs is None or t.attr in attrs)
                              for t in targets)
             elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and \
                     isinstance(node.func.value, ast.Name) and node.func.value.id == "self" and \
-                    node.func.attr in ("_to", "_set"):
+                    node.func.attr in calls:
                 count += 1
     return count
 
@@ -235,7 +218,7 @@ def _module_figures(tree: ast.Module, module: str, found: dict[str, Any]) -> Non
         found["mode_branches"] = _mode_branches(tree)
         found["foreign_writes"] = _foreign_writes(tree)
     if short in ("children", "router.upstream"):
-        found["lifecycle_task_writes"] += _lifecycle_writes_in_tasks(tree)
+        found["lifecycle_task_writes"] += _coroutine_writes(tree, LIFECYCLE_ATTRS)
     if _takes_transitions(tree):
         found["transition_takers"].append(short)
 

@@ -44,7 +44,7 @@ from typing import Any
 
 from .clock import Clock, MonotonicClock
 from .config import ChildConfig, RestartConfig, command_changed
-from .engine import Engine
+from .engine import Engine, LifeReader
 from .launcher import Launcher, Process, SubprocessLauncher
 from .load import Load
 from .launcher import pick_port as pick_port  # the drill's import
@@ -128,7 +128,7 @@ class ExitRecord:
 VramProbe = Callable[[float], VramSample | None]
 
 
-class Child(lifecycle.CrashLoopCounters):
+class Child(LifeReader):
     def __init__(
         self,
         cfg: ChildConfig,
@@ -204,29 +204,6 @@ class Child(lifecycle.CrashLoopCounters):
         return self.engine.life.state
 
     @property
-    def reason(self) -> str:
-        """Why it is in its state, for status."""
-        return self.engine.life.reason
-
-    @property
-    def generation(self) -> int:
-        return self.engine.life.generation
-
-    @property
-    def crash_loop(self) -> lifecycle.CrashLoop:  # type: ignore[override]
-        return self.engine.life.loop
-
-    @property
-    def next_try_at(self) -> float | None:
-        """Clock time of the next start, in BACKOFF and FATAL."""
-        return self.engine.life.next_try_at
-
-    @property
-    def last_start_s(self) -> float | None:
-        """STARTING to READY, the last time."""
-        return self.engine.life.last_start_s
-
-    @property
     def base_url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
@@ -263,10 +240,7 @@ class Child(lifecycle.CrashLoopCounters):
 
     def next_try_in_s(self) -> float | None:
         """Seconds to the next start, in BACKOFF or FATAL; None in other states."""
-        if self.next_try_at is None or self.state not in (ChildState.BACKOFF,
-                                                          ChildState.FATAL):
-            return None
-        return round(max(0.0, self.next_try_at - self._clock.now()), 1)
+        return self.own_next_try_in_s()
 
     def backoff_policy(self) -> lifecycle.BackoffPolicy:
         r = self.restart_cfg  # read each time: a reload may replace it

@@ -233,3 +233,52 @@ class Engine:
         finally:
             idle.cancel()
         self.post(lifecycle.Idle())
+
+
+class LifeReader:
+    """What an upstream (a child, a model's instance) reads of its Life, said once."""
+
+    engine: Engine
+    _clock: Clock
+
+    @property
+    def reason(self) -> str:
+        """Why it is in its state, for status."""
+        return self.engine.life.reason
+
+    @property
+    def generation(self) -> int:
+        """Its processes (a child) or instances (a model) so far."""
+        return self.engine.life.generation
+
+    @property
+    def crash_loop(self) -> lifecycle.CrashLoop:
+        """Its quick failures in a row, and its tries from FATAL since the last good run."""
+        return self.engine.life.loop
+
+    @property
+    def quick_failures(self) -> int:
+        return self.engine.life.loop.quick_failures
+
+    @property
+    def fatal_tries(self) -> int:
+        return self.engine.life.loop.fatal_tries
+
+    @property
+    def next_try_at(self) -> float | None:
+        """Clock time of the next try, in BACKOFF and FATAL."""
+        return self.engine.life.next_try_at
+
+    @property
+    def last_start_s(self) -> float | None:
+        """STARTING to READY (a start, a load), the last time."""
+        return self.engine.life.last_start_s
+
+    def own_next_try_in_s(self) -> float | None:
+        """Seconds to its next try, in BACKOFF or FATAL; None in other states."""
+        life = self.engine.life
+        if life.next_try_at is None or life.state not in (ChildState.BACKOFF,
+                                                          ChildState.FATAL):
+            return None
+        return round(max(0.0, life.next_try_at - self._clock.now()), 1)
+

@@ -157,21 +157,6 @@ class CrashLoop:
     fatal_tries: int = 0
 
 
-class CrashLoopCounters:
-    """The crash loop's figures, as status and the operator read them, for an object that
-    keeps its `crash_loop` (a child, a model instance)."""
-
-    crash_loop: CrashLoop
-
-    @property
-    def quick_failures(self) -> int:
-        return self.crash_loop.quick_failures
-
-    @property
-    def fatal_tries(self) -> int:
-        return self.crash_loop.fatal_tries
-
-
 def fatal_try(loop: CrashLoop, policy: BackoffPolicy) -> CrashLoop:
     """The crash-loop back-off's next try from FATAL: counted, and one more quick failure is
     FATAL again (with a longer wait)."""

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from ..children import STDERR_TAIL_LINES, Child, VramProbe
 from ..clock import Clock, MonotonicClock
 from ..config import ChildConfig, RestartConfig
-from ..engine import Engine, Heard
+from ..engine import Engine, Heard, LifeReader
 from ..load import Load
 from ..policy import lifecycle
 from ..policy.evidence import FailureKind
@@ -89,7 +89,7 @@ class ModelExit:
                 "run_s": round(self.run_s, 3), "time": rfc3339(self.time)}
 
 
-class ModelUpstream(lifecycle.CrashLoopCounters):
+class ModelUpstream(LifeReader):
     def __init__(self, child: Child, model: str, loader: Loader, *,
                  vram_probe: VramProbe | None = None, vram_short_mib: float = 512.0,
                  drain_timeout_s: float = lifecycle.DRAIN_TIMEOUT_S,
@@ -147,28 +147,6 @@ class ModelUpstream(lifecycle.CrashLoopCounters):
         return self.engine.life.state if router is S.READY else router
 
     @property
-    def reason(self) -> str:
-        return self.engine.life.reason
-
-    @property
-    def generation(self) -> int:
-        """One per instance."""
-        return self.engine.life.generation
-
-    @property
-    def crash_loop(self) -> lifecycle.CrashLoop:  # type: ignore[override]
-        return self.engine.life.loop
-
-    @property
-    def next_try_at(self) -> float | None:
-        return self.engine.life.next_try_at
-
-    @property
-    def last_start_s(self) -> float | None:
-        """Its last load's time."""
-        return self.engine.life.last_start_s
-
-    @property
     def api_key(self) -> str:
         return self.child.api_key
 
@@ -222,10 +200,8 @@ class ModelUpstream(lifecycle.CrashLoopCounters):
 
     def next_try_in_s(self) -> float | None:
         if self.child.state is not S.READY:
-            return self.child.next_try_in_s()
-        if self.next_try_at is None or self.engine.life.state not in (S.BACKOFF, S.FATAL):
-            return None
-        return round(max(0.0, self.next_try_at - self._clock.now()), 1)
+            return self.child.next_try_in_s()  # its router's
+        return self.own_next_try_in_s()
 
     async def wait_state(self, *states: ChildState, timeout: float | None = None) -> bool:
         async def waiter() -> None:
