@@ -24,7 +24,8 @@ run (so ratios hold on a noisy machine):
   pass-through's (target >= 0.75) and its added p50 at concurrency 1 (p50 minus the straight
   p50) as a multiple of the pass-through's (target <= 1.25). The full run gives both for its
   instant section; `--only hotpath` measures straight, the pass-through, Spillway and, with
-  `--baseline REV`, Spillway at that revision, in 3 interleaved rounds (their order rotating),
+  `--baseline REV`, Spillway at that revision, in 3 interleaved rounds (`--rounds N`; their
+  order rotating),
   each figure the median of the rounds, and writes bench/results/hotpath.{json,md}.
 
 Needs root (or the tools already installed) for `apt-get install nginx wrk`. Writes
@@ -582,7 +583,8 @@ def hotpath_section(st: Stack, model: Path, seconds: float, baseline: str | None
     return out
 
 
-def run_only(only: str, quick: bool, seconds: float, baseline: str | None) -> dict[str, Any]:
+def run_only(only: str, quick: bool, seconds: float, baseline: str | None,
+             rounds: int = HOTPATH_ROUNDS) -> dict[str, Any]:
     """One part by itself (`--only`)."""
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
@@ -594,16 +596,17 @@ def run_only(only: str, quick: bool, seconds: float, baseline: str | None) -> di
             report["idempotency"] = idempotency_section(st, model, seconds, baseline)
         else:
             say(f"hot path: straight, aiohttp pass-through, Spillway"
-                f"{', baseline ' + baseline if baseline else ''} ({HOTPATH_ROUNDS} rounds)")
-            report["hotpath"] = hotpath_section(st, model, seconds, baseline)
+                f"{', baseline ' + baseline if baseline else ''} ({rounds} rounds)")
+            report["hotpath"] = hotpath_section(st, model, seconds, baseline, rounds)
     return report
 
 
-def run(quick: bool, only: str | None = None, baseline: str | None = None) -> dict[str, Any]:
+def run(quick: bool, only: str | None = None, baseline: str | None = None,
+        rounds: int = HOTPATH_ROUNDS) -> dict[str, Any]:
     ensure_tools()
     seconds = 3.0 if quick else 10.0
     if only is not None:
-        return run_only(only, quick, seconds, baseline)
+        return run_only(only, quick, seconds, baseline, rounds)
     concurrency = (1, 16, 64)
     llama = bootstrap.ensure_llama_server()
     fake = fake_server_script(Path(tempfile.mkdtemp(prefix="spillway-bench-fake-")))
@@ -848,11 +851,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(REPO / "bench" / "results"))
     parser.add_argument("--only", choices=("idempotency", "hotpath"),
                         help="just this part (written to <out>/<part>.json and .md)")
+    parser.add_argument("--rounds", type=int, default=HOTPATH_ROUNDS,
+                        help="interleaved rounds of --only hotpath (each figure their median)")
     parser.add_argument("--baseline", metavar="REV",
                         help="also measure keyed throughput (and, with --only hotpath, the hot "
                              "path) with this git revision's code")
     args = parser.parse_args()
-    result = run(args.quick, args.only, args.baseline)
+    result = run(args.quick, args.only, args.baseline, args.rounds)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     name = args.only or "latest"
