@@ -18,9 +18,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from .clock import Clock
 from .policy import lifecycle
@@ -218,9 +218,9 @@ class Engine:
             self._waiting.cancel()
         self._waiting = None
 
-    def _wait_for(self, wait: object) -> None:
+    def _wait_for(self, wait: Coroutine[Any, Any, None]) -> None:
         self._cancel_wait()
-        self._waiting = asyncio.create_task(wait, name=f"lifecycle-{self.name}-wait")  # type: ignore[arg-type]
+        self._waiting = asyncio.create_task(wait, name=f"lifecycle-{self.name}-wait")
 
     async def _wake_at(self, at: float, after_s: float) -> None:
         await self._clock.wait(asyncio.Event(), after_s)
