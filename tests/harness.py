@@ -170,6 +170,15 @@ class Spillway:
     def child(self, name: str, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         return dict(self.status(headers)["children"][name])
 
+    def profiled(self, name: str, key: str = "ctx_per_slot",
+                 timeout: float = 10.0) -> dict[str, Any]:
+        """The child's status once its model's figures are known: they come from its /props,
+        asked for as it becomes READY, a moment after the status says READY."""
+        found = eventually(lambda: (c := self.child(name)).get(key) is not None and c,
+                           timeout=timeout)
+        assert found, f"the {name} child's {key} is still unknown after {timeout} s"
+        return dict(found)
+
     def tasks_started(self, headers: Mapping[str, str] | None = None) -> int:
         """Executions on both children, as the children count them (`launch_slot_` lines)."""
         return sum(c["tasks_started"] for c in self.status(headers)["children"].values())

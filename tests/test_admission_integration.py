@@ -36,7 +36,8 @@ async def test_thirty_two_concurrent_requests_never_put_more_than_the_cap_on_a_c
                       gpu={"max_concurrency": 2}, cpu={"max_concurrency": 2},
                       queue={"max_waiting": 64, "max_wait_s": 300})
     s = spillway(cfg)
-    assert s.child("gpu")["slots"] == 4 and s.child("gpu")["cap"] == 2
+    gpu = s.profiled("gpu", "slots")
+    assert gpu["slots"] == 4 and gpu["cap"] == 2
     peak = {"gpu": 0, "cpu": 0}
     done = asyncio.Event()
 
@@ -74,7 +75,7 @@ async def test_a_prompt_over_the_gpu_childs_context_never_reaches_it(
                       model={"args": ["-c", "1024", "-np", "2", "-t", "1", "-tb", "1"]},
                       cpu={"args": ["--device", "none", "-ngl", "0", "-c", "4096"]})
     s = spillway(cfg)
-    assert s.child("gpu")["ctx_per_slot"] == 512 and s.child("cpu")["ctx_per_slot"] == 2048
+    assert s.profiled("gpu")["ctx_per_slot"] == 512 and s.profiled("cpu")["ctx_per_slot"] == 2048
     before = tasks(s)
     async with aiohttp.ClientSession() as http:
         # About a thousand tokens, as this model's tokenizer counts them.

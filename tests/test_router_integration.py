@@ -78,6 +78,8 @@ async def test_router_mode_serves_each_model_and_lists_them_once(
                 listing = await r.json()
             ids = [m["id"] for m in listing["data"]]
             assert sorted(ids) == ["alpha", "beta"], listing  # one list, each model once
+    # alpha's figures come from /props?model=alpha, asked for as it became READY.
+    assert eventually(lambda: s.child("gpu")["models"]["alpha"]["ctx_per_slot"] is not None)
     gpu_models = s.child("gpu")["models"]
     assert gpu_models["alpha"]["state"] == "READY" and gpu_models["beta"]["state"] == "READY"
     assert gpu_models["alpha"]["ctx_per_slot"] == 1024  # /props?model=alpha: -c 2048 -np 2
