@@ -172,7 +172,6 @@ class Child(LifeReader):
         self.host = "127.0.0.1"  # every child listens on loopback only
         self.port: int | None = None
         self.api_key: str = ""
-        self.restarts = 0
         self.last_exit: ExitRecord | None = None
         self.started_at: float | None = None  # monotonic, of the current process
         self.ready_at: float | None = None
@@ -202,6 +201,11 @@ class Child(LifeReader):
     @property
     def state(self) -> ChildState:
         return self.engine.life.state
+
+    @property
+    def restarts(self) -> int:
+        """Starts after the first (each start is a new generation)."""
+        return max(self.generation - 1, 0)
 
     @property
     def base_url(self) -> str:
@@ -361,8 +365,6 @@ class Child(LifeReader):
                 log.exception("state listener failed")
 
     def launch(self, generation: int, reason: str) -> None:
-        if generation > 1:
-            self.restarts += 1
         loop = asyncio.get_running_loop()
         self._exits = {g: f for g, f in self._exits.items() if g >= generation - 4}
         self._exits[generation] = loop.create_future()
@@ -585,11 +587,10 @@ _PROBED = frozenset({ChildState.STARTING, ChildState.READY})
 
 def _ended(record: ExitRecord) -> lifecycle.Ended:
     """A process's end, as the lifecycle hears it."""
-    d = record.diagnosis
     return lifecycle.Ended(
         record.generation, record.planned,
         what=f"stopped ({describe_exit(record.returncode)})" if record.planned
         else f"{record.kind}: {record.evidence}",
         run_s=record.run_s, served=record.served,
-        signature=d.name if d is not None and d.signature.deterministic else None,
+        signature=record.signature,
         known_crash=record.known_crash or None, record=record)

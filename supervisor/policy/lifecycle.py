@@ -1,10 +1,11 @@
 """The lifecycle of an upstream: a child process, or a model's instance on a router child.
 
 Its states, the transitions allowed between them, the restart back-off, and `step`: what one
-event comes to, as a new state and the actions to carry out. Pure, and imports nothing of
-Spillway's: one owner task per upstream (engine.py) is the only writer of its state; it takes
-events from its inbox, asks `step`, and carries the actions out through the upstream's effects
-(children.py: processes; router/upstream.py: the router's load and unload).
+event comes to, as a new state and the actions to carry out. Pure (of Spillway it imports only
+the crash signatures' table, which counts a known crash's repeats). One owner task per upstream
+(engine.py) is the only writer of its state; it takes events from its inbox, asks `step`, and
+carries the actions out through the upstream's effects (children.py: processes;
+router/upstream.py: the router's load and unload).
 
     STOPPED -> STARTING -> READY -> DRAINING -> STOPPING -> STOPPED
     STARTING|READY|DRAINING|STOPPING -> EXITED -> BACKOFF -> STARTING
@@ -22,6 +23,8 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
+
+from . import signatures
 
 
 class ChildState(enum.StrEnum):
@@ -319,8 +322,8 @@ class Ended:
     what: str  # "kind: evidence", or how a planned end went ("stopped (exited with code 0)")
     run_s: float = 0.0
     served: bool = False  # it had started work on a request
-    signature: str | None = None  # a known crash signature that repeats the same way on
-    # every start (signatures.py's deterministic ones): two in a row are FATAL
+    signature: str | None = None  # a known crash signature (signatures.py): a deterministic
+    # one twice in a row is FATAL
     known_crash: str | None = None  # its verdict and remedy, in a sentence
     record: object = None  # the upstream's own record of the end (exit_of's answer)
 
@@ -594,7 +597,7 @@ def _ended(t: _Turn, e: Ended) -> None:
         return
     then, stopping = t.life.then, t.life.state is S.STOPPING
     t.set(then=None, signatures=(*t.life.signatures, e.signature)[-SIGNATURES_KEPT:])
-    repeats = _repeats(t.life.signatures)
+    repeats = signatures.repeats(t.life.signatures)
     decision = after_exit(t.ctx.policy, t.life.loop.quick_failures, e.run_s, t.ctx.jitter(),
                           served=e.served, known_crash_repeats=repeats)
     # A good run (or a death while serving) ends the crash loop: its FATAL tries too.
@@ -622,19 +625,6 @@ def _ended(t: _Turn, e: Ended) -> None:
         t.restart_now(then)  # cut short (a drain's restart is not asked for: it backs off)
     else:
         t.wait(wait_s)
-
-
-def _repeats(signatures: tuple[str | None, ...]) -> int:
-    """How many unplanned ends in a row, the newest included, had the newest's known crash
-    signature (0 when it had none): signatures.repeats, on the Life's own memory."""
-    if not signatures or signatures[-1] is None:
-        return 0
-    n = 0
-    for name in reversed(signatures):
-        if name != signatures[-1]:
-            break
-        n += 1
-    return n
 
 
 def _idle(t: _Turn, e: Idle) -> None:
