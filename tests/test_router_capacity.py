@@ -136,8 +136,7 @@ async def test_models_max_unloads_an_idle_model_first_and_refuses_when_all_are_b
     assert routers.loader.unloads == ["a"]
     routers.models["a"]["gpu"].heard_exit(1)  # the unload, reported as status 1
     await told(routers.models["a"]["gpu"])
-    for _ in range(5):
-        await asyncio.sleep(0)
+    await asyncio.wait_for(routers.models["c"]["gpu"].wait_state(S.STARTING), 5)  # `a` gone
     await told(routers.models["c"]["gpu"])
     assert routers.models["c"]["gpu"].state is S.STARTING and routers.loader.loads == ["c"]
     assert routers.models["a"]["gpu"].failures == 0

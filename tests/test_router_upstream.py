@@ -95,10 +95,15 @@ def make(vram: VramSample | None = None) -> tuple[ModelUpstream, FakeRouter, Fak
 
 
 async def told(upstream: ModelUpstream) -> None:
-    """Until the owner has taken every event posted so far, and what they started has run."""
-    await upstream.engine.taken()
-    for _ in range(5):
-        await asyncio.sleep(0)
+    """Until the owner has taken every event posted so far, and the tasks they started (a
+    load's or an unload's ask, on the fake loader that answers at once) are done and their
+    answers taken too."""
+    while True:
+        await upstream.engine.taken()
+        pending = [t for t in upstream._tasks if not t.done()]
+        if not pending:
+            return
+        await asyncio.wait(pending)
 
 
 async def loaded(upstream: ModelUpstream, port: int = 5001) -> None:
