@@ -119,7 +119,7 @@ async def exited(upstream: ModelUpstream, status: int) -> None:
 
 async def settle(clock: FakeClock, seconds: float = 0.0) -> None:
     await clock.sleep(seconds)
-    for _ in range(10):
+    for _ in range(5):
         await asyncio.sleep(0)
 
 
