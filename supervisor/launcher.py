@@ -23,6 +23,7 @@ import ctypes.util
 import os
 import signal
 import socket
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
@@ -67,14 +68,28 @@ class Launcher(Protocol):
         ...
 
 
-def pick_port(avoid: int | None = None) -> int:
-    """A free loopback port (never `avoid`). The child may lose a race for it; it then exits
-    and is restarted with another one."""
+def free_port() -> int:
+    """A loopback port the kernel says is free now (it may hand the same one out again)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# The ports handed out lately, newest last. Two children start at the same moment and each
+# binds its port only once its process runs; the kernel can give the same free port to both
+# asks in between. The one that then loses the bind exits, but meanwhile its /health probe is
+# answered by the other child on the same port, and it would be taken for READY (seen once in
+# CI: requests for the GPU child reached the CPU child with the wrong key, and got 401).
+_RECENT_PORTS: deque[int] = deque(maxlen=32)
+
+
+def pick_port(avoid: int | None = None, probe: Callable[[], int] = free_port) -> int:
+    """A free loopback port, never `avoid` and never one handed out lately. A process outside
+    Spillway may still take it first: the child then exits and is restarted with another."""
     while True:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port != avoid:
+        port = probe()
+        if port != avoid and port not in _RECENT_PORTS:
+            _RECENT_PORTS.append(port)
             return port
 
 

@@ -167,6 +167,17 @@ async def test_the_key_travels_in_the_environment_and_each_start_gets_a_new_port
         assert env2["GGML_NO_BACKTRACE"] == "1"
 
 
+def test_two_children_starting_together_never_get_the_same_port() -> None:
+    # The kernel may say the same port is free to two asks in a row (nothing bound it in
+    # between): the second child must not be given it.
+    answers = iter([41001, 41001, 41001, 41002, 41001, 41003])
+    first = real_pick_port(probe=lambda: next(answers))
+    second = real_pick_port(probe=lambda: next(answers))
+    assert (first, second) == (41001, 41002)
+    with pytest.raises(StopIteration):  # 41001 (given) and 41003 (avoided): none it may give
+        real_pick_port(avoid=41003, probe=lambda: next(answers))
+
+
 # --- STARTING -> EXITED -> BACKOFF -> STARTING, and FATAL -----------------------------------
 
 
