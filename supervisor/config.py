@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import llama_args, models_dir
+from .policy.browser import normal_origin, valid_host_entry
 from .policy.lifecycle import DRAIN_TIMEOUT_S
 from .vocabulary import ROLES
 
@@ -118,6 +119,22 @@ def _one_of(*choices: str) -> Check:
     return check
 
 
+def _host_names(v: Any) -> str | None:
+    """server.allowed_hosts: names, addresses, ".suffix" entries, or "*"."""
+    bad = [n for n in v if not valid_host_entry(n)]
+    return None if not bad else (
+        f"{bad[0]!r} is not a host name or address (a name, an address, \".example.lan\" for "
+        "every name under it, or \"*\" for any; no port, no scheme)")
+
+
+def _origins(v: Any) -> str | None:
+    """server.allowed_origins: "scheme://host[:port]" each."""
+    bad = [o for o in v if normal_origin(o) is None]
+    return None if not bad else (
+        f"{bad[0]!r} is not an origin: write it as the browser sends it, "
+        "\"http://host:port\" (no path; \"*\" is not allowed)")
+
+
 def _mib(value: float) -> int:
     return int(float(value) * 1024 * 1024)
 
@@ -206,6 +223,11 @@ class ServerConfig:
     drain_timeout_s: float = field(metadata=key("number", 30.0, check=_non_negative))
     idle_timeout_s: float = field(metadata=key("number", 15.0, check=_positive))
     body_timeout_s: float = field(metadata=key("number", 30.0, check=_positive))
+    # Names Spillway's own routes answer to beside the listen addresses, localhost and loopback
+    # (the DNS-rebinding guard): "spillway.lan", ".lan" (every name under it), "*" (any).
+    allowed_hosts: tuple[str, ...] = field(metadata=key("str_list", [], check=_host_names))
+    # Web pages (origins) that may use the routes that change something, beside Spillway's own.
+    allowed_origins: tuple[str, ...] = field(metadata=key("str_list", [], check=_origins))
     log_level: str = field(metadata=key("str", "info",
                                         check=_one_of("debug", "info", "warning", "error")))
     access_log: bool = field(metadata=key("bool", True))

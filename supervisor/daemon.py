@@ -38,6 +38,7 @@ from .metrics import Metrics
 from .policy.lifecycle import ChildState
 from .own_routes import OwnRoutes, status_line
 from .policy.balancer import agent_reply
+from .policy.browser import BrowserRules
 from .pool import Pool
 from .proxy.app import build_app
 from .proxy.auth import AuthSettings
@@ -69,7 +70,8 @@ def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, Prox
     proxy holds them), so whatever is set here is applied live."""
     s, f = config.server, config.failover
     return (
-        AuthSettings(api_key=s.api_key),
+        AuthSettings(api_key=s.api_key, browser=BrowserRules.build(
+            (a.host for a in s.listen), s.allowed_hosts, s.allowed_origins)),
         ForwardSettings(read_timeout_s=s.read_timeout_s, connect_timeout_s=s.connect_timeout_s,
                         stream_hold_s=f.stream_hold_s),
         ProxySettings(max_body_bytes=s.max_body_bytes,
@@ -134,6 +136,7 @@ class Daemon:
         self.mode: Mode | None = None  # single model or router (modes.py), built once
         self.proxy: ProxyHandler | None = None
         self.operator: Operator | None = None  # spillway gpu restart|drain|pause|resume
+        self.routes: OwnRoutes | None = None  # /spillway/*, and the drill's window
         self.metrics = Metrics()
         self.notifier = Notifier()
         self.reloader: Reloader | None = None
@@ -262,6 +265,8 @@ class Daemon:
             self._recover_gpu()
             if self.mode is not None:
                 self.mode.tick()  # idle CPU work stopped; router mode: each model's too
+            if self.routes is not None:
+                self.routes.tick()  # a drill gone silent is over, and disarmed
             if self.pool is not None:
                 self.pool.dispatch()
             self.sample_metrics()
@@ -390,6 +395,9 @@ class Daemon:
         if "gpu.device" in changes:
             new = dataclasses.replace(new, gpu=dataclasses.replace(new.gpu,
                                                                    device=self.config.gpu.device))
+        if "server.listen" in changes:  # the addresses listened on, until the restart
+            new = dataclasses.replace(new, server=dataclasses.replace(
+                new.server, listen=self.config.server.listen))
         return new
 
     def _apply_to_children(self, new: Config) -> None:
@@ -442,12 +450,13 @@ class Daemon:
                                   self.idempotency, self.metrics, self.streams)
         self.metrics.track_streams(self.streams)
         self.operator = Operator(self.children["gpu"], self.res.paused, self.models)
-        routes = OwnRoutes(self, started=self.started, children=self.children,
+        self.routes = routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
                            models=self.models, operator=self.operator, streams=self.streams)
         app = build_app(self.proxy, self.auth, routes.table(),
-                        StreamRoutes(self.streams, self.metrics, time.time).table())
+                        StreamRoutes(self.streams, self.metrics, time.time).table(),
+                        on_refused=lambda reason: self.metrics.rejections.labels(reason).inc())
         # In-flight requests are drained by _shutdown itself (the drain timeout can change on
         # reload); the runner's own wait is only for stragglers after that.
         # keepalive_timeout also bounds a client that never finishes its headers: aiohttp

@@ -22,6 +22,7 @@ from aiohttp import web
 from . import __version__
 from .children import Child
 from .config import Config
+from .drill_window import DrillWindow
 from .gpu import MIB, GpuMonitor
 from .incidents import IncidentLog
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -32,11 +33,15 @@ from .pool import Pool
 from .policy.balancer import MachineHealth
 from .policy.evidence import FailureKind
 from .policy.lifecycle import ChildState
+from .proxy import errors
 from .proxy.app import OwnRoute, json_response
+from .proxy.identity import request_id_of
 from .resources import Resources
 from .router.models import RouterModels
 from .status_page import StatusPage
 
+# The header the drill shows its token in (drill_window.py).
+DRILL_HEADER = "X-Spillway-Drill"
 
 
 class Host(Protocol):
@@ -102,7 +107,8 @@ class OwnRoutes:
                  resources: Resources, pool: Pool, monitor: GpuMonitor, incidents: IncidentLog,
                  metrics: Metrics, timeline: Iterable[dict[str, Any]],
                  models: RouterModels | None = None, operator: Operator | None = None,
-                 streams: StreamSessions | None = None) -> None:
+                 streams: StreamSessions | None = None,
+                 drill: DrillWindow | None = None) -> None:
         self.host = host
         self.models = models  # router mode: every model on both routers
         self.started = started  # time.monotonic() when the daemon began
@@ -115,6 +121,7 @@ class OwnRoutes:
         self.timeline = timeline  # child state changes with wall-clock times, for the drill
         self.operator = operator or Operator(children["gpu"], resources.paused, models)
         self.streams = streams  # resumable streams' replay buffers
+        self.drill = drill or DrillWindow()  # arming answers only while a drill runs
 
     def table(self) -> dict[tuple[str, str], OwnRoute]:
         """(method, path) -> handler, for `build_app`."""
@@ -126,7 +133,9 @@ class OwnRoutes:
             ("GET", "/spillway/metrics"): self.metrics_route,
             ("GET", "/spillway/timeline"): self.timeline_route,
             ("GET", "/spillway/gpu/history"): self.gpu_history_route,
+            ("POST", "/spillway/drill/start"): self.drill_start,
             ("POST", "/spillway/drill/arm"): self.drill_arm,
+            ("POST", "/spillway/drill/end"): self.drill_end,
         }
         for action in ACTIONS:
             routes[("POST", f"/spillway/gpu/{action}")] = self._gpu_action(action)
@@ -170,6 +179,7 @@ class OwnRoutes:
             "router": self.models is not None,
             "models": self.models.listing() if self.models is not None else None,
             "streams": self.streams.summary() if self.streams is not None else None,
+            "drill": self.drill.to_json(),
         }
 
     def machine_health(self) -> MachineHealth:
@@ -264,40 +274,88 @@ class OwnRoutes:
                               "step_s": chart.step_s, "note": self.monitor.note,
                               "points": [p.to_json() for p in points]})
 
+    # --- the drill: its window, and the arm -------------------------------------------------
+
+    async def drill_start(self, request: web.Request) -> web.StreamResponse:
+        """`spillway drill` begins: its token, which every arm and the end must show."""
+        token = self.drill.open()
+        if token is None:
+            return errors.json_error(409, "invalid_request_error",
+                                     "a drill is already running: wait for it to end (or "
+                                     f"for {self.drill.idle_s:.0f} s without an arm)",
+                                     request_id_of(request), drill=self.drill.to_json())
+        return json_response({"drill": token, "idle_timeout_s": self.drill.idle_s})
+
+    async def drill_end(self, request: web.Request) -> web.StreamResponse:
+        if (refused := self._drill_refusal(request)) is not None:
+            return refused
+        self.disarm_all()
+        self.drill.close()
+        return json_response({"ended": True})
+
+    def tick(self) -> None:
+        """On the daemon's clock: a drill that went silent is over, and disarmed."""
+        if self.drill.expired():
+            self.disarm_all()
+
+    def disarm_all(self) -> None:
+        self.children["gpu"].arm(None)
+        for entry in (self.models.entries.values() if self.models is not None else ()):
+            entry.upstreams["gpu"].arm(None)
+
+    def _drill_refusal(self, request: web.Request) -> web.StreamResponse | None:
+        """None when the request carries the running drill's token."""
+        if self.drill.admits(request.headers.get(DRILL_HEADER)):
+            return None
+        if not self.drill.running:
+            return errors.json_error(409, "invalid_request_error",
+                                     "no drill is running: arming kills the GPU child, so it "
+                                     "answers only inside `spillway drill`",
+                                     request_id_of(request))
+        return errors.json_error(403, "permission_error",
+                                 f"a drill is running, and this request does not carry its "
+                                 f"token ({DRILL_HEADER})", request_id_of(request))
+
     async def drill_arm(self, request: web.Request) -> web.StreamResponse:
         """The drill without a GPU: SIGABRT to the GPU child as its next task launches, or
-        at once (`"now": true`, for a death in the middle of an answer)."""
+        at once (`"now": true`, for a death in the middle of an answer). Only inside a drill."""
+        if (refused := self._drill_refusal(request)) is not None:
+            return refused
         try:
             body = await request.json()
         except ValueError:
             body = {}
-        disarm = isinstance(body, dict) and body.get("disarm") is True
-        now = isinstance(body, dict) and body.get("now") is True
-        model = body.get("model") if isinstance(body, dict) else None
-        if model is not None:
-            # Router mode: the model's instance on the GPU router, not the router itself.
-            entry = self.models.find(str(model)) if self.models is not None else None
-            if entry is None:
-                return json_response({"error": f"no model {model!r} on the routers"}, 404)
-            if now:
-                sent = entry.upstreams["gpu"].signal_now(signal.SIGABRT)
-                return json_response({"sent": sent, "child": "gpu", "model": entry.name,
-                                      "signal": "SIGABRT"}, 200 if sent else 409)
-            when = body.get("when", "task")
-            if when not in ("task", "neighbour_load"):
-                return json_response({"error": "when: 'task' (its next task launches) or "
-                                               "'neighbour_load' (another model loads)"}, 400)
-            entry.upstreams["gpu"].arm(None if disarm else signal.SIGABRT,
-                                       on_neighbour_load=when == "neighbour_load")
-            return json_response({"armed": not disarm, "child": "gpu", "model": entry.name,
-                                  "signal": "SIGABRT", "when": when})
-        if now:
+        if not isinstance(body, dict):
+            body = {}
+        if body.get("model") is not None:
+            return self._arm_model(str(body["model"]), body)
+        if body.get("now") is True:
             # In the middle of an answer (scenario 7): at once, not at the next task.
             sent = self.children["gpu"].signal_now(signal.SIGABRT)
             return json_response({"sent": sent, "child": "gpu", "signal": "SIGABRT"},
                                  200 if sent else 409)
+        disarm = body.get("disarm") is True
         self.children["gpu"].arm(None if disarm else signal.SIGABRT)
         return json_response({"armed": not disarm, "child": "gpu", "signal": "SIGABRT"})
+
+    def _arm_model(self, model: str, body: dict[str, Any]) -> web.StreamResponse:
+        """Router mode: the model's instance on the GPU router, not the router itself."""
+        entry = self.models.find(model) if self.models is not None else None
+        if entry is None:
+            return json_response({"error": f"no model {model!r} on the routers"}, 404)
+        if body.get("now") is True:
+            sent = entry.upstreams["gpu"].signal_now(signal.SIGABRT)
+            return json_response({"sent": sent, "child": "gpu", "model": entry.name,
+                                  "signal": "SIGABRT"}, 200 if sent else 409)
+        when = body.get("when", "task")
+        if when not in ("task", "neighbour_load"):
+            return json_response({"error": "when: 'task' (its next task launches) or "
+                                           "'neighbour_load' (another model loads)"}, 400)
+        disarm = body.get("disarm") is True
+        entry.upstreams["gpu"].arm(None if disarm else signal.SIGABRT,
+                                   on_neighbour_load=when == "neighbour_load")
+        return json_response({"armed": not disarm, "child": "gpu", "model": entry.name,
+                              "signal": "SIGABRT", "when": when})
 
     def _gpu_action(self, action: str) -> OwnRoute:
         async def act(request: web.Request) -> web.StreamResponse:

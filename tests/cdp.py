@@ -203,14 +203,15 @@ class Browser:
 
     @staticmethod
     @contextlib.asynccontextmanager
-    async def launch(chromium: Path, folder: Path, timeout: float = 30.0
-                     ) -> AsyncIterator[Page]:
+    async def launch(chromium: Path, folder: Path, timeout: float = 30.0,
+                     flags: tuple[str, ...] = ()) -> AsyncIterator[Page]:
+        """`flags`: more of Chromium's own, e.g. `--host-resolver-rules=MAP name 127.0.0.1`."""
         profile = folder / "chromium-profile"
         profile.mkdir(parents=True, exist_ok=True)
         # A port file left by an earlier run in the same folder would point at no browser.
         (profile / "DevToolsActivePort").unlink(missing_ok=True)
         proc = await asyncio.create_subprocess_exec(
-            str(chromium), *FLAGS, f"--user-data-dir={profile}", "about:blank",
+            str(chromium), *FLAGS, *flags, f"--user-data-dir={profile}", "about:blank",
             stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
         try:
             async with aiohttp.ClientSession() as session:

@@ -112,6 +112,7 @@ class Spillway:
         self.env["PYTHONPATH"] = os.pathsep.join(paths)
         self.proc: subprocess.Popen[bytes] | None = None
         self.known_child_pids: set[int] = set()
+        self.drill_token: str | None = None  # arm(): the drill window this test opened
 
     @property
     def url(self) -> str:
@@ -158,6 +159,16 @@ class Spillway:
             return status, json.loads(raw)
         except ValueError:
             return status, raw.decode(errors="replace")
+
+    def arm(self, body: Any, headers: Mapping[str, str] | None = None) -> tuple[int, Any]:
+        """`/spillway/drill/arm` as `spillway drill` sends it: inside a drill's window (opened
+        here on first use, with its token kept for the next arms)."""
+        if self.drill_token is None:
+            code, opened = self.post("/spillway/drill/start", {}, headers)
+            assert code == 200, (code, opened)
+            self.drill_token = str(opened["drill"])
+        return self.post("/spillway/drill/arm", body,
+                         {**dict(headers or {}), "X-Spillway-Drill": self.drill_token})
 
     def status(self, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         code, body = self.get("/spillway/status", headers)

@@ -77,7 +77,7 @@ def still_serving(s: Spillway) -> None:
 
 def request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None,
             version: str = "1.1") -> bytes:
-    lines = [f"{method} {path} HTTP/{version}", "Host: spillway"]
+    lines = [f"{method} {path} HTTP/{version}", "Host: localhost"]
     for k, v in (headers or {}).items():
         lines.append(f"{k}: {v}")
     if body and not any(k.lower() in ("content-length", "transfer-encoding")

@@ -73,6 +73,7 @@ def test_the_route_table_is_spillways_routes(tmp_path: Path) -> None:
         ("GET", "/spillway/health"), ("GET", "/spillway/ready"), ("GET", "/spillway/status"),
         ("GET", "/spillway/incidents"), ("GET", "/spillway/metrics"),
         ("GET", "/spillway/timeline"), ("POST", "/spillway/drill/arm"),
+        ("POST", "/spillway/drill/start"), ("POST", "/spillway/drill/end"),
         ("POST", "/spillway/gpu/restart"), ("POST", "/spillway/gpu/drain"),
         ("POST", "/spillway/gpu/pause"), ("POST", "/spillway/gpu/resume"),
         ("GET", "/spillway/gpu/history"),
@@ -162,10 +163,13 @@ async def test_metrics_are_sampled_first(tmp_path: Path) -> None:
 
 async def test_the_drill_arm_and_a_gpu_drain_of_a_stopped_child(
         client: TestClient[web.Request, web.Application]) -> None:
-    body = await (await client.post("/spillway/drill/arm", json={"disarm": True})).json()
+    token = (await (await client.post("/spillway/drill/start")).json())["drill"]
+    drill = {"X-Spillway-Drill": token}
+    body = await (await client.post("/spillway/drill/arm", json={"disarm": True},
+                                    headers=drill)).json()
     assert body == {"armed": False, "child": "gpu", "signal": "SIGABRT"}
     # At once, mid-answer (scenario 7): nothing runs, so nothing is sent, and it says so.
-    resp = await client.post("/spillway/drill/arm", json={"now": True})
+    resp = await client.post("/spillway/drill/arm", json={"now": True}, headers=drill)
     assert resp.status == 409
     assert await resp.json() == {"sent": False, "child": "gpu", "signal": "SIGABRT"}
     body = await (await client.post("/spillway/gpu/drain")).json()

@@ -152,7 +152,7 @@ async def test_an_instance_death_replays_on_the_cpu_router_for_the_same_model(
         for model in ("alpha", "beta"):  # both loaded on the GPU router
             assert (await post(http, s, chat(model)))[0] == 200
         victim = s.child("gpu")["models"]["alpha"]["pid"]
-        code, armed = s.post("/spillway/drill/arm", {"model": "alpha"})
+        code, armed = s.arm({"model": "alpha"})
         assert code == 200 and armed["model"] == "alpha", armed
         rid = f"router-death-{'stream' if stream else 'whole'}"
         async with http.post(f"{s.url}/v1/chat/completions",
@@ -247,7 +247,7 @@ async def test_a_second_model_loading_kills_the_first_ones_instance_and_its_work
     s = spillway(router_config(llama_server, models_dir))
     async with aiohttp.ClientSession() as http:
         assert (await post(http, s, chat("alpha")))[0] == 200
-        code, armed = s.post("/spillway/drill/arm", {"model": "alpha", "when": "neighbour_load"})
+        code, armed = s.arm({"model": "alpha", "when": "neighbour_load"})
         assert code == 200 and armed["when"] == "neighbour_load", armed
         running = asyncio.create_task(post(http, s, chat(
             "alpha", "a long answer", max_tokens=6000, ignore_eos=True)))

@@ -227,7 +227,7 @@ async def test_the_page_renders_and_follows_the_daemon_without_a_reload(
     s, nvml = await asyncio.to_thread(daemon, spillway, llama_server, tiny_model, tmp_path)
     on_the_card(nvml, s, free_mib=19800)
     # An incident for the incidents pane: the GPU child dies as the request's task launches.
-    assert s.post("/spillway/drill/arm", {})[0] == 200
+    assert s.arm({})[0] == 200
     code, _ = await asyncio.to_thread(s.post, "/v1/chat/completions", CHAT)
     assert code == 200
     [incident] = await asyncio.to_thread(s.wait_incidents, 1)

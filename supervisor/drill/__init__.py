@@ -133,54 +133,66 @@ async def run(target: Target, how: str = "auto", only: tuple[int, ...] = ALL,
         if client.model is not None:
             status = await _loaded_on_gpu(client, client.model)
             model_path = model_path or model_info(status, "gpu", client.model).get("file")
-        provoker = await provoke.choose(client, status, how, model_path, binary)
-        gpu = status.get("gpu")
-        say(f"spillway drill against {target.url}: {provoker.description}")
-        if client.model is not None:
-            say(f"router mode: every request is for model {client.model}"
-                f"{f'; the second model is {second}' if second else ''}")
-        if provoker.simulated:
-            say("no GPU failure will be real: every result below is labelled SIMULATED")
-        # A prompt long enough to be "over the profile", yet one the CPU child can take.
-        ctx = _slot_context(status, client.model)
-        tokens = prompt_tokens or max(32, min(int(ctx * 0.6), 24000))
-        drill = Drill(client, provoker, say, tokens, second_model=second)
-        if not await client.wait_state("gpu", ("READY",), 120, client.model):
-            raise RuntimeError("the GPU child is not ready; the drill needs it up")
-        started = time.time()
-        drilled = [m for m in (client.model, second) if m is not None]
-        initial = _lane_states(await client.status(), drilled) if drilled else {}
-        results = await _scenarios(drill, only)
-        ran = [r for r in results if r.skipped is None]
-        await drill.attach_incidents(ran)
-        for r in results:
-            if r.skipped is not None:
-                say(f"  [{r.number}] SKIPPED: {r.skipped}")
-                continue
-            judge(r)
-            say(f"  [{r.number}] {'PASS' if r.passed else 'FAIL'}: {r.verdict}")
-        ended = time.time()
-        timeline = await client.get(f"/spillway/timeline?since={started - 600:.3f}")
-        return {
-            "spillway": status.get("version", __version__),
-            "url": target.url,
-            "date": rfc3339(started),
-            "mode": "simulated (no GPU)" if provoker.simulated else "real GPU",
-            "simulated": provoker.simulated,
-            "provoked_by": provoker.description,
-            "prompt_tokens": tokens,
-            "router": client.model is not None,
-            "model": client.model,
-            "second_model": second,
-            "machine": {"host": socket.gethostname(), "cpu": _cpu_name(),
-                        "gpu": f"{gpu['name']} ({gpu['total_mib']} MiB)" if gpu else
-                        f"none ({status.get('gpu_note')})"},
-            "passed": all(r.passed for r in ran),
-            "scenarios": [r.to_json() for r in ran],
-            "skipped": [r.skip_json() for r in results if r.skipped is not None],
-            "timeline": {"start": started, "end": ended, "events": timeline["events"],
-                         "models": drilled, "initial": initial},
-        }
+        await client.begin()  # the daemon's drill window: arming answers only inside it
+        try:
+            return await _drill(client, status, how, only, prompt_tokens, model_path, binary,
+                                second)
+        finally:
+            await client.end()
+
+
+async def _drill(client: DrillClient, status: dict[str, Any], how: str, only: tuple[int, ...],
+                 prompt_tokens: int | None, model_path: str | None, binary: str | None,
+                 second: str | None) -> dict[str, Any]:
+    """The drill inside its window: the scenarios, their verdicts and the report's data."""
+    provoker = await provoke.choose(client, status, how, model_path, binary)
+    gpu = status.get("gpu")
+    say(f"spillway drill against {client.target.url}: {provoker.description}")
+    if client.model is not None:
+        say(f"router mode: every request is for model {client.model}"
+            f"{f'; the second model is {second}' if second else ''}")
+    if provoker.simulated:
+        say("no GPU failure will be real: every result below is labelled SIMULATED")
+    # A prompt long enough to be "over the profile", yet one the CPU child can take.
+    ctx = _slot_context(status, client.model)
+    tokens = prompt_tokens or max(32, min(int(ctx * 0.6), 24000))
+    drill = Drill(client, provoker, say, tokens, second_model=second)
+    if not await client.wait_state("gpu", ("READY",), 120, client.model):
+        raise RuntimeError("the GPU child is not ready; the drill needs it up")
+    started = time.time()
+    drilled = [m for m in (client.model, second) if m is not None]
+    initial = _lane_states(await client.status(), drilled) if drilled else {}
+    results = await _scenarios(drill, only)
+    ran = [r for r in results if r.skipped is None]
+    await drill.attach_incidents(ran)
+    for r in results:
+        if r.skipped is not None:
+            say(f"  [{r.number}] SKIPPED: {r.skipped}")
+            continue
+        judge(r)
+        say(f"  [{r.number}] {'PASS' if r.passed else 'FAIL'}: {r.verdict}")
+    ended = time.time()
+    timeline = await client.get(f"/spillway/timeline?since={started - 600:.3f}")
+    return {
+        "spillway": status.get("version", __version__),
+        "url": client.target.url,
+        "date": rfc3339(started),
+        "mode": "simulated (no GPU)" if provoker.simulated else "real GPU",
+        "simulated": provoker.simulated,
+        "provoked_by": provoker.description,
+        "prompt_tokens": tokens,
+        "router": client.model is not None,
+        "model": client.model,
+        "second_model": second,
+        "machine": {"host": socket.gethostname(), "cpu": _cpu_name(),
+                    "gpu": f"{gpu['name']} ({gpu['total_mib']} MiB)" if gpu else
+                    f"none ({status.get('gpu_note')})"},
+        "passed": all(r.passed for r in ran),
+        "scenarios": [r.to_json() for r in ran],
+        "skipped": [r.skip_json() for r in results if r.skipped is not None],
+        "timeline": {"start": started, "end": ended, "events": timeline["events"],
+                     "models": drilled, "initial": initial},
+    }
 
 
 def write(result: dict[str, Any], out: Path) -> tuple[Path, Path]:

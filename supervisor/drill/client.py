@@ -90,6 +90,7 @@ class DrillClient:
     session: aiohttp.ClientSession
     sent: list[Sent] = field(default_factory=list)
     model: str | None = None  # router mode: every request names it
+    drill_token: str | None = None  # the daemon's window for this drill (begin, end)
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -107,6 +108,34 @@ class DrillClient:
         async with self.session.post(self.target.url + path, data=json.dumps(body),
                                      headers=self._headers()) as r:
             return await r.json()
+
+    async def begin(self) -> None:
+        """Open the daemon's drill window: arming answers only inside it."""
+        async with self.session.post(self.target.url + "/spillway/drill/start", data="{}",
+                                     headers=self._headers()) as r:
+            answer = await r.json()
+            if r.status != 200:
+                raise RuntimeError("Spillway refused to start a drill: "
+                                   f"{answer.get('error', {}).get('message', answer)}")
+        self.drill_token = str(answer["drill"])
+
+    async def arm(self, body: dict[str, Any]) -> Any:
+        """`/spillway/drill/arm` with the drill's token (the window must be open)."""
+        async with self.session.post(self.target.url + "/spillway/drill/arm",
+                                     data=json.dumps(body),
+                                     headers=self._headers(self._drill_header())) as r:
+            return await r.json()
+
+    async def end(self) -> None:
+        """Close the window (the daemon disarms what is armed); once."""
+        if self.drill_token is None:
+            return
+        async with self.session.post(self.target.url + "/spillway/drill/end", data="{}",
+                                     headers=self._headers(self._drill_header())):
+            self.drill_token = None
+
+    def _drill_header(self) -> dict[str, str]:
+        return {"X-Spillway-Drill": self.drill_token} if self.drill_token else {}
 
     async def post(self, path: str, body: Any) -> tuple[int, str]:
         """(status, body text), whatever the answer is."""

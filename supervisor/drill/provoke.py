@@ -81,10 +81,10 @@ class SimulatedFailure:
         return {**body, **more}
 
     async def arm(self) -> None:
-        await self.client.post_json("/spillway/drill/arm", self._body())
+        await self.client.arm(self._body())
 
     async def after_failure(self) -> None:
-        await self.client.post_json("/spillway/drill/arm", self._body(disarm=True))
+        await self.client.arm(self._body(disarm=True))
 
     async def close(self) -> None:
         await self.after_failure()

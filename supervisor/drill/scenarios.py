@@ -268,7 +268,7 @@ class Drill:
             body["model"] = self.model
 
         async def stop_the_gpu() -> None:
-            answer = await self.client.post_json("/spillway/drill/arm", body)
+            answer = await self.client.arm(body)
             if not answer.get("sent"):
                 r.notes.append(f"the GPU child could not be stopped: {answer}")
 

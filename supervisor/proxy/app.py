@@ -10,6 +10,7 @@ from aiohttp import web
 
 from . import errors
 from .auth import AuthSettings, auth_middleware
+from .browser_guard import own_routes_guard
 from .handler import ProxyHandler
 from .identity import request_id_of
 
@@ -38,12 +39,15 @@ OwnRoute = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def build_app(proxy: ProxyHandler, auth: AuthSettings,
               own_routes: dict[tuple[str, str], OwnRoute],
-              answered_here: dict[tuple[str, str], OwnRoute] | None = None) -> web.Application:
+              answered_here: dict[tuple[str, str], OwnRoute] | None = None,
+              on_refused: Callable[[str], None] | None = None) -> web.Application:
     """`own_routes` maps (method, path under /spillway/) to a handler; `answered_here`, llama-
-    server routes that Spillway answers itself (the resumable streams' routes)."""
+    server routes that Spillway answers itself (the resumable streams' routes); `on_refused` is
+    told the reason of each request the browser checks refuse."""
     # The body limit is enforced by the proxy handler itself (it can change on reload); the
     # framework's own limit only applies to Spillway's small routes.
-    app = web.Application(middlewares=[auth_middleware(auth, header_budget)],
+    guard = own_routes_guard(lambda: auth.browser, on_refused)
+    app = web.Application(middlewares=[auth_middleware(auth, (header_budget,), (guard,))],
                           client_max_size=1024 * 1024,
                           handler_args={"max_field_size": 16384, "max_line_size": 16384})
     for (method, path), handler in own_routes.items():

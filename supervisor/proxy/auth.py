@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import hmac
 import re
-from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from aiohttp import web
 
+from ..policy.browser import BrowserRules
 from ..policy.routes import PUBLIC_PAGES, PUBLIC_ROUTES
 from . import errors
 from .identity import request_id_of
@@ -25,6 +26,8 @@ _UI_ASSET = re.compile(r"^/([\w.\-]+/)*[\w.\-]+\.(js|mjs|css|html|ico|svg|png|jp
 @dataclass
 class AuthSettings:
     api_key: str | None
+    # What Spillway's own routes take from a browser (proxy/browser_guard.py)
+    browser: BrowserRules = field(default_factory=BrowserRules)
 
 
 def _is_public(request: web.Request) -> bool:
@@ -54,31 +57,37 @@ def presented_key(request: web.Request) -> str | None:
     return None
 
 
-def auth_middleware(settings: AuthSettings,
-                    precheck: Callable[[web.Request], web.StreamResponse | None] | None = None
-                    ) -> Any:
-    """The key check; `precheck` (e.g. a header budget) runs first, in the same middleware,
-    since every layer costs on every request."""
+Precheck = Callable[[web.Request], web.StreamResponse | None]
+
+
+def auth_middleware(settings: AuthSettings, prechecks: Sequence[Precheck] = (),
+                    then: Sequence[Precheck] = ()) -> Any:
+    """The key check, in one middleware with the other checks, since every layer costs on
+    every request: `prechecks` (a header budget) run before it, `then` (the browser checks)
+    after it, for a request the key let through or that needs none."""
 
     @web.middleware
     async def check_key(request: web.Request,
                         handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
                         ) -> web.StreamResponse:
-        if precheck is not None and (refused := precheck(request)) is not None:
-            return refused
+        for precheck in prechecks:
+            if (refused := precheck(request)) is not None:
+                return refused
         key = settings.api_key
         if key is None:
             request[AUTHENTICATED] = True
-            return await handler(request)
-        if _is_public(request):
+        elif _is_public(request):
             # Open, but not trusted: forwarded without the child's key, so that a path that
             # looks public here and means something else to llama-server is refused there.
             request[AUTHENTICATED] = False
-            return await handler(request)
-        given = presented_key(request)
-        if given is None or not hmac.compare_digest(given.encode(), key.encode()):
-            return errors.authentication_error(request_id_of(request))
-        request[AUTHENTICATED] = True
+        else:
+            given = presented_key(request)
+            if given is None or not hmac.compare_digest(given.encode(), key.encode()):
+                return errors.authentication_error(request_id_of(request))
+            request[AUTHENTICATED] = True
+        for check in then:
+            if (refused := check(request)) is not None:
+                return refused
         return await handler(request)
 
     return check_key
