@@ -30,7 +30,7 @@ from test_own_routes import make_routes
 
 from conftest import SpillwayFactory
 from supervisor.gpu import MIB, GpuSample
-from supervisor.gpu_history import GpuHistory, MemoryPoint
+from supervisor.gpu.history import GpuHistory, MemoryPoint
 from supervisor.proxy.app import build_app
 from supervisor.proxy.auth import AuthSettings
 from supervisor.status_page import StatusPage, content_security_policy
