@@ -19,7 +19,13 @@ working tree), in a temporary worktree of its own:
   proxy's types was one), and the Protocol classes that describe an upstream;
 - vocabulary: how many modules define the role names ("gpu", "cpu") as a tuple of their own;
 - the daemon as the hub: its lines, its `if`s that ask for router mode, and the complexity of
-  the reload's and the operator's functions (WATCHED; "-" where a revision has none).
+  the reload's and the operator's functions (WATCHED; "-" where a revision has none);
+- the house (issue 28): the modules at the top of supervisor/, the folders, the import arrows
+  between units (a folder, or a module at the top) and the import statements behind them, the
+  cycles (among units, and among modules), the functions over complexity 10, and the role
+  names said as strings ("gpu", "cpu": the literals outside docstrings, and the modules that
+  say them). Imports under `if TYPE_CHECKING:` are left out of arrows and cycles (they do not
+  run).
 
     .venv/bin/python -m bench.structure [REV ...]   (WORKTREE names the working tree)
 
@@ -84,6 +90,101 @@ def _imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("supervisor"))
     return found
+
+
+def _runtime_imports(tree: ast.Module, module: str, is_package: bool) -> set[str]:
+    """The supervisor modules this one imports when it runs (not under TYPE_CHECKING), each
+    resolved to a module of the package where it names one (`from . import x`)."""
+    typing_only: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            typing_only.update(id(n) for n in ast.walk(node))
+    pruned = ast.Module(body=[n for n in tree.body if id(n) not in typing_only],
+                        type_ignores=[])
+    return _imports(pruned, module, is_package)
+
+
+def _unit(module: str) -> str:
+    """A folder (supervisor.proxy) or a module at the top (supervisor.daemon)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan's)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
+ROLE_NAMES = frozenset({"gpu", "cpu"})
+
+
+def _role_literals(tree: ast.Module) -> int:
+    """String constants that are a role's name, outside docstrings."""
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
+    return sum(isinstance(n, ast.Constant) and n.value in ROLE_NAMES and id(n) not in docs
+               for n in ast.walk(tree))
+
+
+def _house(package: Path, runtime: dict[str, set[str]],
+           role_literals: dict[str, int]) -> dict[str, Any]:
+    modules = set(runtime)
+    units: dict[str, set[str]] = {}
+    statements = 0
+    for module, targets in runtime.items():
+        for t in targets:
+            target = t if t in modules else t.rsplit(".", 1)[0]
+            if target not in modules or _unit(target) == _unit(module):
+                continue
+            units.setdefault(_unit(module), set()).add(_unit(target))
+            statements += 1
+    module_graph = {m: {t if t in modules else t.rsplit(".", 1)[0] for t in ts} - {m}
+                    for m, ts in runtime.items()}
+    top = sorted(p.stem for p in package.glob("*.py")
+                 if p.stem not in ("__init__", "__main__"))
+    return {
+        "top_level_modules": len(top),
+        "top_level_names": top,
+        "folders": sorted(p.name for p in package.iterdir()
+                          if p.is_dir() and (p / "__init__.py").exists()),
+        "unit_arrows": sum(len(v) for v in units.values()),
+        "cross_unit_imports": statements,
+        "unit_cycles": _cycles(units),
+        "module_cycles": _cycles(module_graph),
+        "role_literals": sum(role_literals.values()),
+        "modules_saying_roles": sorted(m for m, n in role_literals.items() if n),
+    }
 
 
 def _is_upstream_protocol(cls: ast.ClassDef) -> bool:
@@ -231,6 +332,8 @@ def measure(root: Path) -> dict[str, Any]:
     protocols: list[str] = []
     role_definitions: list[str] = []
     modules: dict[str, set[str]] = {}
+    runtime: dict[str, set[str]] = {}
+    role_literals: dict[str, int] = {}
     methods: dict[str, int] = {}
     found: dict[str, Any] = {"mode_branches": 0, "foreign_writes": 0, "instance_task_writes": 0,
                              "lifecycle_task_writes": 0, "transition_takers": []}
@@ -240,6 +343,8 @@ def measure(root: Path) -> dict[str, Any]:
         tree = ast.parse(text)
         module = _module_name(path, root)
         modules[module] = _imports(tree, module, path.name == "__init__.py")
+        runtime[module] = _runtime_imports(tree, module, path.name == "__init__.py")
+        role_literals[module.removeprefix("supervisor.")] = _role_literals(tree)
         methods.update(_methods(tree, module.removeprefix("supervisor.")))
         _module_figures(tree, module, found)
         for node in ast.walk(tree):
@@ -286,6 +391,7 @@ def measure(root: Path) -> dict[str, Any]:
         "modules_importing_proxy_from_outside": sorted(edges_into_proxy),
         "upstream_protocols": sorted(protocols),
         "modules_defining_roles": sorted(role_definitions),
+        **_house(package, runtime, role_literals),
     }
 
 
@@ -331,6 +437,16 @@ def main() -> None:
             names = ", ".join(x.removeprefix("supervisor.") for x in results[r][k])
             cells.append(f"{len(results[r][k])}: {names}")
         rows.append(f"| {k} | " + " | ".join(cells) + " |")
+    rows += ["", "The house (issue 28):", "", head, "|" + "---|" * (len(revs) + 1)]
+    for k in ("top_level_modules", "unit_arrows", "cross_unit_imports", "role_literals"):
+        rows.append(f"| {k} | " + " | ".join(str(results[r][k]) for r in revs) + " |")
+    for k in ("folders", "unit_cycles", "module_cycles", "modules_saying_roles"):
+        cells = [f"{len(results[r][k])}: " + "; ".join(
+            x if isinstance(x, str) else " <-> ".join(y.removeprefix("supervisor.") for y in x)
+            for x in results[r][k]).replace("supervisor.", "") for r in revs]
+        rows.append(f"| {k} | " + " | ".join(cells) + " |")
+    rows.append("| over_10 | " + " | ".join(str(len(results[r]["over_10"])) for r in revs)
+                + " |")
     text = "\n".join(rows)
     print(text)
     out = REPO / "bench" / "results"

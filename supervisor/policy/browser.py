@@ -89,19 +89,9 @@ def split_host(value: str) -> tuple[str, int | None] | None:
     value = value.strip()
     if not value or any(c in value for c in "/\\@ \t?#"):
         return None
-    port: int | None = None
     if value.startswith("["):
-        end = value.find("]")
-        if end < 0:
-            return None
-        host, rest = value[1:end], value[end + 1:]
-        if rest:
-            if not rest.startswith(":"):
-                return None
-            port = _port(rest[1:])
-            if port is None:
-                return None
-        return (host.lower(), port) if _is_ip(host) else None
+        return _split_bracketed(value)
+    port: int | None = None
     if value.count(":") == 1:
         host, _, text = value.partition(":")
         port = _port(text)
@@ -113,6 +103,20 @@ def split_host(value: str) -> tuple[str, int | None] | None:
         host = value
     host = host.lower().rstrip(".")
     return (host, port) if _NAME.fullmatch(host) else None
+
+
+def _split_bracketed(value: str) -> tuple[str, int | None] | None:
+    """`[v6]` or `[v6]:port`."""
+    end = value.find("]")
+    if end < 0:
+        return None
+    host, rest = value[1:end], value[end + 1:]
+    port: int | None = None
+    if rest:
+        port = _port(rest[1:]) if rest.startswith(":") else None
+        if port is None:
+            return None
+    return (host.lower(), port) if _is_ip(host) else None
 
 
 def normal_host(value: str) -> str | None:
@@ -195,20 +199,23 @@ def check_host(host_header: str | None, rules: BrowserRules,
     if host_header is None or rules.any_host:
         return None
     parsed = split_host(host_header)
-    if parsed is not None:
-        host = parsed[0]
-        if host in rules.listen_hosts or host in rules.allowed_hosts or is_loopback(host):
-            return None
-        if any(host.endswith(s) or host == s[1:] for s in rules.allowed_suffixes):
-            return None
-        if rules.listens_everywhere and _is_ip(host) and host in machine_addresses():
-            return None
+    if parsed is not None and _names_spillway(parsed[0], rules, machine_addresses):
+        return None
     shown = host_header if len(host_header) <= 100 else host_header[:100] + "..."
     return Refusal(
         403, "foreign_host",
         f"Host {shown!r} is not a name this Spillway is reached by, so its own routes refuse "
         f"it (a guard against DNS rebinding). If you reach Spillway by that name, add it to "
         f"{HOSTS_SETTING} in the config.", HOSTS_SETTING)
+
+
+def _names_spillway(host: str, rules: BrowserRules,
+                    machine_addresses: Callable[[], Collection[str]]) -> bool:
+    if host in rules.listen_hosts or host in rules.allowed_hosts or is_loopback(host):
+        return True
+    if any(host.endswith(s) or host == s[1:] for s in rules.allowed_suffixes):
+        return True
+    return rules.listens_everywhere and _is_ip(host) and host in machine_addresses()
 
 
 def check_cross_site(method: str, host_header: str | None, origin: str | None,
@@ -221,23 +228,27 @@ def check_cross_site(method: str, host_header: str | None, origin: str | None,
     if origin is None and fetch_site is None:
         return None  # not a browser's: curl, the CLI, a script
     trusted = origin is not None and normal_origin(origin) in rules.allowed_origins
-    if not trusted:
-        site = (fetch_site or "").strip().lower()
-        foreign = site in FOREIGN_SITES or (
-            origin is not None and not same_origin(origin, host_header))
-        if foreign:
-            who = f"from {origin!r}" if origin is not None else f"({site})"
-            return Refusal(
-                403, "cross_site",
-                f"a browser's request {who} to a route that changes something must come from "
-                f"Spillway's own page: refused (a guard against cross-site requests). To allow "
-                f"a page of yours, list its origin in {ORIGINS_SETTING}.", ORIGINS_SETTING)
+    if not trusted and _foreign(origin, fetch_site, host_header):
+        who = f"from {origin!r}" if origin is not None else f"({fetch_site})"
+        return Refusal(
+            403, "cross_site",
+            f"a browser's request {who} to a route that changes something must come from "
+            f"Spillway's own page: refused (a guard against cross-site requests). To allow a "
+            f"page of yours, list its origin in {ORIGINS_SETTING}.", ORIGINS_SETTING)
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
         return Refusal(415, "not_json",
                        f"a browser's request to a route that changes something must send "
                        f"Content-Type: application/json (got {media or 'none'!r})", None)
     return None
+
+
+def _foreign(origin: str | None, fetch_site: str | None, host_header: str | None) -> bool:
+    """Whether the request comes from a page of another origin (headers that disagree are
+    taken at their worst)."""
+    if (fetch_site or "").strip().lower() in FOREIGN_SITES:
+        return True
+    return origin is not None and not same_origin(origin, host_header)
 
 
 def same_origin(origin: str, host_header: str | None) -> bool:
