@@ -16,8 +16,10 @@ from supervisor.policy.admission import (
     Request,
     can_serve_now,
     decide,
+    loading,
     passthrough,
 )
+from supervisor.policy.lifecycle import ChildState
 from supervisor.policy.routes import RouteClass
 from supervisor.policy.waitline import (
     DEFAULT_SERVICE_S,
@@ -124,6 +126,24 @@ def test_too_long_names_the_largest_context_in_llama_servers_words() -> None:
     assert d.n_ctx == 8192 and d.cause == "too_long"
     assert d.reason == ("request (9000 tokens) exceeds the available context size (8192 tokens),"
                         " try increasing it")
+
+
+LOADING_TABLE = [
+    # (states, pin, llama-server would say "Loading model")
+    ({"gpu": "STARTING", "cpu": "STARTING"}, None, True),
+    ({"gpu": "STARTING", "cpu": "BACKOFF"}, None, True),
+    ({"gpu": "STARTING", "cpu": "READY"}, None, False),  # someone is ready: not loading
+    ({"gpu": "FATAL", "cpu": "BACKOFF"}, None, False),  # nobody loading: llama-server is gone
+    ({"gpu": "STARTING", "cpu": "READY"}, "gpu", True),  # the pinned one loads
+    ({"gpu": "READY", "cpu": "STARTING"}, "gpu", False),
+    ({"gpu": "STOPPED", "cpu": "STARTING"}, "gpu", False),
+]
+
+
+@pytest.mark.parametrize("states,pin,expected", LOADING_TABLE)
+def test_loading_is_what_llama_server_would_call_it(states: dict[str, ChildState],
+                                                     pin: str | None, expected: bool) -> None:
+    assert loading(states, pin) is expected
 
 
 def test_a_startable_cpu_child_is_started_first() -> None:

@@ -142,6 +142,14 @@ def _why(cap: Capacity) -> str:
     return ", ".join(parts)
 
 
+def loading(states: Mapping[str, ChildState], pin: str | None = None) -> bool:
+    """Whether llama-server would answer `503 Loading model` here: no child (or not the pinned
+    one) is ready, and one (the pinned one) is starting, that is loading its model. A child
+    in back-off or FATAL is not loading: llama-server would not answer at all."""
+    chosen = [states[pin]] if pin is not None and pin in states else list(states.values())
+    return ChildState.READY not in chosen and ChildState.STARTING in chosen
+
+
 def passthrough(states: Mapping[str, ChildState], pin: str | None) -> Decision:
     """Routes outside generation: outside the caps, never replayed."""
     if pin in ROLES:

@@ -20,6 +20,8 @@ from aiohttp import web
 # The OpenAI SDKs ignore a Retry-After over 60 s and fall back to their own backoff.
 MAX_RETRY_AFTER_S = 60
 JSON_TYPE = "application/json"
+# llama-server's words for "not ready yet" (every route of a server loading its model).
+LOADING = "Loading model"
 
 
 def error_body(status: int, type_: str, message: str, request_id: str | None,

@@ -364,6 +364,7 @@ class ProxyHandler:
 
     async def _serve(self, request: web.Request, ctx: RequestCtx,
                      episodes: list[_Episode]) -> Answered | Broken:
+        pin = None
         count = None
         pool = self._pool(ctx)
         if ctx.route is not RouteClass.GENERATION:
@@ -383,7 +384,8 @@ class ProxyHandler:
                 cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx),
                 exact_count=count.exact), len(ctx.body), estimate.requested_tokens(ctx.payload))
         if isinstance(got, admission.Decision):
-            return Answered(self._refusal(ctx, got, count))
+            loading = admission.loading(pool.states(), pin)
+            return Answered(self._refusal(ctx, got, count, loading))
         if got.counted:
             ctx.waited_s = got.waited_s
             ctx.wait_estimate_s = got.estimated_wait_s
@@ -410,12 +412,18 @@ class ProxyHandler:
         return counted if counted is not None else tokens.Count((0,), exact=True)
 
     def _refusal(self, ctx: RequestCtx, decision: admission.Decision,
-                 count: tokens.Count | None) -> web.Response:
+                 count: tokens.Count | None, loading: bool) -> web.Response:
         self._rejected(decision.cause or "other", ctx.path)
         if decision.action is admission.Action.TOO_LONG:
             # As llama-server says it, before any child works on it.
             n_prompt = count.first_over(decision.n_ctx) if count else 0
             return errors.exceed_context(n_prompt, decision.n_ctx, ctx.request_id)
+        if loading:
+            # What llama-server answers while it loads, with Spillway's own reason beside it.
+            return errors.unavailable(errors.LOADING, ctx.request_id,
+                                      retry_after_s=decision.retry_after_s,
+                                      queue_position=decision.queue_position,
+                                      reason=decision.reason)
         return errors.unavailable(decision.reason, ctx.request_id,
                                   retry_after_s=decision.retry_after_s,
                                   queue_position=decision.queue_position)
