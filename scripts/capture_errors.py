@@ -151,6 +151,8 @@ def loading_situations() -> Iterator[Situation]:
                     "/v1/health")
     yield Situation("loading-chat", "loading", "a generation request while the model loads",
                     "POST", "/v1/chat/completions", AUTH, chat)
+    yield Situation("loading-chat-stream", "loading", "the same, streamed", "POST",
+                    "/v1/chat/completions", AUTH, {**chat, "stream": True})
     yield Situation("loading-chat-no-key", "loading", "the same without the key", "POST",
                     "/v1/chat/completions", json_body=chat)
     yield Situation("loading-unknown-route", "loading", "an unknown route while the model loads",

@@ -97,6 +97,8 @@ TABLE: list[Row] = [
     # With a waiting line of 0 (the loading daemon's): else it waits for the child, on purpose.
     Row("loading-chat", Kind.SAME, "loading", extra=QUEUE,
         readme="a generation request while the model loads"),
+    Row("loading-chat-stream", Kind.SAME, "loading", extra=QUEUE,
+        readme="a generation request while the model loads"),
     Row("loading-chat-no-key", Kind.DIFFERENT, "loading", status=401,
         readme="no key while the model loads"),
     # Spillway's alone (tested where they are made: test_proxy_functional, test_admission_*,
