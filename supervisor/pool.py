@@ -149,9 +149,6 @@ class Pool:
     def ctx_per_slot(self, name: str) -> int | None:
         return self.source.ctx_per_slot(name)
 
-    def largest_ctx_per_slot(self) -> int:
-        return max(filter(None, (self.source.ctx_per_slot(n) for n in self.roles)), default=0)
-
     def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
         return self.source.expected_seconds(name, body_size, max_tokens)
 
@@ -398,9 +395,8 @@ class Pool:
             self.line.leave(head)
             if decision.child is not None:
                 self._take(decision.child)
-            waiter.future.set_result(Decision(
-                decision.action, decision.branch, "served from the line", child=decision.child,
-                start_child=decision.start_child, warm=decision.warm))
+            # (A TOO_LONG keeps its figures: its 400 names the context the prompt exceeds.)
+            waiter.future.set_result(dataclasses.replace(decision, reason="served from the line"))
             self._changed()
 
     async def replay_lease(self, name: str, within_s: float | None) -> Lease | None:

@@ -202,7 +202,9 @@ def test_the_cpu_guard_keeps_a_cold_start_off_a_machine_without_the_ram(
     assert needs >= 1 << 40
     status, body = s.post("/v1/chat/completions", CHAT)
     assert status == 503
-    assert "not enough free RAM for the CPU child" in body["error"]["message"]
+    # The GPU child still loads: llama-server's words, and why the CPU child did not start.
+    assert body["error"]["message"] == "Loading model"
+    assert "not enough free RAM for the CPU child" in body["error"]["reason"]
     assert s.child("cpu")["state"] == "STOPPED"
     os.unlink(huge)
 

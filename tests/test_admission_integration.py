@@ -88,12 +88,17 @@ async def test_a_prompt_over_the_gpu_childs_context_never_reaches_it(
         assert headers["X-Spillway-Child"] == "cpu"
         assert 512 < body["usage"]["prompt_tokens"] <= 2048
         # Over every child's context: refused before any child works on it.
-        status, headers, body = await post(http, s, {
-            "messages": [{"role": "user", "content": long_prompt * 3}], "max_tokens": 4})
+        too_long = {"messages": [{"role": "user", "content": long_prompt * 3}], "max_tokens": 4}
+        status, headers, body = await post(http, s, too_long)
+        # The child's own count of the templated prompt, asked of it directly.
+        async with http.post(f"{s.url}/v1/chat/completions/input_tokens", json=too_long) as r:
+            counted = (await r.json())["input_tokens"]
     assert status == 400
     error = body["error"]
     assert error["type"] == "exceed_context_size_error" and error["src"] == "spillway"
-    assert error["n_ctx"] == 2048
+    assert error["n_ctx"] == 2048 and error["n_prompt_tokens"] == counted > 2048
+    assert error["message"] == (f"request ({counted} tokens) exceeds the available context size "
+                                "(2048 tokens), try increasing it")
     after = tasks(s)
     assert after["gpu"] == before["gpu"]
     assert after["cpu"] == before["cpu"] + 1

@@ -16,8 +16,10 @@ from supervisor.policy.admission import (
     Request,
     can_serve_now,
     decide,
+    loading,
     passthrough,
 )
+from supervisor.policy.lifecycle import ChildState
 from supervisor.policy.routes import RouteClass
 from supervisor.policy.waitline import (
     DEFAULT_SERVICE_S,
@@ -48,6 +50,21 @@ TABLE = [
     ("over the gpu context, cpu has room", {"prompt_tokens": 6000}, CAP, Action.FORWARD, 5,
      "cpu"),
     ("over every context", {"prompt_tokens": 9000}, CAP, Action.TOO_LONG, 3, None),
+    # llama-server refuses a prompt that fills its slot (it needs room for one more token).
+    ("exactly the gpu's context: cpu", {"prompt_tokens": 4096}, CAP, Action.FORWARD, 5, "cpu"),
+    ("exactly every context", {"prompt_tokens": 8192}, CAP, Action.TOO_LONG, 3, None),
+    ("one under the gpu's context", {"prompt_tokens": 4095}, CAP, Action.FORWARD, 4, "gpu"),
+    # A count that is not the child's own (infill, embeddings): the largest context judges it.
+    ("not the child's count, over every context: the largest",
+     {"prompt_tokens": 9000, "exact_count": False}, CAP, Action.FORWARD, 5, "cpu"),
+    ("not the child's count, the gpu's context the largest",
+     {"prompt_tokens": 9000, "exact_count": False}, with_(gpu={"ctx_per_slot": 16384}),
+     Action.FORWARD, 4, "gpu"),
+    ("not the child's count, over every context, opted out of the cpu: the gpu",
+     {"prompt_tokens": 9000, "exact_count": False, "cpu_allowed": False}, CAP, Action.FORWARD,
+     4, "gpu"),
+    ("not the child's count, over the gpu's only: cpu",
+     {"prompt_tokens": 6000, "exact_count": False}, CAP, Action.FORWARD, 5, "cpu"),
     ("gpu full: cpu", {}, with_(gpu={"busy": 2}), Action.FORWARD, 5, "cpu"),
     ("vram under headroom: cpu", {}, with_(vram_free_mib=500), Action.FORWARD, 5, "cpu"),
     ("no gpu figures: headroom not applied", {}, with_(vram_free_mib=None), Action.FORWARD, 4,
@@ -102,6 +119,31 @@ def test_the_decision_table(name: str, change: dict[str, object], cap: Capacity,
         assert d.queue_position == cap.waiting + 1
     if action is Action.REJECT:
         assert d.retry_after_s > 0
+
+
+def test_too_long_names_the_largest_context_in_llama_servers_words() -> None:
+    d = decide(dataclasses.replace(REQ, prompt_tokens=9000), CAP)
+    assert d.n_ctx == 8192 and d.cause == "too_long"
+    assert d.reason == ("request (9000 tokens) exceeds the available context size (8192 tokens),"
+                        " try increasing it")
+
+
+LOADING_TABLE = [
+    # (states, pin, llama-server would say "Loading model")
+    ({"gpu": "STARTING", "cpu": "STARTING"}, None, True),
+    ({"gpu": "STARTING", "cpu": "BACKOFF"}, None, True),
+    ({"gpu": "STARTING", "cpu": "READY"}, None, False),  # someone is ready: not loading
+    ({"gpu": "FATAL", "cpu": "BACKOFF"}, None, False),  # nobody loading: llama-server is gone
+    ({"gpu": "STARTING", "cpu": "READY"}, "gpu", True),  # the pinned one loads
+    ({"gpu": "READY", "cpu": "STARTING"}, "gpu", False),
+    ({"gpu": "STOPPED", "cpu": "STARTING"}, "gpu", False),
+]
+
+
+@pytest.mark.parametrize("states,pin,expected", LOADING_TABLE)
+def test_loading_is_what_llama_server_would_call_it(states: dict[str, ChildState],
+                                                     pin: str | None, expected: bool) -> None:
+    assert loading(states, pin) is expected
 
 
 def test_a_startable_cpu_child_is_started_first() -> None:

@@ -165,7 +165,9 @@ async def test_no_ready_child_gives_a_controlled_503(
     assert err["src"] == "spillway"
     assert err["queue_position"] == 1
     assert err["retry_after_s"] == int(r.headers["Retry-After"])
-    assert "waiting line is full" in err["message"] and "gpu is STARTING" in err["message"]
+    # While the children load, llama-server's own words, and Spillway's reason beside them.
+    assert err["message"] == "Loading model"
+    assert "waiting line is full" in err["reason"] and "gpu is STARTING" in err["reason"]
 
 
 async def test_routes_to_the_cpu_child_while_the_gpu_child_is_not_ready(

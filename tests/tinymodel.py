@@ -29,7 +29,12 @@ WORDS = (
 ).split()
 
 
-def vocabulary() -> tuple[list[bytes], list[float], list[int]]:
+# Fill-in-the-middle tokens (`fim=True`): with them llama-server serves /infill, building the
+# prompt from them as it does for a code model; without them it answers /infill with a 501.
+FIM_TOKENS = (b"<|fim_prefix|>", b"<|fim_suffix|>", b"<|fim_middle|>")
+
+
+def vocabulary(fim: bool = False) -> tuple[list[bytes], list[float], list[int]]:
     tokens: list[bytes] = [b"<unk>", b"<s>", b"</s>", b"<|im_start|>", b"<|im_end|>"]
     types = [2, 3, 3, 3, 3]  # UNKNOWN, CONTROL x4
     for b in range(256):
@@ -49,16 +54,21 @@ def vocabulary() -> tuple[list[bytes], list[float], list[int]]:
                 tokens.append(piece.encode())
                 types.append(1)
     scores = [0.0] * 5 + [-1000.0] * 256 + [-float(i) for i in range(len(tokens) - 261)]
+    if fim:  # at the end, so that the other tokens keep their ids
+        tokens.extend(FIM_TOKENS)
+        types.extend([3] * len(FIM_TOKENS))  # CONTROL
+        scores.extend([0.0] * len(FIM_TOKENS))
     return tokens, scores, types
 
 
 def write_tiny_model(path: Path, *, n_embd: int = 256, n_layer: int = 4, n_ff: int = 512,
                      n_head: int = 4, n_head_kv: int = 4, n_ctx_train: int = 4096,
-                     seed: int = 1, q8: bool = False) -> Path:
+                     seed: int = 1, q8: bool = False, fim: bool = False) -> Path:
     """Q8_0 weight matrices (`q8`) go through the buffers a CUDA build's memory pool grows at
-    run time: that is where a runtime OOM happens on a real GPU."""
+    run time: that is where a runtime OOM happens on a real GPU. `fim` adds fill-in-the-middle
+    tokens (see FIM_TOKENS)."""
     rng = np.random.default_rng(seed)
-    tokens, scores, types = vocabulary()
+    tokens, scores, types = vocabulary(fim)
     n_vocab = len(tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -82,6 +92,11 @@ def write_tiny_model(path: Path, *, n_embd: int = 256, n_layer: int = 4, n_ff: i
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_chat_template(CHATML)
+    if fim:
+        first = len(tokens) - len(FIM_TOKENS)
+        for i, key in enumerate((gguf.Keys.Tokenizer.FIM_PRE_ID, gguf.Keys.Tokenizer.FIM_SUF_ID,
+                                 gguf.Keys.Tokenizer.FIM_MID_ID)):
+            w.add_uint32(key, first + i)
 
     def tensor(name: str, *shape: int, scale: float = 0.05) -> None:
         data = (rng.standard_normal(shape) * scale).astype(np.float32)
@@ -120,6 +135,7 @@ if __name__ == "__main__":
     parser.add_argument("--n-layer", type=int, default=4)
     parser.add_argument("--n-ff", type=int, default=512)
     parser.add_argument("--q8", action="store_true", help="Q8_0 weight matrices")
+    parser.add_argument("--fim", action="store_true", help="fill-in-the-middle tokens")
     a = parser.parse_args()
     print(write_tiny_model(a.path, n_ctx_train=a.n_ctx_train, n_embd=a.n_embd,
-                           n_layer=a.n_layer, n_ff=a.n_ff, q8=a.q8))
+                           n_layer=a.n_layer, n_ff=a.n_ff, q8=a.q8, fim=a.fim))

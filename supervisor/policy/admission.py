@@ -57,7 +57,8 @@ class ChildView:
         return self.ready and self.busy < self.cap
 
     def fits(self, prompt_tokens: int) -> bool:
-        return self.ctx_per_slot is None or prompt_tokens <= self.ctx_per_slot
+        # llama-server refuses a prompt that fills its slot: it needs room for one more token.
+        return self.ctx_per_slot is None or prompt_tokens < self.ctx_per_slot
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,9 @@ class Request:
     cpu_allowed: bool  # replay-safe: a parsed generation request that did not opt out
     deadline_s: float | None  # seconds the client still waits, if it said
     pin: str | None = None  # X-Spillway-Child (routes outside generation only)
+    # Counted and checked as the child counts and checks (policy/prompts.py): Spillway may then
+    # refuse a prompt over every context itself, in the child's words.
+    exact_count: bool = True
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class Decision:
     retry_after_s: float = 0.0
     queue_position: int = 0
     cause: str = ""  # for REJECT/TOO_LONG: a short label for metrics and logs
+    n_ctx: int = 0  # TOO_LONG: the largest context of a slot, which the prompt exceeds
 
 
 # States from which a child serves again without anyone's help.
@@ -137,6 +142,14 @@ def _why(cap: Capacity) -> str:
     return ", ".join(parts)
 
 
+def loading(states: Mapping[str, ChildState], pin: str | None = None) -> bool:
+    """Whether llama-server would answer `503 Loading model` here: no child (or not the pinned
+    one) is ready, and one (the pinned one) is starting, that is loading its model. A child
+    in back-off or FATAL is not loading: llama-server would not answer at all."""
+    chosen = [states[pin]] if pin is not None and pin in states else list(states.values())
+    return ChildState.READY not in chosen and ChildState.STARTING in chosen
+
+
 def passthrough(states: Mapping[str, ChildState], pin: str | None) -> Decision:
     """Routes outside generation: outside the caps, never replayed."""
     if pin in ROLES:
@@ -152,16 +165,28 @@ def passthrough(states: Mapping[str, ChildState], pin: str | None) -> Decision:
         f"{n} is {s}" for n, s in states.items()) + ")", retry_after_s=5.0, cause="no_child")
 
 
+def _fitting(req: Request, gpu: ChildView, cpu: ChildView) -> tuple[bool, bool]:
+    """Which children have room in a slot for the prompt. A count that is not the child's own
+    (prompts.Plan.exact) over every context leaves the request to the child with the largest
+    context: it refuses it in its own words, or serves it (infill trims its prompt to fit)."""
+    gpu_fits, cpu_fits = gpu.fits(req.prompt_tokens), cpu.fits(req.prompt_tokens)
+    if gpu_fits or cpu_fits or req.exact_count:
+        return gpu_fits, cpu_fits
+    gpu_larger = (gpu.ctx_per_slot or 0) >= (cpu.ctx_per_slot or 0) or not req.cpu_allowed
+    return gpu_larger, not gpu_larger
+
+
 def decide(req: Request, cap: Capacity) -> Decision:
     """Forward, wait or reject one generation request (branches 3 to 7)."""
     gpu, cpu = cap.gpu, cap.cpu
-    # 3. A prompt over the GPU child's context per slot goes to a child with room for it.
-    gpu_fits = gpu.fits(req.prompt_tokens)
-    if not gpu_fits and not cpu.fits(req.prompt_tokens):
+    # 3. A prompt over the GPU child's context per slot goes to a child with room for it;
+    #    over every child's, it gets llama-server's own 400 (its words: errors.exceed_context).
+    gpu_fits, cpu_fits = _fitting(req, gpu, cpu)
+    if not gpu_fits and not cpu_fits:
         limit = max(c.ctx_per_slot or 0 for c in (gpu, cpu))
-        return Decision(Action.TOO_LONG, 3, f"the prompt ({req.prompt_tokens} tokens) exceeds "
-                                            f"the context of every child ({limit} tokens per "
-                                            "slot)", cause="too_long")
+        return Decision(Action.TOO_LONG, 3, f"request ({req.prompt_tokens} tokens) exceeds the "
+                                            f"available context size ({limit} tokens), try "
+                                            "increasing it", cause="too_long", n_ctx=limit)
     # 4. The GPU child: ready, under its cap, VRAM headroom kept.
     if gpu_fits and gpu.has_room and _headroom_kept(cap):
         return Decision(Action.FORWARD, 4, "GPU child has room", child="gpu")
@@ -171,15 +196,14 @@ def decide(req: Request, cap: Capacity) -> Decision:
     #     (startable). The CPU router serves it now if it has it loaded with room, while the
     #     GPU router loads it for the requests after; else the request waits for the load.
     if gpu_fits and gpu.startable and _headroom_kept(cap):
-        if (req.cpu_allowed and cpu.has_room and cpu.fits(req.prompt_tokens) and cpu.ram_ok
-                and cpu_in_time):
+        if req.cpu_allowed and cpu.has_room and cpu_fits and cpu.ram_ok and cpu_in_time:
             return Decision(Action.FORWARD, 5, "CPU child while the GPU child loads the model",
                             child="cpu", warm="gpu")
         return Decision(Action.FORWARD, 4, "GPU child: loading the model on demand",
                         child="gpu", start_child=True)
     # 5. The CPU child: for requests that may move, when it is ready (or can start), has the
     #    RAM, and its expected time fits the client's deadline.
-    if req.cpu_allowed and cpu.fits(req.prompt_tokens) and cpu.ram_ok and cpu_in_time:
+    if req.cpu_allowed and cpu_fits and cpu.ram_ok and cpu_in_time:
         if cpu.has_room:
             why = "GPU child full or short of VRAM" if gpu_fits else \
                 "the prompt exceeds the GPU child's context"
@@ -189,7 +213,7 @@ def decide(req: Request, cap: Capacity) -> Decision:
                             start_child=True)
     # 6. Wait in line, if there is room, the wait fits, and capacity can come back at all.
     coming = (gpu_fits and (_may_serve(gpu) or gpu.startable)) or (
-        req.cpu_allowed and cpu.fits(req.prompt_tokens) and (_may_serve(cpu) or cpu.startable))
+        req.cpu_allowed and cpu_fits and (_may_serve(cpu) or cpu.startable))
     if not coming:
         return Decision(Action.REJECT, 7, f"no child can take it: {_why(cap)}",
                         retry_after_s=_retry_after(cap), cause="no_child")

@@ -3,7 +3,10 @@
     {"error": {"message", "type", "code", "param": null, "src": "spillway", "request_id", ...}}
 
 `type` is `unavailable_error` (503, with `queue_position` and `retry_after_s`), `upstream_error`
-(502, with `kind`), `invalid_request_error` (4xx) or `authentication_error` (401).
+(502, with `kind`), `invalid_request_error` (4xx), `authentication_error` (401) or
+`exceed_context_size_error` (400, with `n_prompt_tokens` and `n_ctx`). Where llama-server has an
+answer for the same situation, this one has its status, type, code, fields and, where the
+situation is the same, its words (tests/test_llama_fidelity.py holds them to the captures).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from aiohttp import web
 # The OpenAI SDKs ignore a Retry-After over 60 s and fall back to their own backoff.
 MAX_RETRY_AFTER_S = 60
 JSON_TYPE = "application/json"
+# llama-server's words for "not ready yet" (every route of a server loading its model).
+LOADING = "Loading model"
 
 
 def error_body(status: int, type_: str, message: str, request_id: str | None,
@@ -73,6 +78,16 @@ def upstream_error(message: str, request_id: str | None, kind: str,
 def invalid_request(status: int, message: str, request_id: str | None,
                     **extra: Any) -> web.Response:
     return json_error(status, "invalid_request_error", message, request_id, **extra)
+
+
+def exceed_context(n_prompt_tokens: int, n_ctx: int, request_id: str | None) -> web.Response:
+    """400: a prompt over the context of a slot of every child, refused before any child works
+    on it, in llama-server's words and with its fields (clients read them to trim the
+    conversation and try again); a stream gets it as plain JSON too, as llama-server does."""
+    return json_error(400, "exceed_context_size_error",
+                      f"request ({n_prompt_tokens} tokens) exceeds the available context size "
+                      f"({n_ctx} tokens), try increasing it", request_id,
+                      n_prompt_tokens=n_prompt_tokens, n_ctx=n_ctx)
 
 
 def authentication_error(request_id: str | None) -> web.Response:

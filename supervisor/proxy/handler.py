@@ -27,7 +27,7 @@ from ..pool import Lease, Pool
 from ..pools import Pools
 from ..stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
 from ..timefmt import rfc3339
-from ..policy import admission, continuation, estimate, replay
+from ..policy import admission, continuation, estimate, prompts, replay
 from ..policy.routes import RouteClass, classify_route, route_label
 from . import errors, tokens
 from .auth import AUTHENTICATED, presented_key
@@ -364,22 +364,28 @@ class ProxyHandler:
 
     async def _serve(self, request: web.Request, ctx: RequestCtx,
                      episodes: list[_Episode]) -> Answered | Broken:
+        pin = None
+        count = None
+        pool = self._pool(ctx)
         if ctx.route is not RouteClass.GENERATION:
             # Outside the caps: the GPU child when ready, else the CPU child, or the pinned one.
             pin = request.headers.get("X-Spillway-Child", "").strip().lower() or None
-            got = self._pool(ctx).passthrough(pin)
+            got = pool.passthrough(pin)
             if isinstance(got, admission.Decision) and ctx.model is not None:
                 # Its model is loaded nowhere: the router answers for it.
-                got = self.pools.main.passthrough(pin)
+                pool = self.pools.main
+                got = pool.passthrough(pin)
         else:
             # Generation: 3 to 7 of the admission order.
             opted_out = _opted_out(ctx)
-            got = await self._pool(ctx).lease(admission.Request(
-                route=ctx.route, prompt_tokens=await self._prompt_tokens(ctx),
-                cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx)),
-                len(ctx.body), estimate.requested_tokens(ctx.payload))
+            count = await self._prompt_count(ctx)
+            got = await pool.lease(admission.Request(
+                route=ctx.route, prompt_tokens=count.largest,
+                cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx),
+                exact_count=count.exact), len(ctx.body), estimate.requested_tokens(ctx.payload))
         if isinstance(got, admission.Decision):
-            return Answered(self._refusal(ctx, got))
+            loading = admission.loading(pool.states(), pin)
+            return Answered(self._refusal(ctx, got, count, loading))
         if got.counted:
             ctx.waited_s = got.waited_s
             ctx.wait_estimate_s = got.estimated_wait_s
@@ -391,27 +397,33 @@ class ProxyHandler:
             return await self._after_interruption(ctx, result, episodes)
         return result
 
-    async def _prompt_tokens(self, ctx: RequestCtx) -> int:
-        """The prompt's tokens when they may matter (over a child's context), else the cheap
-        bound (or 0: unknown, which fits anywhere)."""
-        bound = tokens.upper_bound(len(ctx.body), ctx.payload)
+    async def _prompt_count(self, ctx: RequestCtx) -> tokens.Count:
+        """The prompt's tokens, as the child counts them, when they may matter (over the
+        smallest context of a slot), else the cheap bound (or 0: unknown, which fits
+        anywhere)."""
+        bound = prompts.upper_bound(len(ctx.body), ctx.payload)
         pool = self._pool(ctx)
-        limit = pool.ctx_per_slot(pool.roles[0])
-        if limit is None or bound <= limit or ctx.payload is None:
-            return bound if limit is not None else 0
+        limit = min(filter(None, (pool.ctx_per_slot(n) for n in pool.roles)), default=None)
+        if limit is None or bound < limit or ctx.payload is None:
+            return tokens.Count((bound if limit is not None else 0,), exact=True)
         counter = pool.first_ready()
-        if counter is None:
-            return 0
-        counted = await tokens.count(self.forwarder.session, counter, ctx.path, ctx.payload)
-        return counted if counted is not None else 0
+        counted = None if counter is None else await tokens.count(
+            self.forwarder.session, counter, ctx.path, ctx.payload, limit)
+        return counted if counted is not None else tokens.Count((0,), exact=True)
 
-    def _refusal(self, ctx: RequestCtx, decision: admission.Decision) -> web.Response:
+    def _refusal(self, ctx: RequestCtx, decision: admission.Decision,
+                 count: tokens.Count | None, loading: bool) -> web.Response:
         self._rejected(decision.cause or "other", ctx.path)
         if decision.action is admission.Action.TOO_LONG:
             # As llama-server says it, before any child works on it.
-            return errors.json_error(
-                400, "exceed_context_size_error", decision.reason, ctx.request_id,
-                n_ctx=self._pool(ctx).largest_ctx_per_slot())
+            n_prompt = count.first_over(decision.n_ctx) if count else 0
+            return errors.exceed_context(n_prompt, decision.n_ctx, ctx.request_id)
+        if loading:
+            # What llama-server answers while it loads, with Spillway's own reason beside it.
+            return errors.unavailable(errors.LOADING, ctx.request_id,
+                                      retry_after_s=decision.retry_after_s,
+                                      queue_position=decision.queue_position,
+                                      reason=decision.reason)
         return errors.unavailable(decision.reason, ctx.request_id,
                                   retry_after_s=decision.retry_after_s,
                                   queue_position=decision.queue_position)

@@ -1,57 +1,97 @@
-"""How many tokens a prompt has, for branch 3 of admission (context per slot).
+"""How many tokens a prompt has, as the child counts them, for branch 3 of admission (context
+per slot).
 
-Counting costs two requests to a child (`/apply-template`, then `/tokenize`), so it is skipped
-when a cheap bound shows the prompt is small: no text has more tokens than bytes (llama.cpp's
-tokenizers fall back to one token per byte at worst), and the body holds the text plus JSON, so
-its size plus some room for the chat template's own tokens bounds the prompt.
+What to count for each route is policy/prompts.py's plan. Counting costs a call to a child (the
+child's own counting route for templated routes, `/tokenize` for each prompt otherwise), so it
+is skipped when the body's size shows that the prompt is small (prompts.upper_bound).
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from ..policy import prompts
 from ..vocabulary import Upstream
 
 log = logging.getLogger("spillway.tokens")
 
-CHAT_ROUTES = frozenset({"/chat/completions", "/v1/chat/completions"})
-PROMPT_ROUTES = frozenset({"/completion", "/completions", "/v1/completions", "/infill"})
-TEMPLATE_TOKENS_PER_MESSAGE = 32
-TEMPLATE_TOKENS = 64
 
+@dataclass(frozen=True)
+class Count:
+    """A request's prompt tokens: one figure for each prompt the child checks on its own."""
 
-def upper_bound(body_size: int, payload: dict[str, Any] | None) -> int:
-    messages = payload.get("messages") if payload else None
-    count = len(messages) if isinstance(messages, list) else 1
-    return body_size + TEMPLATE_TOKENS + TEMPLATE_TOKENS_PER_MESSAGE * count
+    tasks: tuple[int, ...]
+    exact: bool  # counted and checked as the child counts and checks (prompts.Plan.exact)
+
+    @property
+    def largest(self) -> int:
+        return max(self.tasks, default=0)
+
+    def first_over(self, n_ctx: int) -> int:
+        """The figure llama-server's error names: its first prompt that does not fit."""
+        return next((n for n in self.tasks if n >= n_ctx), self.largest)
 
 
 async def count(session: aiohttp.ClientSession, child: Upstream, path: str,
-                payload: dict[str, Any], timeout_s: float = 30.0) -> int | None:
-    """The prompt's token count as `child` sees it; None when it cannot be told."""
-    headers = {"Authorization": f"Bearer {child.api_key}", "Content-Type": "application/json"}
+                payload: dict[str, Any], limit: int = 0,
+                timeout_s: float = 30.0) -> Count | None:
+    """The prompt's tokens as `child` counts them; None when they cannot be told. A prompt
+    that its bytes show to be under `limit` is not counted: its bound stands."""
+    plan = prompts.plan(path, payload)
+    if plan is None:
+        return None
     timeout = aiohttp.ClientTimeout(total=timeout_s)
+    model = payload.get("model")
     try:
-        if path in CHAT_ROUTES:
-            async with session.post(f"{child.base_url}/apply-template", headers=headers,
-                                    data=json.dumps(payload), timeout=timeout) as r:
-                if r.status != 200:
-                    return None
-                prompt: Any = (await r.json()).get("prompt")
-        elif path in PROMPT_ROUTES:
-            prompt = payload.get("prompt", payload.get("content"))
-        else:
-            return None
-        if not isinstance(prompt, (str, list)):
-            return None
-        return await _tokenize(session, child, prompt, payload.get("model"), True, timeout)
+        if plan.count_route is not None:
+            counted = await _post(session, child, plan.count_route, payload, timeout)
+            n = counted.get("input_tokens") if counted is not None else None
+            return Count((n,), plan.exact) if isinstance(n, int) else None
+        figures = await asyncio.gather(*(_task(session, child, task, model, limit, timeout)
+                                         for task in plan.tasks))
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         log.info("could not count the prompt's tokens on the %s child: %s", child.name, e)
         return None
+    if any(n is None for n in figures):
+        return None
+    return Count(tuple(n for n in figures if n is not None), plan.exact)
+
+
+async def _task(session: aiohttp.ClientSession, child: Upstream, task: prompts.Task,
+                model: Any, limit: int, timeout: aiohttp.ClientTimeout) -> int | None:
+    bound = task.known + sum(_bound(p) for p in task.pieces)
+    if bound < limit:
+        return bound  # surely under the limit: not worth a call
+    total = task.known
+    for piece in task.pieces:
+        n = await _tokenize(session, child, piece, model, timeout)
+        if n is None:
+            return None
+        total += n
+    return total
+
+
+def _bound(piece: prompts.Piece) -> int:
+    """No more tokens than bytes, plus the special tokens added around them."""
+    parts = piece.content if isinstance(piece.content, list) else [piece.content]
+    return sum(len(p.encode()) if isinstance(p, str) else 1 for p in parts) + 2
+
+
+async def _post(session: aiohttp.ClientSession, child: Upstream, route: str,
+                payload: dict[str, Any], timeout: aiohttp.ClientTimeout) -> dict[str, Any] | None:
+    headers = {"Authorization": f"Bearer {child.api_key}", "Content-Type": "application/json"}
+    async with session.post(f"{child.base_url}{route}", headers=headers,
+                            data=json.dumps(payload), timeout=timeout) as r:
+        if r.status != 200:
+            return None  # the child's own words on the request come when it is forwarded
+        answer = await r.json()
+        return answer if isinstance(answer, dict) else None
 
 
 async def count_text(session: aiohttp.ClientSession, child: Upstream, text: str,
@@ -59,18 +99,18 @@ async def count_text(session: aiohttp.ClientSession, child: Upstream, text: str,
     """The tokens of a piece of generated text as `child` tokenizes it (a continuation's
     relayed text: its stream events merge a few tokens, this does not); None when unknown."""
     try:
-        return await _tokenize(session, child, text, model, False,
+        return await _tokenize(session, child, prompts.Piece(text, False, False), model,
                                aiohttp.ClientTimeout(total=timeout_s))
     except (aiohttp.ClientError, TimeoutError, ValueError) as e:
         log.info("could not count the text's tokens on the %s child: %s", child.name, e)
         return None
 
 
-async def _tokenize(session: aiohttp.ClientSession, child: Upstream, content: Any, model: Any,
-                    special: bool, timeout: aiohttp.ClientTimeout) -> int | None:
+async def _tokenize(session: aiohttp.ClientSession, child: Upstream, piece: prompts.Piece,
+                    model: Any, timeout: aiohttp.ClientTimeout) -> int | None:
     headers = {"Authorization": f"Bearer {child.api_key}", "Content-Type": "application/json"}
-    body: dict[str, Any] = {"content": content, "add_special": special,
-                            "parse_special": special}
+    body: dict[str, Any] = {"content": piece.content, "add_special": piece.add_special,
+                            "parse_special": piece.parse_special}
     if isinstance(model, str):
         body["model"] = model  # a router sends it to the model's instance
     async with session.post(f"{child.base_url}/tokenize", headers=headers,
