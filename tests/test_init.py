@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from supervisor import cli, config
+from supervisor.hostcpu import HostCpu
 from supervisor.init import command
 
 REPO = Path(__file__).resolve().parent.parent
@@ -60,7 +61,20 @@ def box(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     for var in ("SPILLWAY_API_KEY", "LLAMA_CACHE", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE",
                 "HF_HOME", "XDG_CACHE_HOME"):
         monkeypatch.delenv(var, raising=False)
+    # A CPU without AMX, whatever this machine's is: on an AMX CPU `spillway init` adds
+    # --no-repack to the CPU child (test_init_plan and the test below say so).
+    monkeypatch.setattr(command, "host_cpu", lambda: HostCpu("test CPU", frozenset({"avx2"})))
     return tmp_path
+
+
+def test_on_an_amx_cpu_init_gives_the_cpu_child_no_repack(
+        box: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(command, "host_cpu",
+                        lambda: HostCpu("test Xeon", frozenset({"avx512f", "amx_int8"})))
+    r = init(capsys, "-o", "spillway.toml", "--", "llama-server", "-m", "models/m.gguf")
+    assert r.code == 0, r.err
+    assert read(box / "spillway.toml")["cpu"]["args"][-1] == "--no-repack"
+    assert "this CPU has AMX" in r.err
 
 
 def fixture(name: str, root: Path) -> str:
