@@ -302,3 +302,12 @@ def test_the_daemons_settings_carry_the_rules_and_a_reload_copies_them() -> None
     _copy_onto(live, fresh)  # what a reload does (Daemon._configure_proxy)
     assert live.browser.allowed_hosts == {"spillway.lan"}
     assert live.browser.allowed_origins == {"http://dash.lan:3000"}
+
+
+async def test_an_unknown_own_route_is_a_404_typed_as_llama_servers(
+        open_app: tuple[TestClient[web.Request, web.Application], Rig]) -> None:
+    client, _ = open_app
+    resp = await client.get("/spillway/nothing-here")
+    body = await resp.json()
+    assert resp.status == 404 and body["error"]["type"] == "not_found_error", body
+    assert body["error"]["src"] == "spillway"

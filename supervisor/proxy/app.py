@@ -64,7 +64,8 @@ def build_app(proxy: ProxyHandler, auth: AuthSettings,
                                      f"{request.path} takes {', '.join(sorted(allowed))}",
                                      request_id_of(request),
                                      headers={"Allow": ", ".join(sorted(allowed))})
-        return errors.json_error(404, "invalid_request_error",
+        # As llama-server types its own 404 (format_error_response: not_found_error).
+        return errors.json_error(404, "not_found_error",
                                  f"no Spillway route {request.method} {request.path}",
                                  request_id_of(request))
 
