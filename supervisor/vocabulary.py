@@ -1,30 +1,58 @@
-"""The words the parts of Spillway share: the roles, what an upstream is, and what one attempt
-at a request came to. A leaf: it imports nothing of Spillway but the pure policy types (and,
-for type checking only, the config and the load counter), so that the pool, the proxy, the
-resources and the router can all speak of upstreams without importing each other.
+"""The words the parts of Spillway share: the roles, what an upstream is (and the one count of
+what it is working on), and what one attempt at a request came to. A leaf above the pure policy:
+it imports nothing of Spillway's but the policy's value types (ChildState, FailureKind, Verdict),
+and no aiohttp (import-linter checks it), so that the pool, the proxy, the resources and the
+router can all speak of upstreams without importing each other.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
-
-from aiohttp import web
+from typing import Any, Protocol
 
 from .policy import evidence as ev
 from .policy.lifecycle import ChildState
-
-if TYPE_CHECKING:
-    from .config import ChildConfig
-    from .load import Load
 
 # The roles, the GPU's first: the order of preference, of the config's sections and of the
 # status. Said here once (config, admission and the daemon read it).
 GPU = "gpu"
 CPU = "cpu"
 ROLES = (GPU, CPU)
+
+# What one upstream is working on: the one count of its requests in flight. The pool writes it
+# (a lease taken, a lease closed); nothing else does. The child reads it: a draining child waits
+# for `idle`, and its status shows the count.
+class Load:
+    __slots__ = ("generation", "other", "idle")
+
+    def __init__(self) -> None:
+        self.generation = 0  # generation requests: what the admission caps count
+        self.other = 0  # routes outside the caps (/props, /slots, ...)
+        self.idle = asyncio.Event()  # set while nothing is in flight
+        self.idle.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self.generation + self.other
+
+    def take(self, generation: bool) -> None:
+        if generation:
+            self.generation += 1
+        else:
+            self.other += 1
+        self.idle.clear()
+
+    def give_back(self, generation: bool) -> None:
+        if generation:
+            self.generation = max(0, self.generation - 1)
+        else:
+            self.other = max(0, self.other - 1)
+        if self.generation == 0 and self.other == 0:
+            self.idle.set()
+
 
 # A change of an upstream's state: (the upstream, old, new, why).
 StateListener = Callable[[Any, ChildState, ChildState, str], None]
@@ -101,7 +129,7 @@ class Upstream(Protocol):
     def pid(self) -> int | None: ...
 
     @property
-    def cfg(self) -> ChildConfig: ...
+    def start_timeout_s(self) -> float: ...  # how long a start may take
 
     def start(self) -> None: ...
 
@@ -136,29 +164,10 @@ class Attempt:
 
 
 @dataclass(frozen=True)
-class Answered:
-    response: web.StreamResponse
+class AttemptEnd:
+    """How an attempt ended, as the pool learns from it (the proxy says it from the answer it
+    gave: proxy/outcomes.ending); None for an attempt cancelled (the client left)."""
 
-
-@dataclass(frozen=True)
-class Broken:
-    """Failed after bytes reached the client: the stream was ended with one error event and no
-    [DONE]; never a final answer."""
-
-    response: web.StreamResponse
-    failure: AttemptFailure
-
-
-@dataclass(frozen=True)
-class Interrupted:
-    """Failed after bytes reached the client, its stream left open: it goes on from the other
-    child (`Forwarder.continue_stream`) or ends with the error event (`Forwarder.end_broken`).
-    Only a followed stream (`RequestCtx.follow`) is interrupted rather than broken."""
-
-    response: web.StreamResponse
-    failure: AttemptFailure
-    anthropic: bool = False
-    at: float = field(default_factory=time.monotonic)  # when the failure was seen
-
-
-AttemptResult = Answered | Broken | Interrupted | AttemptFailure
+    failure: AttemptFailure | None = None  # the upstream failed, before or after bytes
+    timed: bool = True  # its timings count: not a failure before any byte reached the client
+    ok: bool = False  # a whole answer, status 200

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Spillway, fake_server_script, injector_script  # noqa: E402
 from tinymodel import write_tiny_model  # noqa: E402
 
-from supervisor import bootstrap  # noqa: E402
+from supervisor.commands import bootstrap  # noqa: E402
 
 
 @pytest.fixture(scope="session")

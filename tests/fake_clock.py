@@ -1,4 +1,4 @@
-"""A fake clock for the supervisor's waits (supervisor/clock.py's seam).
+"""A fake clock for the supervisor's waits (supervisor/upstreams/clock.py's seam).
 
 Time moves only when something waits on it: a wait that is not cut short by its event jumps
 the clock to the wait's end at once, so a test of minutes of back-off runs in moments and the

@@ -1,5 +1,5 @@
-"""A fake of supervisor/launcher.py's seam: processes that live in the test's event loop and
-on its fake clock (tests/fake_clock.py, with fake_processes=True), with fault switches.
+"""A fake of supervisor/upstreams/launcher.py's seam: processes that live in the test's event
+loop and on its fake clock (tests/fake_clock.py, with fake_processes=True), with fault switches.
 
 Each spawn takes the next `Script` given to the launcher (then its default): what the process
 prints, after how many health probes it is ready (or never), when it exits by itself and how

@@ -1,5 +1,6 @@
 """What a load balancer is told: HAProxy's agent-check reply (policy/balancer.py), table-driven,
-and the agent port itself (balancer.py), read as HAProxy reads it: connect, one line, closed."""
+and the agent port itself (service/agent_port.py), read as HAProxy reads it: connect, one line,
+closed."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ import asyncio
 import pytest
 from harness import free_port
 
-from supervisor import config as config_module
-from supervisor.balancer import AgentServer
+from supervisor.config import schema as config_module
+from supervisor.service.agent_port import AgentServer
 from supervisor.policy.balancer import MachineHealth, agent_reply
 
 # (name, health, reply)

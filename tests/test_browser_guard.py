@@ -15,9 +15,9 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from test_own_routes import make_routes
 
-from supervisor.config import ConfigError, build
-from supervisor.drill_window import DrillWindow
-from supervisor.own_routes import OwnRoutes
+from supervisor.config.schema import ConfigError, build
+from supervisor.service.drill_window import DrillWindow
+from supervisor.service.own_routes import OwnRoutes
 from supervisor.policy.browser import BrowserRules
 from supervisor.proxy.app import build_app
 from supervisor.proxy.auth import AuthSettings
@@ -289,7 +289,7 @@ def test_the_machines_addresses_are_read_again_after_a_while() -> None:
 
 
 def test_the_daemons_settings_carry_the_rules_and_a_reload_copies_them() -> None:
-    from supervisor.daemon import _copy_onto, _proxy_settings
+    from supervisor.service.daemon import _copy_onto, _proxy_settings
 
     def config(**server: Any) -> Any:
         return build({"model": {"path": "/m.gguf"}, "server": {

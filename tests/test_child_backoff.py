@@ -15,8 +15,8 @@ import pytest
 from fake_clock import FakeClock
 from harness import fake_config
 
-from supervisor.children import Child
-from supervisor.config import build
+from supervisor.upstreams.children import Child
+from supervisor.config.schema import build
 from supervisor.policy.lifecycle import ChildState
 
 pytestmark = pytest.mark.asyncio

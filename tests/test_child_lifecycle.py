@@ -1,4 +1,4 @@
-"""The child's lifecycle, unit tested: the owner task of supervisor/children.py on fake
+"""The child's lifecycle, unit tested: the owner task of supervisor/upstreams/children.py on fake
 processes (tests/fake_launcher.py) and a fake clock (tests/fake_clock.py). No process is
 started and nothing sleeps: minutes of back-off, hang and grace run in moments, and the
 times the child saw are exact.
@@ -19,10 +19,10 @@ import pytest
 from fake_clock import FakeClock
 from fake_launcher import FakeLauncher, FakeProcess, Script
 
-from supervisor import children
-from supervisor.children import HEALTH_POLL_S, LIVENESS_POLL_S, LIVENESS_TIMEOUT_S, Child
-from supervisor.config import ChildConfig, RestartConfig
-from supervisor.launcher import pick_port as real_pick_port
+from supervisor.upstreams import children
+from supervisor.upstreams.children import HEALTH_POLL_S, LIVENESS_POLL_S, LIVENESS_TIMEOUT_S, Child
+from supervisor.config.schema import ChildConfig, RestartConfig
+from supervisor.upstreams.launcher import pick_port as real_pick_port
 from supervisor.policy.evidence import VramSample
 from supervisor.policy.lifecycle import TRANSITIONS, ChildState
 

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from supervisor import config
-from supervisor.config import ConfigError, build
+from supervisor.config import schema as config
+from supervisor.config.schema import ConfigError, build
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "spillway.toml"

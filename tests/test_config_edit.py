@@ -14,7 +14,7 @@ import pytest
 from harness import REPO, eventually, fake_config
 
 from conftest import SpillwayFactory
-from supervisor import config_edit
+from supervisor.config import edit as config_edit
 
 CONFIG = """\
 # My Spillway: edited by hand, and the comments matter.

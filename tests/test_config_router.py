@@ -11,8 +11,9 @@ from typing import Any
 
 import pytest
 
-from supervisor import cli, config, llama_args, models_dir
-from supervisor.config import ConfigError, build
+from supervisor.commands import cli
+from supervisor.config import schema as config, llama_args, models_dir
+from supervisor.config.schema import ConfigError, build
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "router.toml"

@@ -11,10 +11,7 @@ from typing import Any
 import pytest
 
 from supervisor.proxy.connections import (
-    ConnectionUse,
-    UpstreamClient,
-    UpstreamClosed,
-    UpstreamConnectError,
+    ConnectionUse, UpstreamClient, UpstreamClosed, UpstreamConnectError,
 )
 
 class Server:

@@ -17,7 +17,7 @@ from harness import Spillway, eventually, real_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SpillwayFactory
-from supervisor import bootstrap
+from supervisor.commands import bootstrap
 
 pytestmark = [pytest.mark.integration]
 STORY = "Tell me a short story about a robot who learns to paint."

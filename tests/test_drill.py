@@ -15,8 +15,8 @@ import pytest
 from harness import REPO, Spillway, real_config, router_config
 
 from conftest import SpillwayFactory
-from supervisor.drill.client import Sent
-from supervisor.drill.scenarios import ScenarioResult, judge
+from supervisor.commands.drill.client import Sent
+from supervisor.commands.drill.scenarios import ScenarioResult, judge
 
 integration = pytest.mark.integration
 

@@ -19,7 +19,7 @@ import openai
 import pytest
 from harness import REPO, free_port
 
-from supervisor import bootstrap, client, quickstart
+from supervisor.commands import bootstrap, remote as client, quickstart
 
 pytestmark = [pytest.mark.integration]
 

@@ -17,7 +17,7 @@ from test_children_functional import transitions
 from test_integration_llama import cancelled_tasks
 
 from conftest import SpillwayFactory
-from supervisor.incidents import FIELDS
+from supervisor.records.incidents import FIELDS
 
 pytestmark = [pytest.mark.integration]
 MARKER = "OOM-ME"

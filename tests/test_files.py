@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from supervisor.files import write_atomically
+from supervisor.config.files import write_atomically
 
 
 def mode(path: Path) -> int:

@@ -18,7 +18,7 @@ from cdp import Browser
 from harness import REPO, eventually, free_port
 from test_status_page import card, updated
 
-from supervisor import client
+from supervisor.commands import remote as client
 
 pytestmark = [pytest.mark.integration]
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from supervisor import idempotency
-from supervisor.config import build
-from supervisor.idempotency import IdempotencyStore, Outcome, StoredResponse
+from supervisor.records import idempotency
+from supervisor.config.schema import build
+from supervisor.records.idempotency import IdempotencyStore, Outcome, StoredResponse
 
 MIB = 1024 * 1024
 SCOPE = "global:/v1/chat/completions"

@@ -22,9 +22,10 @@ from typing import Any
 
 import pytest
 
-from supervisor import cli, config
-from supervisor.hostcpu import HostCpu
-from supervisor.init import command
+from supervisor.commands import cli
+from supervisor.config import schema as config
+from supervisor.upstreams.hostcpu import HostCpu
+from supervisor.commands.init import command
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "init"

@@ -8,8 +8,8 @@ from collections.abc import Mapping
 
 import pytest
 
-from supervisor.init import cmdline, hfcache
-from supervisor.init.source import EnvVar, InitError, Source
+from supervisor.commands.init import cmdline, hfcache
+from supervisor.commands.init.source import EnvVar, InitError, Source
 
 
 def no_hf(repo: str, hf_file: str | None, env: Mapping[str, str],
@@ -256,8 +256,8 @@ def test_on_a_cpu_with_amx_the_cpu_child_gets_no_repack() -> None:
 def test_the_rendered_cpu_args_carry_no_repack_into_the_cpu_childs_command() -> None:
     import tomllib
 
-    from supervisor import config
-    from supervisor.init import render
+    from supervisor.config import schema as config
+    from supervisor.commands.init import render
 
     text = render.render(plan("-m", "/m/q.gguf", options=cmdline.Options(cpu_has_amx=True)),
                          None)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from supervisor.init import envfile, hfcache, llama_env, llama_swap, unit
-from supervisor.init.source import InitError, from_command_line
+from supervisor.commands.init import envfile, hfcache, llama_env, llama_swap, unit
+from supervisor.commands.init.source import InitError, from_command_line
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "init"
 

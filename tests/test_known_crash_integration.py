@@ -16,7 +16,7 @@ from harness import Spillway, eventually, real_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SpillwayFactory
-from supervisor.cli import format_status
+from supervisor.commands.cli import format_status
 
 pytestmark = [pytest.mark.integration]
 TESTS = Path(__file__).resolve().parent

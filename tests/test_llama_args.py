@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from supervisor.llama_args import canonical, find_flag, flag_value, group_args, merge_args
+from supervisor.config.llama_args import canonical, find_flag, flag_value, group_args, merge_args
 
 
 def test_groups_take_the_values_that_follow_and_negative_numbers_are_values() -> None:

@@ -1,4 +1,4 @@
-"""supervisor/logs.py: the cheaper log path writes the same bytes as the plain `logging` one
+"""supervisor/service/logs.py: the cheaper log path writes the same bytes as the plain `logging` one
 (plain and journal modes), and the lines it keeps within a loop iteration all reach the stream,
 whole and in order."""
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from supervisor import logs
+from supervisor.service import logs
 
 # Today's formats, written out here: the test compares against `logging`'s own output.
 PLAIN = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"

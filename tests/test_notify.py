@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from harness import Spillway, fake_config
 
-from supervisor.systemd import Notifier
+from supervisor.service.systemd import Notifier
 
 
 class Unread:

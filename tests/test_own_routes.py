@@ -15,15 +15,15 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from supervisor import __version__
-from supervisor.children import Child
-from supervisor.config import Config, build
+from supervisor.upstreams.children import Child
+from supervisor.config.schema import Config, build
 from supervisor.vocabulary import ROLES
-from supervisor.pool import Pool
+from supervisor.serving.pool import Pool
 from supervisor.gpu import GpuMonitor
-from supervisor.incidents import IncidentLog
-from supervisor.metrics import Metrics
-from supervisor.own_routes import Host, OwnRoutes, status_line
-from supervisor.resources import Resources
+from supervisor.records.incidents import IncidentLog
+from supervisor.records.metrics import Metrics
+from supervisor.service.own_routes import Host, OwnRoutes, status_line
+from supervisor.serving.resources import Resources
 
 
 @dataclass

@@ -10,23 +10,12 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from supervisor.policy.admission import (
-    Action,
-    Capacity,
-    ChildView,
-    Request,
-    can_serve_now,
-    decide,
-    loading,
-    passthrough,
+    Action, Capacity, ChildView, Request, can_serve_now, decide, loading, passthrough,
 )
 from supervisor.policy.lifecycle import ChildState
 from supervisor.policy.routes import RouteClass
 from supervisor.policy.waitline import (
-    DEFAULT_SERVICE_S,
-    MIN_SERVICE_S,
-    WaitLine,
-    estimated_wait,
-    service_estimate,
+    DEFAULT_SERVICE_S, MIN_SERVICE_S, WaitLine, estimated_wait, service_estimate,
 )
 
 GPU = ChildView("gpu", "READY", busy=0, cap=2, ctx_per_slot=4096)

@@ -6,12 +6,7 @@ from __future__ import annotations
 import pytest
 
 from supervisor.policy.browser import (
-    BrowserRules,
-    check_cross_site,
-    check_host,
-    normal_origin,
-    split_host,
-    valid_host_entry,
+    BrowserRules, check_cross_site, check_host, normal_origin, split_host, valid_host_entry,
 )
 
 LOOPBACK = BrowserRules.build(["127.0.0.1"])

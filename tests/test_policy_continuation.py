@@ -340,7 +340,7 @@ def test_a_messages_stream_is_not_continued_on_a_child_that_does_not_prefill() -
 
 
 def test_which_children_prefill_a_final_assistant_message() -> None:
-    from supervisor.config import ChildConfig
+    from supervisor.config.schema import ChildConfig
     base = ChildConfig(name="cpu", args=("-ngl", "0"), llama_server="llama-server",
                        model_path="m.gguf", env={}, start_timeout_s=1.0, stop_grace_s=1.0,
                        max_concurrency=None)

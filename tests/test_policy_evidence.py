@@ -9,12 +9,7 @@ from pathlib import Path
 import pytest
 
 from supervisor.policy.evidence import (
-    Evidence,
-    FailureKind,
-    VramSample,
-    classify,
-    classify_exit,
-    classify_response,
+    Evidence, FailureKind, VramSample, classify, classify_exit, classify_response,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama-server"

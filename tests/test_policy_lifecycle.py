@@ -9,14 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from supervisor.policy.lifecycle import (
-    TRANSITIONS,
-    BackoffPolicy,
-    ChildState,
-    InvalidTransition,
-    after_exit,
-    check_transition,
-    fatal_retry_s,
-    quick_failures_after_fatal_try,
+    TRANSITIONS, BackoffPolicy, ChildState, InvalidTransition, after_exit, check_transition,
+    fatal_retry_s, quick_failures_after_fatal_try,
 )
 
 S = ChildState

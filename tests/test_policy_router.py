@@ -12,17 +12,8 @@ import pytest
 
 from supervisor.policy.evidence import FailureKind, VramSample
 from supervisor.policy.router import (
-    PROXY_ERROR,
-    ModelInfo,
-    RouterLine,
-    StatusChange,
-    classify_instance_exit,
-    is_load_failure_body,
-    is_proxy_error,
-    parse_models,
-    parse_router_line,
-    parse_sse_data,
-    stream_tail_is_proxy_error,
+    PROXY_ERROR, ModelInfo, RouterLine, StatusChange, classify_instance_exit, is_load_failure_body,
+    is_proxy_error, parse_models, parse_router_line, parse_sse_data, stream_tail_is_proxy_error,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "llama-server"

@@ -12,11 +12,11 @@ import pytest
 
 from typing import Any
 
-from supervisor.load import Load
+from supervisor.vocabulary import Load
 from supervisor.policy.admission import Action, ChildView, Decision, Request, decide
 from supervisor.policy.lifecycle import ChildState
 from supervisor.policy.routes import RouteClass
-from supervisor.pool import Lease, Pool
+from supervisor.serving.pool import Lease, Pool
 
 REQ = Request(route=RouteClass.GENERATION, prompt_tokens=10, cpu_allowed=True, deadline_s=None)
 
@@ -247,13 +247,13 @@ async def test_a_replay_lease_is_never_handed_out_for_an_upstream_that_began_to_
 def _answer(status: int) -> Any:
     from aiohttp import web
 
-    from supervisor.proxy.forward import Answered
-    return Answered(web.Response(status=status))
+    from supervisor.proxy.outcomes import Answered, ending
+    return ending(Answered(web.Response(status=status)))
 
 
 @pytest.mark.asyncio
 async def test_closing_a_lease_gives_its_place_back_and_learns_from_the_answer() -> None:
-    from supervisor.proxy.forward import Attempt
+    from supervisor.vocabulary import Attempt
 
     source = FakeSource({"gpu": 1, "cpu": 1})
     pool = make_pool(source, max_waiting=4, max_wait_s=30)
@@ -276,9 +276,10 @@ async def test_closing_a_lease_gives_its_place_back_and_learns_from_the_answer()
 async def test_a_lease_closed_on_a_survived_oom_drains_its_upstream_and_counts_it() -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from supervisor.metrics import Metrics
+    from supervisor.records.metrics import Metrics
     from supervisor.policy.evidence import FailureKind, Verdict
-    from supervisor.proxy.forward import AttemptFailure
+    from supervisor.proxy.outcomes import ending
+    from supervisor.vocabulary import AttemptFailure
 
     source = FakeSource({"gpu": 1, "cpu": 1})
     members = {name: FakeMember(name, source) for name in ("gpu", "cpu")}
@@ -286,8 +287,8 @@ async def test_a_lease_closed_on_a_survived_oom_drains_its_upstream_and_counts_i
     pool = Pool(source, members, 4, 30, metrics=metrics)  # type: ignore[arg-type]
     lease = await pool.lease(REQ, 1, 1)
     assert isinstance(lease, Lease)
-    lease.close(None, AttemptFailure("gpu", 1, Verdict(FailureKind.OOM_SURVIVED,
-                                                         "cudaMalloc failed")))
+    lease.close(None, ending(AttemptFailure("gpu", 1, Verdict(FailureKind.OOM_SURVIVED,
+                                                                "cudaMalloc failed"))))
     assert members["gpu"].drained == ["OOM survived: cudaMalloc failed"]
     assert members["cpu"].drained == [] and pool.busy("gpu") == 0
     counted = {(s.labels["child"], s.labels["kind"]): s.value

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from supervisor import bootstrap, client, config, quickstart
+from supervisor.commands import bootstrap, remote as client, quickstart
+from supervisor.config import schema as config
 
 
 def make_config(tmp_path: Path, extra: str = "") -> config.Config:
@@ -116,7 +117,7 @@ def test_a_key_set_only_in_the_daemons_environment_file_is_read_from_there(
 def test_a_taken_port_names_its_holder_and_the_next_free_port() -> None:
     import socket
 
-    from supervisor import ports
+    from supervisor.commands import ports
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -135,7 +136,7 @@ def test_a_taken_port_names_its_holder_and_the_next_free_port() -> None:
 
 
 def test_a_taken_port_held_by_spillway_points_at_its_status() -> None:
-    from supervisor.ports import PortTaken
+    from supervisor.commands.ports import PortTaken
 
     text = quickstart.port_taken(PortTaken("::1", 8080, "python3 (pid 7: .venv/bin/spillway "
                                                         "quickstart)", None), ".venv/bin/spillway")

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from supervisor.idempotency import IdempotencyStore, Outcome, StoredResponse, fingerprint, scope_of
-from supervisor.incidents import FIELDS, Incident, IncidentLog
+from supervisor.records.idempotency import (
+    IdempotencyStore, Outcome, StoredResponse, fingerprint, scope_of,
+)
+from supervisor.records.incidents import FIELDS, Incident, IncidentLog
 from supervisor.policy import estimate
 
 ANSWER = StoredResponse(200, (("Content-Type", "application/json"),), b'{"ok": true}')

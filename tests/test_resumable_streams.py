@@ -15,7 +15,7 @@ from harness import Spillway, eventually_async, fake_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SpillwayFactory
-from supervisor.cli import format_status
+from supervisor.commands.cli import format_status
 
 pytestmark = pytest.mark.asyncio
 CHAT = {"messages": [{"role": "user", "content": "hi"}], "stream": True}

@@ -15,7 +15,7 @@ import pytest
 from test_router_upstream import FakeLoader, FakeRouter, loaded, told
 from tinymodel import write_tiny_model
 
-from supervisor import config as config_module
+from supervisor.config import schema as config_module
 from supervisor.gpu import MIB, GpuSample
 from supervisor.policy.lifecycle import ChildState as S
 from supervisor.router.capacity import ModelResources

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from fake_clock import FakeClock
 
-from supervisor.config import RestartConfig
+from supervisor.config.schema import RestartConfig
 from supervisor.policy import lifecycle
 from supervisor.policy.evidence import FailureKind, VramSample
 from supervisor.policy.lifecycle import ChildState as S

@@ -33,7 +33,7 @@ from supervisor.gpu import MIB, GpuSample
 from supervisor.gpu.history import GpuHistory, MemoryPoint
 from supervisor.proxy.app import build_app
 from supervisor.proxy.auth import AuthSettings
-from supervisor.status_page import StatusPage, content_security_policy
+from supervisor.service.status_page import StatusPage, content_security_policy
 
 KEY = "sekret"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from supervisor.stream_sessions import Read, StreamSessions
+from supervisor.records.stream_sessions import Read, StreamSessions
 
 
 def test_a_session_holds_what_was_sent_and_reads_from_any_offset() -> None:

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .lifecycle import ChildState
-from ..vocabulary import ROLES
 from .routes import RouteClass
 
 
@@ -151,15 +150,16 @@ def loading(states: Mapping[str, ChildState], pin: str | None = None) -> bool:
 
 
 def passthrough(states: Mapping[str, ChildState], pin: str | None) -> Decision:
-    """Routes outside generation: outside the caps, never replayed."""
-    if pin in ROLES:
-        if states.get(pin) == ChildState.READY:
+    """Routes outside generation: outside the caps, never replayed. `states`: each upstream's,
+    in the order of preference (the config's)."""
+    if pin is not None and pin in states:
+        if states[pin] == ChildState.READY:
             return Decision(Action.FORWARD, 4, "pinned by X-Spillway-Child", child=pin)
         return Decision(Action.REJECT, 7, f"the {pin} child (pinned by X-Spillway-Child) is "
-                                          f"{states.get(pin)}", retry_after_s=5.0,
+                                          f"{states[pin]}", retry_after_s=5.0,
                         cause="no_child")
-    for name in ROLES:
-        if states.get(name) == ChildState.READY:
+    for name, state in states.items():
+        if state == ChildState.READY:
             return Decision(Action.FORWARD, 4, f"{name} child ready", child=name)
     return Decision(Action.REJECT, 7, "no child is ready (" + ", ".join(
         f"{n} is {s}" for n, s in states.items()) + ")", retry_after_s=5.0, cause="no_child")

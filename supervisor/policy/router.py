@@ -27,16 +27,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .evidence import (
-    CUDA_ERROR_LINE,
-    LOAD_FAILURE,
-    OOM_PATTERNS,
-    Evidence,
-    FailureKind,
-    Verdict,
-    VramSample,
-    last_match,
-    vram_note,
-    vram_short,
+    CUDA_ERROR_LINE, LOAD_FAILURE, OOM_PATTERNS, Evidence, FailureKind, Verdict, VramSample,
+    last_match, vram_note, vram_short,
 )
 
 PROXY_ERROR = "proxy error:"

@@ -35,26 +35,15 @@ from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..policy import continuation
 from ..policy import evidence as ev
-from ..vocabulary import (
-    Answered,
-    Attempt,
-    AttemptFailure,
-    AttemptResult,
-    Broken,
-    Interrupted,
-    Upstream,
-)
+from ..vocabulary import Attempt, AttemptFailure, Upstream
+from .outcomes import Answered, AttemptResult, Broken, Interrupted
 from ..policy import router as router_evidence
 from ..policy.routes import ANTHROPIC_ROUTES, RouteClass
 from . import sse
 from .connections import (
-    ConnectionUse,
-    UpstreamClient,
-    UpstreamClosed,
-    UpstreamConnectError,
-    UpstreamResponse,
+    ConnectionUse, UpstreamClient, UpstreamClosed, UpstreamConnectError, UpstreamResponse,
 )
-from ..stream_sessions import StreamSession
+from ..records.stream_sessions import StreamSession
 from .continued import ContinuedStream
 from .errors import sse_error_event
 from .headers import downstream_headers, upstream_headers

@@ -20,26 +20,20 @@ from typing import Any
 
 from aiohttp import web
 
-from ..idempotency import IdempotencyStore, Outcome, StoredResponse, fingerprint, scope_of
-from ..incidents import Incident, IncidentLog, new_incident_id
-from ..metrics import Metrics
-from ..pool import Lease, Pool
-from ..pools import Pools
-from ..stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
-from ..timefmt import rfc3339
+from ..records.idempotency import IdempotencyStore, Outcome, StoredResponse, fingerprint, scope_of
+from ..records.incidents import Incident, IncidentLog, new_incident_id
+from ..records.metrics import Metrics
+from ..serving.pool import Lease, Pool
+from ..serving.pools import Pools
+from ..records.stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
+from ..records.timefmt import rfc3339
 from ..policy import admission, continuation, estimate, prompts, replay
 from ..policy.routes import RouteClass, classify_route, route_label
 from . import errors, tokens
 from .auth import AUTHENTICATED, presented_key
 from .continued import ContinuedStream
-from ..vocabulary import (
-    Answered,
-    Attempt,
-    AttemptFailure,
-    AttemptResult,
-    Broken,
-    Interrupted,
-)
+from ..vocabulary import Attempt, AttemptFailure
+from .outcomes import Answered, AttemptResult, Broken, Interrupted, ending
 from .forward import Forwarder, RequestCtx
 from .identity import request_id_of
 
@@ -452,7 +446,7 @@ class ProxyHandler:
             result = await self.forwarder.attempt(request, ctx, attempt, child, own)
             return result
         finally:
-            lease.close(attempt, result)
+            lease.close(attempt, ending(result))
 
     async def _after_failure(self, request: web.Request, ctx: RequestCtx,
                              failure: AttemptFailure,
@@ -555,7 +549,7 @@ class ProxyHandler:
                 ctx, attempt, lease.upstream, cut, body,
                 ContinuedStream(so_far, note), comment)
         finally:
-            lease.close(attempt, result)
+            lease.close(attempt, ending(result))
         if attempt.first_byte_s is not None:
             # From the death to the continuation's first token: the continuation's price.
             episode.continued_after_s = ctx.received + attempt.first_byte_s - cut.at

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from ..metrics import Metrics
-from ..stream_sessions import Read, StreamSessions
+from ..records.metrics import Metrics
+from ..records.stream_sessions import Read, StreamSessions
 from . import errors
 from .identity import request_id_of
 

@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.abc import AbstractStreamWriter
 
-from ..stream_sessions import StreamSession
+from ..records.stream_sessions import StreamSession
 
 # What writing to a client that went away raises (aiohttp's ClientConnectionResetError is a
 # ConnectionResetError); RuntimeError: a write after the framework finished the response.

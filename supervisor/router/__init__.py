@@ -9,5 +9,5 @@ router's `gemma` keeps serving when its `qwen` dies.
   to the model upstreams; loads and unloads;
 - capacity.py: a model's capacity for admission (the pool's CapacitySource), VRAM fit included.
 
-The pools (supervisor/pools.py) give each model its own pool over its two upstreams.
+The pools (serving/pools.py) give each model its own pool over its two upstreams.
 """

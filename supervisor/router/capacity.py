@@ -20,10 +20,10 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
-from ..config import Config
+from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
 from ..policy.lifecycle import ChildState
-from ..resources import Resources
+from ..serving.resources import Resources
 from .upstream import ModelUpstream
 
 log = logging.getLogger("spillway.router")

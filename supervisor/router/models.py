@@ -20,12 +20,12 @@ from typing import Any
 
 import aiohttp
 
-from ..children import Child
-from ..config import Config
+from ..upstreams.children import Child
+from ..config.schema import Config
 from ..gpu import GpuMonitor
-from ..metrics import Metrics
+from ..records.metrics import Metrics
 from ..policy.lifecycle import ChildState
-from ..pool import Pool
+from ..serving.pool import Pool
 from .capacity import ModelResources
 from .upstream import ModelUpstream
 from .watch import RouterWatch

@@ -38,17 +38,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from ..children import STDERR_TAIL_LINES, Child, VramProbe
-from ..clock import Clock, MonotonicClock
-from ..config import ChildConfig, RestartConfig
-from ..engine import Engine, Heard, LifeReader
-from ..load import Load
+from ..upstreams.children import STDERR_TAIL_LINES, Child, VramProbe
+from ..upstreams.clock import Clock, MonotonicClock
+from ..config.schema import RestartConfig
+from ..upstreams.engine import Engine, Heard, LifeReader
 from ..policy import lifecycle
 from ..policy.evidence import FailureKind
 from ..policy.lifecycle import SERVING, ChildState, Life
 from ..policy.router import ModelInfo, StatusChange, classify_instance_exit
-from ..timefmt import rfc3339
-from ..vocabulary import StateListener
+from ..records.timefmt import rfc3339
+from ..vocabulary import Load, StateListener
 
 log = logging.getLogger("spillway.router")
 
@@ -163,8 +162,8 @@ class ModelUpstream(LifeReader):
         return self.child.base_url
 
     @property
-    def cfg(self) -> ChildConfig:
-        return self.child.cfg
+    def start_timeout_s(self) -> float:
+        return self.child.start_timeout_s
 
     @property
     def is_ready(self) -> bool:

@@ -27,7 +27,7 @@ from typing import Any
 import aiohttp
 import psutil
 
-from ..children import Child
+from ..upstreams.children import Child
 from ..policy.lifecycle import SERVING, ChildState
 from ..policy.router import parse_models, parse_router_line, parse_sse_data
 from .upstream import ModelUpstream

@@ -1,0 +1,3 @@
+"""The `spillway` command: cli.py and what its subcommands need (quickstart, bootstrap, init, drill,
+talking to a running daemon).
+"""

@@ -1,0 +1,242 @@
+"""The drill's view of a running Spillway: requests as a client sends them, and the daemon's
+own records (status, incidents, timeline) read back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import aiohttp
+
+from ..remote import Target
+
+CHAT = "/v1/chat/completions"
+
+
+@dataclass
+class Sent:
+    """One request the drill made, and what came back."""
+
+    scenario: int
+    request_id: str
+    stream: bool
+    started: float  # wall clock
+    ended: float = 0.0
+    status: int | None = None  # None: no answer (the client left, or the connection broke)
+    attempts: int = 0
+    child: str | None = None
+    model: str | None = None  # X-Spillway-Model (router mode)
+    failover: str | None = None
+    complete: bool = False  # a whole answer: JSON with choices, or a stream ending in [DONE]
+    error_event: bool = False  # a stream ended by Spillway's error event
+    controlled: bool = False  # a JSON error from Spillway (src: spillway)
+    client_left: bool = False  # the drill left on purpose
+    request_id_kept: bool = False
+    tokens: int = 0
+    cut_at: int | None = None  # scenario 7: the events read when the GPU child was stopped
+    continued: bool = False  # the stream said it was continued on the other child
+    note: str = ""
+    incident: dict[str, Any] | None = None
+
+    @property
+    def latency_s(self) -> float:
+        return round(self.ended - self.started, 3) if self.ended else 0.0
+
+    @property
+    def outcome(self) -> str:
+        if self.client_left:
+            return "cancelled"
+        if self.complete and self.continued:
+            return "continued"
+        if self.complete and self.attempts >= 2:
+            return "replayed"
+        if self.complete:
+            return "completed"
+        if self.controlled or self.error_event:
+            return "controlled_error"
+        return "failed"
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["latency_s"] = self.latency_s
+        out["outcome"] = self.outcome
+        return out
+
+
+def state_of(status: dict[str, Any], child: str, model: str | None = None) -> str | None:
+    """A child's state; in router mode (`model`), that model's state on that router (the
+    router's own when the router itself is not READY)."""
+    info = status["children"][child]
+    if model is None or info["state"] != "READY":
+        return str(info["state"])
+    found = (info.get("models") or {}).get(model)
+    return None if found is None else str(found["state"])
+
+
+def model_info(status: dict[str, Any], child: str, model: str) -> dict[str, Any]:
+    """One model's entry on one router in the status ({} when it has none)."""
+    found: dict[str, Any] = (status["children"][child].get("models") or {}).get(model) or {}
+    return found
+
+
+@dataclass
+class DrillClient:
+    target: Target
+    session: aiohttp.ClientSession
+    sent: list[Sent] = field(default_factory=list)
+    model: str | None = None  # router mode: every request names it
+    drill_token: str | None = None  # the daemon's window for this drill (begin, end)
+
+    def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        h = {"Content-Type": "application/json"}
+        if self.target.api_key:
+            h["Authorization"] = f"Bearer {self.target.api_key}"
+        h.update(extra or {})
+        return h
+
+    async def get(self, path: str, **headers: str) -> Any:
+        async with self.session.get(self.target.url + path,
+                                    headers=self._headers(headers)) as r:
+            return await r.json()
+
+    async def post_json(self, path: str, body: Any) -> Any:
+        async with self.session.post(self.target.url + path, data=json.dumps(body),
+                                     headers=self._headers()) as r:
+            return await r.json()
+
+    async def begin(self) -> None:
+        """Open the daemon's drill window: arming answers only inside it."""
+        async with self.session.post(self.target.url + "/spillway/drill/start", data="{}",
+                                     headers=self._headers()) as r:
+            answer = await r.json()
+            if r.status != 200:
+                raise RuntimeError("Spillway refused to start a drill: "
+                                   f"{answer.get('error', {}).get('message', answer)}")
+        self.drill_token = str(answer["drill"])
+
+    async def arm(self, body: dict[str, Any]) -> Any:
+        """`/spillway/drill/arm` with the drill's token (the window must be open)."""
+        async with self.session.post(self.target.url + "/spillway/drill/arm",
+                                     data=json.dumps(body),
+                                     headers=self._headers(self._drill_header())) as r:
+            return await r.json()
+
+    async def end(self) -> None:
+        """Close the window (the daemon disarms what is armed); once."""
+        if self.drill_token is None:
+            return
+        async with self.session.post(self.target.url + "/spillway/drill/end", data="{}",
+                                     headers=self._headers(self._drill_header())):
+            self.drill_token = None
+
+    def _drill_header(self) -> dict[str, str]:
+        return {"X-Spillway-Drill": self.drill_token} if self.drill_token else {}
+
+    async def post(self, path: str, body: Any) -> tuple[int, str]:
+        """(status, body text), whatever the answer is."""
+        async with self.session.post(self.target.url + path, data=json.dumps(body),
+                                     headers=self._headers()) as r:
+            return r.status, await r.text(errors="replace")
+
+    async def status(self) -> dict[str, Any]:
+        result: dict[str, Any] = await self.get("/spillway/status")
+        return result
+
+    async def incidents(self, limit: int = 500) -> list[dict[str, Any]]:
+        body = await self.get(f"/spillway/incidents?limit={limit}")
+        records: list[dict[str, Any]] = body["incidents"]
+        return records
+
+    async def wait_state(self, child: str, states: tuple[str, ...], timeout: float,
+                         model: str | None = None) -> bool:
+        """Until the child (in router mode: `model` on that router) is in one of `states`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if state_of(await self.status(), child, model) in states:
+                return True
+            await asyncio.sleep(0.1)
+        return False
+
+    async def tasks_started(self) -> dict[str, int]:
+        return {n: c["tasks_started"] for n, c in (await self.status())["children"].items()}
+
+    async def chat(self, scenario: int, messages: list[dict[str, str]], max_tokens: int,
+                   stream: bool = False, headers: dict[str, str] | None = None,
+                   leave_after_first_event: bool = False,
+                   extra: dict[str, Any] | None = None,
+                   cut: tuple[int, Callable[[], Awaitable[None]]] | None = None) -> Sent:
+        """One chat request; `cut` = (K, stop): `stop()` is awaited once K events of the
+        stream have been read (scenario 7 stops the GPU child there), and reading goes on."""
+        rid = f"drill-{scenario}-{uuid.uuid4().hex[:10]}"
+        sent = Sent(scenario, rid, stream, time.time())
+        self.sent.append(sent)
+        body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens,
+                                "stream": stream, "temperature": 0, **(extra or {})}
+        if self.model is not None:
+            body["model"] = self.model
+        try:
+            async with self.session.post(self.target.url + CHAT, data=json.dumps(body),
+                                         headers=self._headers({"X-Request-Id": rid,
+                                                                **(headers or {})})) as r:
+                sent.status = r.status
+                sent.attempts = int(r.headers.get("X-Spillway-Attempts", "0"))
+                sent.child = r.headers.get("X-Spillway-Child")
+                sent.model = r.headers.get("X-Spillway-Model")
+                sent.failover = r.headers.get("X-Spillway-Failover")
+                sent.request_id_kept = r.headers.get("X-Request-Id") == rid
+                if stream and r.status == 200:
+                    await self._read_stream(r, sent, leave_after_first_event, cut)
+                else:
+                    raw = await r.read()
+                    self._read_json(raw, sent)
+        except (TimeoutError, aiohttp.ClientError) as e:
+            sent.note = f"connection: {type(e).__name__}: {e}"
+        sent.ended = time.time()
+        return sent
+
+    @staticmethod
+    def _read_json(raw: bytes, sent: Sent) -> None:
+        try:
+            data = json.loads(raw)
+        except ValueError:
+            sent.note = f"not JSON: {raw[:100]!r}"
+            return
+        if isinstance(data, dict) and isinstance(data.get("error"), dict):
+            sent.controlled = data["error"].get("src") == "spillway"
+            sent.note = str(data["error"].get("message", ""))[:300]
+        elif isinstance(data, dict) and data.get("choices"):
+            sent.complete = True
+            usage = data.get("usage") or {}
+            sent.tokens = int(usage.get("completion_tokens", 0))
+
+    @staticmethod
+    async def _read_stream(r: aiohttp.ClientResponse, sent: Sent, leave: bool,
+                           cut: tuple[int, Callable[[], Awaitable[None]]] | None) -> None:
+        events = 0
+        async for line in r.content:
+            if line.startswith(b": spillway: continued"):
+                sent.continued = True
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                sent.complete = True
+                break
+            if b'"error"' in data:
+                sent.error_event = True
+                sent.note = data.decode(errors="replace")[:300]
+                break
+            events += 1
+            if cut is not None and events == cut[0]:
+                sent.cut_at = events
+                await cut[1]()
+            if leave:
+                sent.client_left = True
+                r.close()  # the client goes away during the failover
+                break
+        sent.tokens = events

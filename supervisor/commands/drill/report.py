@@ -1,0 +1,268 @@
+"""The drill's report: a table for the terminal, a JSON file, and a self-contained HTML page with
+an SVG timeline (the children's states over time, in router mode also the drilled models' on
+each router; each request a bar coloured by outcome). A scenario that did not run (scenario 6
+outside router mode) is listed as skipped, with the reason."""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import quoteattr
+
+from .. import tables
+from ...vocabulary import ROLES
+
+OUTCOME_COLOURS = {
+    "completed": "#2e7d32",
+    "replayed": "#1565c0",
+    "continued": "#6a1b9a",
+    "controlled_error": "#ef6c00",
+    "cancelled": "#757575",
+    "failed": "#c62828",
+}
+STATE_COLOURS = {
+    "READY": "#81c784",
+    "STARTING": "#64b5f6",
+    "DRAINING": "#fff176",
+    "STOPPING": "#ffd54f",
+    "EXITED": "#e57373",
+    "BACKOFF": "#ffb74d",
+    "FATAL": "#b71c1c",
+    "STOPPED": "#bdbdbd",
+}
+
+
+def summary(scenario: dict[str, Any]) -> dict[str, Any]:
+    """The fields the report shows for one scenario, from the daemon's incident records."""
+    reqs = scenario["requests"]
+    caught = [r for r in reqs if r.get("incident")]
+    first = caught[0] if caught else (reqs[0] if reqs else {})
+    inc = first.get("incident") or {}
+    outcomes: dict[str, int] = {}
+    for r in reqs:
+        outcomes[r["outcome"]] = outcomes.get(r["outcome"], 0) + 1
+    return {
+        "first_error": f"{inc.get('kind')}: {inc.get('evidence')}" if inc else "none",
+        "decision": f"{inc.get('decision')} ({inc.get('reason')})" if inc else "none",
+        "cpu_start_s": inc.get("cpu_start_s", 0) if inc else None,
+        "final": ", ".join(f"{n} {k}" for k, n in sorted(outcomes.items())),
+        "latency_s": inc.get("latency_s", first.get("latency_s")) if first else None,
+        "connection_survived": inc.get("client_connected") if inc else None,
+        "tool_effects": scenario.get("tool_effects"),
+        "request_ids": [r["request_id"] for r in reqs],
+    }
+
+
+def _result(scenario: dict[str, Any], report: dict[str, Any]) -> str:
+    """PASS or FAIL; "(simulated)" when this scenario was, and the rest of the drill not."""
+    word = "PASS" if scenario["passed"] else "FAIL"
+    return word + (" (simulated)" if scenario["simulated"] and not report["simulated"] else "")
+
+
+def gpu_states_after(scenario: dict[str, Any]) -> str | None:
+    """Scenario 6: each model's state on the GPU router at the end, in words."""
+    states = (scenario.get("models") or {}).get("gpu_states_after")
+    if not states:
+        return None
+    return "on the GPU router at the end: " + ", ".join(f"{m} {st}" for m, st in states.items())
+
+
+def table(report: dict[str, Any]) -> str:
+    rows = []
+    for s in report["scenarios"]:
+        m = summary(s)
+        effects = m["tool_effects"]
+        rows.append([
+            s["number"], s["name"][:38], _result(s, report),
+            (m["first_error"] or "")[:40], (m["decision"] or "")[:28],
+            "-" if m["cpu_start_s"] is None else f"{m['cpu_start_s']:.2f}",
+            m["final"][:28], "-" if m["latency_s"] is None else f"{m['latency_s']:.2f}",
+            {True: "yes", False: "no", None: "-"}[m["connection_survived"]],
+            "-" if effects is None else ",".join(str(v) for v in effects.values()),
+        ])
+    text = tables.render(["#", "scenario", "result", "first error", "decision",
+                          "cpu start s", "final", "latency s", "connection", "tools"], rows)
+    for s in report["scenarios"]:
+        after = gpu_states_after(s)
+        if after:
+            text += f"\n[{s['number']}] {after}"
+    for skipped in report.get("skipped", []):
+        text += f"\n[{skipped['number']}] {skipped['name']}: skipped ({skipped['why']})"
+    return text
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(report, indent=1, default=str))
+
+
+def _intervals(events: list[dict[str, Any]], child: str, start: float, end: float,
+               model: str | None = None,
+               initial: str = "READY") -> list[tuple[float, float, str]]:
+    """(from, to, state) for one child (router mode: one model on that router) over
+    [start, end]."""
+    mine = sorted((e for e in events if e["child"] == child and e.get("model") == model),
+                  key=lambda e: e["time"])
+    state = initial
+    for e in mine:
+        if e["time"] <= start:
+            state = e["state"]
+    out = []
+    t = start
+    for e in mine:
+        if e["time"] <= start:
+            continue
+        if e["time"] >= end:
+            break
+        out.append((t, e["time"], state))
+        t, state = e["time"], e["state"]
+    out.append((t, end, state))
+    return [i for i in out if i[1] > i[0]]
+
+
+def svg_timeline(report: dict[str, Any], width: int = 1000) -> str:
+    timeline = report["timeline"]
+    start, end = float(timeline["start"]), float(timeline["end"])
+    span = max(end - start, 1e-3)
+    left, lane_h, bar_h, gap = 110, 22, 12, 4
+
+    def x(t: float) -> float:
+        return left + (min(max(t, start), end) - start) / span * (width - left - 10)
+
+    requests = [(s["number"], r) for s in report["scenarios"] for r in s["requests"]]
+    # The children, then (router mode) each drilled model on each router.
+    lanes: list[tuple[str, str | None]] = [("gpu", None), ("cpu", None)]
+    lanes += [(child, m) for m in timeline.get("models", []) for child in ROLES]
+    height = 40 + len(lanes) * (lane_h + gap) + len(requests) * (bar_h + gap) + 30
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+             f'viewBox="0 0 {width} {height}" class="timeline" role="img" '
+             'aria-label="child states and requests over time">']
+    y = 20
+    initial = timeline.get("initial", {})
+    for child, model in lanes:
+        first = "READY" if model is None else initial.get(f"{child}/{model}") or "STOPPED"
+        name = f"{child} child" if model is None else f"{child}: {model}"
+        parts.append(f'<g class="lane" data-child="{child}"'
+                     f'{"" if model is None else f" data-model={quoteattr(model)}"}>')
+        parts.append(f'<text x="4" y="{y + 15}" class="lane-label">'
+                     f'{html.escape(name[:16])}</text>')
+        for a, b, state in _intervals(timeline["events"], child, start, end, model, first):
+            colour = STATE_COLOURS.get(state, "#eeeeee")
+            parts.append(f'<rect class="state state-{state}" data-state="{state}" '
+                         f'x="{x(a):.1f}" y="{y}" width="{max(x(b) - x(a), 1):.1f}" '
+                         f'height="{lane_h}" fill="{colour}"><title>{html.escape(name)}: '
+                         f'{state} ({b - a:.2f} s)</title></rect>')
+        parts.append("</g>")
+        y += lane_h + gap
+    y += 10
+    previous = None
+    for number, r in requests:
+        if number != previous:
+            parts.append(f'<text x="4" y="{y + bar_h - 2}" class="scenario-label">scenario '
+                         f'{number}</text>')
+            previous = number
+        colour = OUTCOME_COLOURS.get(r["outcome"], "#000000")
+        end_t = r["ended"] or end
+        label = html.escape(f"scenario {number}: {r['request_id']} {r['outcome']} "
+                            f"({r['latency_s']} s)")
+        parts.append(f'<rect class="request-bar outcome-{r["outcome"]}" '
+                     f'data-request-id="{html.escape(r["request_id"])}" '
+                     f'data-outcome="{r["outcome"]}" data-scenario="{number}" '
+                     f'x="{x(r["started"]):.1f}" y="{y}" '
+                     f'width="{max(x(end_t) - x(r["started"]), 2):.1f}" height="{bar_h}" '
+                     f'fill="{colour}"><title>{label}</title></rect>')
+        y += bar_h + gap
+    parts.append(f'<text x="{left}" y="{height - 8}" class="axis">0 s</text>')
+    parts.append(f'<text x="{width - 60}" y="{height - 8}" class="axis">{span:.1f} s</text>')
+    parts.append("</svg>")
+    return "\n".join(parts)
+
+
+def _after(scenario: dict[str, Any]) -> str:
+    after = gpu_states_after(scenario)
+    return f" ({after})" if after else ""
+
+
+def _router_line(report: dict[str, Any]) -> str:
+    if not report.get("router"):
+        return ""
+    second = report.get("second_model")
+    return (f"<p>Router mode: every request is for model {html.escape(str(report['model']))}"
+            f"{f'; the second model is {html.escape(second)}' if second else ''}.</p>")
+
+
+def write_html(report: dict[str, Any], path: Path) -> None:
+    e = html.escape
+    rows = []
+    for s in report["scenarios"]:
+        m = summary(s)
+        rows.append(
+            f'<tr class="{"pass" if s["passed"] else "fail"}"><td>{s["number"]}</td>'
+            f'<td>{e(s["name"])}</td><td>{"PASS" if s["passed"] else "FAIL"}'
+            f'{" (simulated)" if s["simulated"] else ""}</td>'
+            f'<td>{e(str(m["first_error"]))}</td><td>{e(str(m["decision"]))}</td>'
+            f'<td>{m["cpu_start_s"]}</td><td>{e(m["final"])}</td><td>{m["latency_s"]}</td>'
+            f'<td>{ {True: "yes", False: "no", None: "-"}[m["connection_survived"]]}</td>'
+            f'<td>{e(str(m["tool_effects"] or "-"))}</td>'
+            f'<td class="ids">{e(" ".join(m["request_ids"]))}</td></tr>'
+            f'<tr class="bar"><td></td><td colspan="10">bar: {e(s["bar"])} &mdash; '
+            f'{e(s["verdict"])}{e(_after(s))}</td></tr>')
+    for skipped in report.get("skipped", []):
+        rows.append(
+            f'<tr class="skipped" data-scenario="{skipped["number"]}">'
+            f'<td>{skipped["number"]}</td><td>{e(skipped["name"])}</td><td>SKIPPED</td>'
+            f'<td colspan="8">{e(skipped["why"])}</td></tr>'
+            f'<tr class="bar"><td></td><td colspan="10">bar: {e(skipped["bar"])}</td></tr>')
+    legend = " ".join(f'<span class="key" style="background:{c}"></span>{k}'
+                      for k, c in OUTCOME_COLOURS.items())
+    states = " ".join(f'<span class="key" style="background:{c}"></span>{k}'
+                      for k, c in STATE_COLOURS.items())
+    machine = report.get("machine", {})
+    profiles = ""
+    if report.get("profiles"):
+        prow = "".join(
+            f'<tr><td>{e(p["profile"])}</td><td>{p.get("ttft_p50_s")}</td>'
+            f'<td>{p.get("prompt_tps")}</td><td>{p.get("gen_tps")}</td>'
+            f'<td>{p.get("latency_p50_s")}</td><td>{p.get("latency_p95_s")}</td>'
+            f'<td>{p.get("peak_vram_mib")}</td><td>{p.get("peak_rss_mib")}</td></tr>'
+            for p in report["profiles"]["results"])
+        profiles = (f'<h2>Profiles</h2><p>{e(report["profiles"].get("note", ""))}</p>'
+                    '<table><tr><th>profile</th><th>TTFT p50 s</th><th>prompt tok/s</th>'
+                    '<th>gen tok/s</th><th>latency p50 s</th><th>p95 s</th>'
+                    f'<th>peak VRAM MiB</th><th>peak RSS MiB</th></tr>{prow}</table>')
+    page = f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8">
+<title>Spillway drill {e(report["date"])}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; font-size: 13px; }}
+td, th {{ border: 1px solid #ccc; padding: 4px 6px; vertical-align: top; }}
+tr.pass td:nth-child(3) {{ color: #2e7d32; font-weight: bold; }}
+tr.fail td:nth-child(3) {{ color: #c62828; font-weight: bold; }}
+tr.bar td {{ color: #555; font-size: 12px; border-top: none; }}
+tr.skipped td:nth-child(3) {{ color: #757575; font-weight: bold; }}
+td.ids {{ font-family: monospace; font-size: 11px; max-width: 18em; word-break: break-all; }}
+.key {{ display: inline-block; width: 12px; height: 12px; margin: 0 4px 0 12px; }}
+svg text {{ font-size: 12px; }}
+</style></head><body>
+<h1>Spillway drill: {"PASSED" if report["passed"] else "FAILED"}</h1>
+<p>{e(report["date"])} &middot; Spillway {e(report["spillway"])} at {e(report["url"])}
+&middot; {e(report["mode"])}</p>
+<p>Machine: {e(str(machine.get("host")))}, {e(str(machine.get("cpu")))},
+GPU: {e(str(machine.get("gpu")))}</p>
+<p>How the failure was provoked: {e(report["provoked_by"])}</p>
+{_router_line(report)}
+<h2>Scenarios</h2>
+<table><tr><th>#</th><th>scenario</th><th>result</th><th>first error</th><th>decision</th>
+<th>CPU start s</th><th>final</th><th>latency s</th><th>connection survived</th>
+<th>tool effects</th><th>request ids</th></tr>
+{"".join(rows)}</table>
+<h2>Timeline</h2>
+<p>Requests: {legend}</p><p>Child states: {states}</p>
+{svg_timeline(report)}
+{profiles}
+<p>Every figure above comes from Spillway's own incident records, matched by request id.</p>
+</body></html>
+"""
+    path.write_text(page)

@@ -1,0 +1,213 @@
+"""`spillway config get|set|unset`: one key of the TOML file, edited in place.
+
+The file is people's own: its comments, order and layout stay as they are (tomlkit edits the
+document, not a re-rendering of it). A change is validated by the same rules the daemon reads
+the file with before anything is written, and written atomically (a new file renamed over the
+old), so the daemon's watcher reloads either the old file or the new one, never half of it.
+
+Validation compares the problems of the file before and after the edit: an edit is refused
+for what it breaks, not for what was already wrong or for what only the daemon's environment
+provides (an `api_key_env` variable set by systemd's EnvironmentFile and not in this shell).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import tomlkit
+from tomlkit.items import Item, Table
+
+from . import schema as config
+from .files import write_atomically
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the package requires 3.11
+    import tomli as tomllib
+
+
+class EditError(Exception):
+    """An edit that was refused; nothing was written. `problems` name their key paths."""
+
+    def __init__(self, message: str, problems: list[config.Problem] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems or []
+
+
+@dataclass(frozen=True)
+class KeyPath:
+    """`section.name`, or `section.name.entry` inside a table key such as `gpu.env`."""
+
+    section: str
+    name: str
+    entry: str | None
+    spec: config.Key
+
+    def __str__(self) -> str:
+        return ".".join(p for p in (self.section, self.name, self.entry) if p is not None)
+
+    @property
+    def kind(self) -> str:
+        return "str" if self.entry is not None else self.spec.kind
+
+
+def parse_key(text: str) -> KeyPath:
+    """The key path, checked against the schema (unknown names suggest the nearest)."""
+    parts = text.split(".")
+    if len(parts) < 2:
+        raise EditError(f"{text!r}: a key is section.name, e.g. queue.max_waiting")
+    section, name, rest = parts[0], parts[1], parts[2:]
+    if section not in config.SCHEMA:
+        raise EditError(f"{text}: unknown section {section!r}"
+                        + config.suggest(section, list(config.SCHEMA)))
+    keys = config.SCHEMA[section]
+    if name not in keys:
+        raise EditError(f"{text}: unknown key {section}.{name}"
+                        + config.suggest(name, list(keys)))
+    spec = keys[name]
+    if rest and (spec.kind != "str_table" or len(rest) != 1 or not rest[0]):
+        raise EditError(f"{text}: {section}.{name} has no entries to name"
+                        if spec.kind != "str_table" else
+                        f"{text}: name one entry of {section}.{name}, e.g. {section}.{name}.NAME")
+    return KeyPath(section, name, rest[0] if rest else None, spec)
+
+
+def parse_value(key: KeyPath, text: str) -> Any:
+    """VALUE as TOML (`7`, `true`, `"hot"`, `["-ngl", "99"]`); for a string key a bare word is
+    taken as the string itself, so `config set cpu.mode on-demand` needs no shell quoting, and
+    `config set gpu.env.CUDA_VISIBLE_DEVICES 1` sets the string "1"."""
+    try:
+        value = tomllib.loads(f"v = {text}")["v"]
+        if key.kind == "str" and not isinstance(value, str):
+            return text
+        return value
+    except tomllib.TOMLDecodeError:
+        if key.kind in ("str", "int_or_str", "str_or_list"):
+            return text
+        example = {"int": "7", "number": "2.5", "bool": "true", "str_list": '["-c", "8192"]',
+                   "str_table": '{ NAME = "value" }'}.get(key.kind, '"text"')
+        raise EditError(f"{key}: {text!r} is not a TOML value (e.g. {example})") from None
+
+
+def read(path: Path) -> tomlkit.TOMLDocument:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise EditError(f"{path}: cannot read: {e}") from e
+    try:
+        return tomlkit.parse(text)
+    except tomlkit.exceptions.ParseError as e:
+        raise EditError(f"{path}: not valid TOML: {e}") from e
+
+
+def render(value: Any) -> str:
+    """A value as TOML writes it: `7`, `"hot"`, `["a", "b"]`, `{A = "b"}`."""
+    if isinstance(value, dict):
+        table = tomlkit.inline_table()
+        table.update(value)
+        return str(table.as_string()).strip()
+    return str(tomlkit.item(value).as_string()).strip()
+
+
+def _unwrap(item: Any) -> Any:
+    return item.unwrap() if isinstance(item, Item) else item
+
+
+def _lookup(doc: tomlkit.TOMLDocument, key: KeyPath) -> tuple[Any, bool]:
+    """(the key's value, whether the file sets it); an unset key gives its default."""
+    section = doc.get(key.section)
+    if isinstance(section, dict) and key.name in section:
+        value = _unwrap(section[key.name])
+        if key.entry is None:
+            return value, True
+        found = isinstance(value, dict) and key.entry in value
+        return (value[key.entry] if found else None), found
+    return (key.spec.default if key.entry is None else None), False
+
+
+def get(path: Path, key_text: str) -> tuple[str | None, bool]:
+    """(the value as TOML, whether the file sets it); an unset key gives its default (None when
+    it has none, as for server.api_key)."""
+    value, found = _lookup(read(path), parse_key(key_text))
+    return (render(value) if value is not None else None), found
+
+
+def _section_table(doc: tomlkit.TOMLDocument, section: str) -> Table:
+    table = doc.get(section)
+    if table is None:
+        table = tomlkit.table()
+        doc.add(section, table)
+    if not isinstance(table, Table):
+        raise EditError(f"{section}: is not a table in the file; edit it by hand")
+    return table
+
+
+def _apply(doc: tomlkit.TOMLDocument, key: KeyPath, value: Any) -> None:
+    """Set (or, with value None, remove) the key in the document, in place."""
+    table = _section_table(doc, key.section)
+    if key.entry is None:
+        if value is None:
+            table.pop(key.name, None)
+        else:
+            table[key.name] = value
+        return
+    current = table.get(key.name)
+    if current is None:
+        if value is None:
+            return
+        current = tomlkit.inline_table()
+        table[key.name] = current
+    if not isinstance(current, dict):
+        raise EditError(f"{key.section}.{key.name}: is not a table in the file")
+    if value is None:
+        current.pop(key.entry, None)
+    else:
+        current[key.entry] = value
+
+
+def problems_of(text: str, path: Path) -> list[config.Problem]:
+    """What the daemon would refuse in this text, read as the file at `path`."""
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        return [config.Problem("", f"not valid TOML: {e}")]
+    try:
+        config.build(raw, source=str(path), base_dir=path.resolve().parent)
+    except config.ConfigError as e:
+        return e.problems
+    return []
+
+
+@dataclass(frozen=True)
+class Change:
+    key: str
+    before: str | None  # as TOML; None: not set in the file
+    after: str | None  # as TOML; None: removed
+    unchanged: bool
+    already_wrong: list[config.Problem]  # problems the file had before, left as they were
+
+
+def edit(path: Path, key_text: str, value_text: str | None) -> Change:
+    """Set KEY to VALUE (None: remove it, back to its default), validate, write atomically."""
+    key = parse_key(key_text)
+    path = path.resolve()  # a symlinked config: the file it points to is replaced
+    doc = read(path)
+    before_text = doc.as_string()
+    before, before_set = _lookup(doc, key)
+    value = None if value_text is None else parse_value(key, value_text)
+    _apply(doc, key, value)
+    after_text = doc.as_string()
+    old_problems = problems_of(before_text, path)
+    new_problems = [p for p in problems_of(after_text, path) if p not in old_problems]
+    if new_problems:
+        raise EditError(f"{path}: {key} = {value_text} would make the config invalid; "
+                        "nothing was written", new_problems)
+    change = Change(str(key), render(before) if before_set else None,
+                    None if value is None else render(value), after_text == before_text,
+                    old_problems)
+    if not change.unchanged:
+        write_atomically(path, after_text)  # with the old file's mode and owner
+    return change

@@ -1,0 +1,53 @@
+"""What a request's attempt came to, as the proxy answers it: answered (whatever the child
+said), broken (failed after bytes reached the client, ended with one error event), interrupted
+(failed after bytes, its stream left open to go on from another upstream), or the failure
+itself (vocabulary.AttemptFailure: nothing reached the client)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from ..vocabulary import AttemptEnd, AttemptFailure
+
+
+@dataclass(frozen=True)
+class Answered:
+    response: web.StreamResponse
+
+
+@dataclass(frozen=True)
+class Broken:
+    """Failed after bytes reached the client: the stream was ended with one error event and no
+    [DONE]; never a final answer."""
+
+    response: web.StreamResponse
+    failure: AttemptFailure
+
+
+@dataclass(frozen=True)
+class Interrupted:
+    """Failed after bytes reached the client, its stream left open: it goes on from the other
+    child (`Forwarder.continue_stream`) or ends with the error event (`Forwarder.end_broken`).
+    Only a followed stream (`RequestCtx.follow`) is interrupted rather than broken."""
+
+    response: web.StreamResponse
+    failure: AttemptFailure
+    anthropic: bool = False
+    at: float = field(default_factory=time.monotonic)  # when the failure was seen
+
+
+AttemptResult = Answered | Broken | Interrupted | AttemptFailure
+
+
+def ending(result: AttemptResult | None) -> AttemptEnd | None:
+    """What the pool learns from an attempt's outcome (None: cancelled, the client left)."""
+    if result is None:
+        return None
+    if isinstance(result, AttemptFailure):
+        return AttemptEnd(failure=result, timed=False)
+    if isinstance(result, (Broken, Interrupted)):
+        return AttemptEnd(failure=result.failure)
+    return AttemptEnd(ok=result.response.status == 200)

@@ -1,0 +1,147 @@
+"""Prometheus metrics at /spillway/metrics, in a registry of Spillway's own.
+
+Names follow Prometheus's conventions: the `spillway_` prefix, base units (seconds, bytes) in the
+name, `_total` on counters. Label values are bounded: routes by name (others are `other`),
+children `gpu`/`cpu`, failure kinds from the fixed set.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from ..policy.lifecycle import ChildState
+from .stream_sessions import StreamSessions
+from ..vocabulary import ROLES
+
+DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+WAIT_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "spillway_requests", "Requests answered, by route, the child that served the last "
+            "attempt (none when Spillway answered itself) and outcome.",
+            ["route", "child", "outcome"], registry=r)
+        self.duration = Histogram(
+            "spillway_request_duration_seconds", "Time from a request's arrival to its answer.",
+            ["route"], buckets=DURATION_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "spillway_stream_time_to_first_token_seconds", "Time from a streamed request's "
+            "arrival to its first event reaching the client.", ["route"],
+            buckets=TTFT_BUCKETS, registry=r)
+        self.failovers = Counter(
+            "spillway_failovers", "Failures of a child caught while serving a request, by kind.",
+            ["child", "kind"], registry=r)
+        self.stale_connection_resends = Counter(
+            "spillway_upstream_stale_connection_resends", "Requests sent once more to the same "
+            "child on a new connection because a reused keep-alive connection closed before "
+            "any answer while the child kept running (not a replay, not a child failure).",
+            ["child"], registry=r)
+        self.replays = Counter(
+            "spillway_replays", "Replays on the other child, by result (completed, failed).",
+            ["result"], registry=r)
+        self.rejections = Counter(
+            "spillway_rejections", "Requests Spillway answered with an error of its own instead "
+            "of forwarding, by reason.", ["reason"], registry=r)
+        self.waiting = Gauge(
+            "spillway_waiting_requests", "Requests in the waiting line.", registry=r)
+        self.wait = Histogram(
+            "spillway_wait_seconds", "Time admitted requests spent in the waiting line.",
+            buckets=WAIT_BUCKETS, registry=r)
+        self.child_state = Gauge(
+            "spillway_child_state", "1 for each child's current state, 0 for the others.",
+            ["child", "state"], registry=r)
+        self.restarts = Counter(
+            "spillway_child_restarts", "Child restarts, by the kind of exit (or the reason) "
+            "that caused them.", ["child", "reason"], registry=r)
+        self.continuations = Counter(
+            "spillway_stream_continuations", "Streams whose child failed after bytes, by what "
+            "came of them: continued on the other child (completed, failed) or not (refused)",
+            ["result"], registry=r)
+        self.stream_resumes = Counter(
+            "spillway_stream_resumes", "GET /v1/stream: resumable streams read again from "
+            "Spillway's replay buffers, by result (served, not_found, offset_lost).",
+            ["result"], registry=r)
+        self.stream_sessions = Gauge(
+            "spillway_stream_sessions", "Resumable streams (X-Conversation-Id) held, live "
+            "(still being answered) or finished (kept for their time to live).", ["state"],
+            registry=r)
+        self.stream_session_bytes = Gauge(
+            "spillway_stream_session_bytes", "Bytes held in the resumable streams' replay "
+            "buffers.", registry=r)
+        self.known_crashes = Counter(
+            "spillway_known_crashes", "Child exits that matched a known crash signature "
+            "(policy/signatures.py: amx_matmul, illegal_instruction, ...)",
+            ["child", "signature"], registry=r)
+        # Router mode: each model on each router child.
+        self.model_state = Gauge(
+            "spillway_model_state", "Router mode: 1 for each model's current state on each "
+            "child, 0 for the others.", ["child", "model", "state"], registry=r)
+        self.model_reloads = Counter(
+            "spillway_model_reloads", "Router mode: loads of a model after its instance died, "
+            "by the kind of the death.", ["child", "model", "reason"], registry=r)
+        self.gpu_free = Gauge(
+            "spillway_gpu_memory_free_bytes", "Free memory of the GPU child's card (NVML).",
+            registry=r)
+        self.gpu_used = Gauge(
+            "spillway_gpu_memory_used_bytes", "Used memory of the GPU child's card (NVML).",
+            registry=r)
+        self.gpu_total = Gauge(
+            "spillway_gpu_memory_total_bytes", "Total memory of the GPU child's card (NVML).",
+            registry=r)
+        self.reloads = Counter(
+            "spillway_config_reloads", "Configuration reloads, by result (applied, invalid, "
+            "unchanged).", ["result"], registry=r)
+        self.config_valid = Gauge(
+            "spillway_config_last_reload_valid", "1 if the last configuration read was valid "
+            "(the running one is in effect either way).", registry=r)
+        self.config_valid.set(1)
+        self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        for child in ROLES:
+            self.set_state(child, ChildState.STOPPED)
+            self.stale_connection_resends.labels(child)  # 0 from the start, not absent
+        for result in ("served", "not_found", "offset_lost"):
+            self.stream_resumes.labels(result)
+
+    def count_request(self, route: str, child: str, outcome: str, seconds: float) -> None:
+        """On every request: the labelled series are looked up once and kept."""
+        key = (route, child, outcome)
+        series = self._request_series.get(key)
+        if series is None:
+            series = (self.requests.labels(route, child, outcome),
+                      self.duration.labels(route))
+            self._request_series[key] = series
+        series[0].inc()
+        series[1].observe(seconds)
+
+    def set_state(self, child: str, state: ChildState) -> None:
+        for s in ChildState:
+            self.child_state.labels(child, str(s)).set(1 if s is state else 0)
+
+    def set_model_state(self, child: str, model: str, state: ChildState) -> None:
+        for s in ChildState:
+            self.model_state.labels(child, model, str(s)).set(1 if s is state else 0)
+
+    def track_streams(self, streams: StreamSessions) -> None:
+        """The resumable streams' gauges, read from the store at each scrape."""
+        self.stream_sessions.labels("live").set_function(lambda: streams.live)
+        self.stream_sessions.labels("finished").set_function(lambda: streams.finished_count)
+        self.stream_session_bytes.set_function(lambda: streams.held_bytes)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,590 @@
+"""Builds and wires everything: config, GPU monitor, children, the pool, proxy, records.
+
+Nothing imports this module but the CLI. The daemon wires and shuts down: what is known of the
+upstreams while serving is the pool's (pool.py), a request's path is the proxy's (proxy/), and
+Spillway's own routes (/spillway/*) and the status they report are in own_routes.py. Left here:
+the daemon's own clock (the tick: sampling, bringing a FATAL GPU child back when the card has
+room, stopping an idle on-demand CPU child), systemd's notifications, reloads and shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import signal
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypedDict
+
+import aiohttp
+from aiohttp import web
+
+from .. import __version__
+from ..gpu.llama_devices import list_devices
+from ..config import schema as config_module
+from ..upstreams.children import Child
+from .agent_port import AgentServer
+from ..config.schema import Config
+from ..gpu import MIB, GpuMonitor
+from ..records.idempotency import IdempotencyStore
+from .modes import Mode, RouterMode, SingleModel
+from .operator import Operator
+from ..records.stream_sessions import StreamSessions
+from ..vocabulary import ROLES
+from ..records.incidents import IncidentLog, default_path
+from ..records.metrics import Metrics
+from ..policy.lifecycle import ChildState
+from .own_routes import OwnRoutes, status_line
+from ..policy.balancer import agent_reply
+from ..policy.browser import BrowserRules
+from ..serving.pool import Pool
+from ..proxy.app import build_app
+from ..proxy.auth import AuthSettings
+from ..proxy.connections import UpstreamClient
+from ..proxy.stream_routes import StreamRoutes
+from ..proxy.forward import Forwarder, ForwardSettings
+from ..proxy.handler import ProxyHandler, ProxySettings
+from .reload import Reloader
+from ..serving.resources import Resources
+from ..router.models import RouterModels
+from ..router.upstream import ModelUpstream
+from .systemd import Notifier
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
+log = logging.getLogger("spillway")
+
+# llama-server closes idle keep-alive connections after 5 s; reusing one just as it closes would
+# look like a child dying mid-request, so idle upstream connections are dropped a bit sooner.
+UPSTREAM_KEEPALIVE_S = 4.0
+
+
+
+# --- settings from the config: one function each, used at start and on every reload -----------
+
+def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, ProxySettings]:
+    """The proxy's settings. On a reload a fresh set is copied onto the live objects (the
+    proxy holds them), so whatever is set here is applied live."""
+    s, f = config.server, config.failover
+    return (
+        AuthSettings(api_key=s.api_key, browser=BrowserRules.build(
+            (a.host for a in s.listen), s.allowed_hosts, s.allowed_origins)),
+        ForwardSettings(read_timeout_s=s.read_timeout_s, connect_timeout_s=s.connect_timeout_s,
+                        stream_hold_s=f.stream_hold_s),
+        ProxySettings(max_body_bytes=s.max_body_bytes,
+                      max_replay_body_bytes=f.max_replay_body_bytes, replay=f.replay,
+                      continue_streams=f.continue_streams,
+                      body_timeout_s=s.body_timeout_s, access_log=s.access_log,
+                      no_prefill=frozenset(c.name for c in (config.gpu, config.cpu)
+                                           if not c.prefills_assistant)),
+    )
+
+
+def _copy_onto(live: DataclassInstance, fresh: DataclassInstance) -> None:
+    for f in dataclasses.fields(fresh):
+        setattr(live, f.name, getattr(fresh, f.name))
+
+
+class _StoreLimits(TypedDict):
+    max_entries: int
+    ttl_s: float
+    max_response_bytes: int
+    max_total_bytes: int
+
+
+def _idempotency_limits(config: Config) -> _StoreLimits:
+    i = config.idempotency
+    return {"max_entries": i.max_keys, "ttl_s": i.ttl_s,
+            "max_response_bytes": i.max_response_bytes, "max_total_bytes": i.max_total_bytes}
+
+
+def _stream_limits(config: Config) -> dict[str, Any]:
+    s = config.streams
+    return {"max_bytes": s.buffer_bytes, "ttl_s": s.ttl_s,
+            "max_total_bytes": s.max_total_bytes}
+
+
+def _incident_limits(config: Config) -> tuple[Path, int, int]:
+    """(path, max_bytes, backups) of the incident log."""
+    i = config.incidents
+    return Path(i.path) if i.path else default_path(), i.max_bytes, i.backups
+
+
+class Daemon:
+    def __init__(self, config: Config,
+                 on_ready: Callable[[Sequence[str]], None] | None = None) -> None:
+        self.config = config
+        # Called once, with the listening addresses, when Spillway first serves (when systemd
+        # is told READY=1): the quickstart prints its newcomer's lines then.
+        self.on_ready = on_ready
+        self.started = time.monotonic()
+        self.boot = f"{int(time.time()):x}"
+        self.monitor = GpuMonitor(config.gpu.device, config.monitor.sample_interval_s)
+        self.monitor.owners = self._gpu_owners
+        self.children: dict[str, Child] = {}
+        self.gpu_devices: list[str] = []
+        self.config_error: str | None = None
+        self.auth, self.forward_settings, self.proxy_settings = _proxy_settings(config)
+        self.incidents = IncidentLog(*_incident_limits(config))
+        self.idempotency = IdempotencyStore(**_idempotency_limits(config))
+        self.streams = StreamSessions(**_stream_limits(config))
+        self.resources: Resources | None = None
+        self.pool: Pool | None = None
+        self.mode: Mode | None = None  # single model or router (modes.py), built once
+        self.proxy: ProxyHandler | None = None
+        self.operator: Operator | None = None  # spillway gpu restart|drain|pause|resume
+        self.routes: OwnRoutes | None = None  # /spillway/*, and the drill's window
+        self.metrics = Metrics()
+        self.notifier = Notifier()
+        self.reloader: Reloader | None = None
+        self.restart_notes: list[str] = []  # config changes that need a daemon restart
+        # Child state changes with wall-clock times, for the drill's timeline.
+        self.timeline: deque[dict[str, Any]] = deque(maxlen=2000)
+        self._stop = asyncio.Event()
+        self._stop_signals = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self.devices_listed = False  # whether gpu_devices is known yet
+        self._runner: web.AppRunner | None = None
+        self.agent: AgentServer | None = None  # HAProxy's agent-check port, when configured
+        self.stopping = False
+        self._session: aiohttp.ClientSession | None = None
+        self._upstream: UpstreamClient | None = None
+        self.listening: list[str] = []
+        # The card's free memory when the GPU child went FATAL: memory freed since then (by a
+        # game or another model quitting) is a reason to try it again at once.
+        self._gpu_free_at_fatal: int | None = None
+
+    @property
+    def res(self) -> Resources:
+        assert self.resources is not None
+        return self.resources
+
+    @property
+    def models(self) -> RouterModels | None:
+        """Router mode: every model's two upstreams and its pool."""
+        return self.mode.models if self.mode is not None else None
+
+    @property
+    def gpu_paused(self) -> bool:
+        return self.operator is not None and self.operator.gpu_paused
+
+    # --- wiring -----------------------------------------------------------------------------------
+
+    def _gpu_env(self) -> dict[str, str]:
+        """The GPU child sees only the watched card; device order as NVML numbers them."""
+        env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
+        if self.monitor.latest is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.monitor.latest.uuid
+        elif self.config.gpu.device is not None and self.config.gpu.device.isdigit():
+            env["CUDA_VISIBLE_DEVICES"] = self.config.gpu.device
+        return env
+
+    def _gpu_owners(self) -> dict[str, list[int] | None]:
+        """Each child's processes, for the GPU chart: in router mode its models' instances
+        (where the VRAM is) count as the router's own."""
+        owners: dict[str, list[int] | None] = {}
+        for name, child in self.children.items():
+            pids = [child.pid] if child.pid is not None else []
+            if self.mode is not None:
+                pids += self.mode.instance_pids(name)
+            owners[name] = pids or None
+        return owners
+
+    def _make_child(self, name: str) -> Child:
+        cfg = self.config.child(name)
+        # The CPU child must not touch the GPU at all: even a CUDA context costs VRAM.
+        extra = self._gpu_env() if name == "gpu" else {"CUDA_VISIBLE_DEVICES": ""}
+        child = Child(
+            cfg, self.config.restart,
+            drain_timeout_s=self.config.failover.drain_timeout_s,
+            hang_timeout_s=self.config.restart.hang_timeout_s,
+            vram_probe=self.monitor.vram_before if name == "gpu" else None,
+            vram_short_mib=max(256.0, float(self.config.gpu.vram_headroom_mib)),
+            extra_env=extra,
+        )
+        child.listeners.append(self._child_changed)
+        return child
+
+    def _child_changed(self, child: Child, old: ChildState, new: ChildState,
+                       reason: str) -> None:
+        self.timeline.append({"time": time.time(), "child": child.name, "state": str(new),
+                              "reason": reason})
+        self.metrics.set_state(child.name, new)
+        if child.name == "gpu" and new is ChildState.FATAL:
+            sample = self.monitor.latest
+            self._gpu_free_at_fatal = sample.free_bytes if sample is not None else None
+        if old is ChildState.EXITED and child.last_exit is not None and \
+                child.last_exit.diagnosis is not None:  # EXITED -> BACKOFF: last_exit is set
+            self.metrics.known_crashes.labels(child.name, child.last_exit.diagnosis.name).inc()
+        if new is ChildState.STARTING and child.generation > 0:
+            last = child.last_exit
+            cause = last.kind if last is not None and not last.planned else "requested"
+            self.metrics.restarts.labels(child.name, cause).inc()
+        if new is ChildState.READY and self.mode is not None:
+            self.mode.child_ready(child)
+        self._maybe_ready()
+        self.notifier.status(self.status_line())
+
+    def _model_changed(self, upstream: ModelUpstream, old: ChildState, new: ChildState,
+                       reason: str) -> None:
+        self.timeline.append({"time": time.time(), "child": upstream.name,
+                              "model": upstream.model, "state": str(new), "reason": reason})
+        self.metrics.set_model_state(upstream.name, upstream.model, new)
+        if new is ChildState.STARTING and upstream.generation > 0 and upstream.last_exit \
+                is not None and old in (ChildState.BACKOFF, ChildState.FATAL):
+            self.metrics.model_reloads.labels(upstream.name, upstream.model,
+                                              str(upstream.last_exit.kind)).inc()
+
+    def _http(self) -> aiohttp.ClientSession:
+        assert self._session is not None
+        return self._session
+
+    def _spawn(self, coro: Any, then_dispatch: bool = False) -> None:
+        """A background task of the daemon's, cancelled at shutdown."""
+        task: asyncio.Task[None] = asyncio.create_task(coro)
+        self._tasks = [t for t in self._tasks if not t.done()]
+        self._tasks.append(task)
+        if then_dispatch:
+            task.add_done_callback(lambda _t: self.pool.dispatch() if self.pool else None)
+
+    def _stale_connection(self, child: str) -> None:
+        self.metrics.stale_connection_resends.labels(child).inc()
+
+    # --- the daemon's own clock -------------------------------------------------------------------
+
+    async def _tick(self) -> None:
+        """On the monitor's interval: sample RAM and use, bring the GPU child back after
+        load-time OOMs once the card has room, stop an idle on-demand CPU child, and let
+        waiting requests in if capacity freed."""
+        while True:
+            await asyncio.sleep(self.config.monitor.sample_interval_s)
+            self.res.sample()
+            self._recover_gpu()
+            if self.mode is not None:
+                self.mode.tick()  # idle CPU work stopped; router mode: each model's too
+            if self.routes is not None:
+                self.routes.tick()  # a drill gone silent is over, and disarmed
+            if self.pool is not None:
+                self.pool.dispatch()
+            self.sample_metrics()
+            self.notifier.status(self.status_line())
+
+    def sample_metrics(self) -> None:
+        sample = self.monitor.latest
+        if sample is not None:
+            self.metrics.gpu_free.set(sample.free_bytes)
+            self.metrics.gpu_used.set(sample.used_bytes)
+            self.metrics.gpu_total.set(sample.total_bytes)
+        self.metrics.waiting.set(len(self.pool.line) if self.pool else 0)
+
+    def _freed_bytes(self) -> int:
+        """How much more free memory counts as "freed by another process": the headroom, and
+        never less than 256 MiB (NVML's figure moves a little on its own)."""
+        return max(256, self.config.gpu.vram_headroom_mib) * MIB
+
+    def _recover_gpu(self) -> None:
+        """A FATAL GPU child is tried again at once when the card's memory was freed by
+        another process since it went FATAL, and the card now has room for it. Both are
+        needed: free memory alone, if the estimate of the need is low, would restart it on
+        every tick into the same failure."""
+        gpu = self.children["gpu"]
+        sample = self.monitor.latest
+        if sample is None or gpu.state is not ChildState.FATAL or self.gpu_paused:
+            return
+        need = self.res.gpu_need_bytes()
+        before = self._gpu_free_at_fatal
+        freed = None if before is None else sample.free_bytes - before
+        if sample.free_bytes >= need and (freed is None or freed >= self._freed_bytes()):
+            since = f"; {freed // MIB} MiB freed since it went FATAL" if freed else ""
+            gpu.restart(f"the GPU has {sample.free_bytes // MIB} MiB free again (needs "
+                        f"about {need // MIB} MiB{since})")
+
+    # --- systemd --------------------------------------------------------------------------------
+
+    def can_serve(self) -> bool:
+        """A child is ready, or the CPU child can start on demand while the GPU child cannot."""
+        if any(c.state is ChildState.READY for c in self.children.values()):
+            return True
+        return (self.config.cpu.mode == "on-demand" and bool(self.children)
+                and self.children["cpu"].state is ChildState.STOPPED)
+
+    def _maybe_ready(self) -> None:
+        if not self.notifier.ready_sent and self.listening and self.can_serve():
+            self.notifier.ready(self.status_line())
+            if self.on_ready is not None:
+                self.on_ready(list(self.listening))
+
+    def status_line(self) -> str:
+        """systemd's STATUS=: one line."""
+        return status_line(self.children, len(self.pool.line) if self.pool else 0,
+                           self.incidents.recent, self.config_error)
+
+    async def _extend_start(self) -> None:
+        """While the children load (a first model load can take minutes), ask systemd for
+        more time than its start timeout; only before READY=1."""
+        while not self.notifier.ready_sent:
+            self.notifier.extend_timeout(30)
+            await asyncio.sleep(10)
+
+    # --- reload -----------------------------------------------------------------------------------
+
+    def _reload_started(self) -> None:
+        self.notifier.reloading()
+
+    def _reload_result(self, result: str, problems: list[config_module.Problem]) -> None:
+        self.metrics.reloads.labels(result).inc()
+        self.metrics.config_valid.set(0 if result == "invalid" else 1)
+        self.config_error = ("; ".join(str(p) for p in problems) if result == "invalid"
+                             else None)
+        self.notifier.ready(self.status_line())
+
+    async def apply_config(self, new: Config, changes: list[str]) -> None:
+        """A valid new config, applied as a diff: proxy settings and limits at once; a child
+        whose command changed is drained (its requests finish, new ones go to the other child
+        or wait) and restarted with the new command."""
+        new = self._defer_restart_keys(new, changes)
+        self.config = new
+        for configure in self._reconfigurable():
+            configure(new)
+        if self.pool is not None:
+            self.pool.dispatch()
+
+    def _reconfigurable(self) -> list[Callable[[Config], None]]:
+        """Each long-lived part's `configure`, in the order a reload applies them (what the
+        config says, taken by the parts that were wired with it)."""
+        parts: list[Callable[[Config], None]] = [self.res.configure, self._configure_proxy]
+        if self.pool is not None:
+            parts.append(self.pool.configure)
+        if self.mode is not None:
+            parts.append(self.mode.configure)
+        parts += [
+            lambda new: self.idempotency.configure(**_idempotency_limits(new)),
+            lambda new: self.streams.configure(**_stream_limits(new)),
+            lambda new: self.incidents.configure(*_incident_limits(new)),
+            lambda new: self.monitor.configure(new.monitor.sample_interval_s),
+            lambda new: logging.getLogger().setLevel(new.server.log_level.upper()),
+            self._apply_to_children,
+        ]
+        return parts
+
+    def _configure_proxy(self, new: Config) -> None:
+        """The proxy holds its settings objects: a fresh set is copied onto them."""
+        auth, forward, proxy = _proxy_settings(new)
+        _copy_onto(self.auth, auth)
+        _copy_onto(self.forward_settings, forward)
+        _copy_onto(self.proxy_settings, proxy)
+
+    def _defer_restart_keys(self, new: Config, changes: list[str]) -> Config:
+        """RESTART_KEYS that changed are noted for status; the GPU child keeps the card we
+        started with (the monitor keeps watching it). A change between single-model and router
+        mode is wired at start: noted, and the running config kept until spillway restarts."""
+        if new.router != self.config.router:
+            note = ("model.path changed between a model and router mode: it takes effect when "
+                    "spillway restarts")
+            log.warning("%s", note)
+            self.restart_notes.append(note)
+            return self.config
+        for key in config_module.RESTART_KEYS:
+            if key in changes:
+                note = f"{key} changed: it takes effect when spillway restarts"
+                log.warning("%s", note)
+                self.restart_notes.append(note)
+        if "gpu.device" in changes:
+            new = dataclasses.replace(new, gpu=dataclasses.replace(new.gpu,
+                                                                   device=self.config.gpu.device))
+        if "server.listen" in changes:  # the addresses listened on, until the restart
+            new = dataclasses.replace(new, server=dataclasses.replace(
+                new.server, listen=self.config.server.listen))
+        return new
+
+    def _apply_to_children(self, new: Config) -> None:
+        """Each child takes its section (children.Child.configure); a hot CPU child that is
+        stopped (and not paused) is started."""
+        for name in ROLES:
+            self.children[name].configure(new.child(name), new.restart,
+                                          new.failover.drain_timeout_s)
+        cpu = self.children["cpu"]
+        if new.cpu.mode == "hot" and cpu.state is ChildState.STOPPED and "cpu" not in \
+                self.res.paused:
+            cpu.start()
+
+    # --- running ----------------------------------------------------------------------------------
+
+    def request_stop(self, signame: str) -> None:
+        self._stop_signals += 1
+        if self._stop_signals == 1:
+            log.info("%s: stopping (in-flight requests get up to %.0f s)", signame,
+                     self.config.server.drain_timeout_s)
+        else:
+            log.info("%s again: stopping now", signame)
+        self._stop.set()
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop, sig.name)
+        loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        await self.monitor.start()
+        self.children = {name: self._make_child(name) for name in ROLES}
+        self.resources = Resources(self.config, self.children, self.monitor)
+        await asyncio.to_thread(self.res.read_model)
+        self.res.sample()
+        self.pool = Pool(self.res, self.children, self.config.queue.max_waiting,
+                         self.config.queue.max_wait_s, metrics=self.metrics, boot=self.boot)
+        # The proxy's own keep-alive connections to the children (proxy/connections.py).
+        self._upstream = UpstreamClient(keepalive_s=UPSTREAM_KEEPALIVE_S)
+        # aiohttp's client, for Spillway's own questions to a child (/props, token counts).
+        # No cookie jar: a cookie one answer set must never ride along with another request.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=UPSTREAM_KEEPALIVE_S),
+            auto_decompress=False, skip_auto_headers=("User-Agent",),
+            cookie_jar=aiohttp.DummyCookieJar(),
+        )
+        forwarder = Forwarder(self._upstream, self._session, self.forward_settings,
+                              on_resend=self._stale_connection)
+        self.mode = self._make_mode()
+        self.proxy = ProxyHandler(self.mode.pools(), forwarder, self.proxy_settings, self.incidents,
+                                  self.idempotency, self.metrics, self.streams)
+        self.metrics.track_streams(self.streams)
+        self.operator = Operator(self.children["gpu"], self.res.paused, self.models)
+        self.routes = routes = OwnRoutes(self, started=self.started, children=self.children,
+                           resources=self.res, pool=self.pool, monitor=self.monitor,
+                           incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
+                           models=self.models, operator=self.operator, streams=self.streams)
+        app = build_app(self.proxy, self.auth, routes.table(),
+                        StreamRoutes(self.streams, self.metrics, time.time).table(),
+                        on_refused=lambda reason: self.metrics.rejections.labels(reason).inc())
+        # In-flight requests are drained by _shutdown itself (the drain timeout can change on
+        # reload); the runner's own wait is only for stragglers after that.
+        # keepalive_timeout also bounds a client that never finishes its headers: aiohttp
+        # starts that clock when the connection opens (a slowloris is closed after it).
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=2.0,
+                                     keepalive_timeout=self.config.server.idle_timeout_s)
+        await self._runner.setup()
+        try:
+            for addr in self.config.server.listen:
+                site = web.TCPSite(self._runner, addr.host, addr.port, reuse_address=True)
+                await site.start()
+                self.listening.append(str(addr))
+        except OSError as e:
+            log.error("cannot listen on %s: %s", addr, e)
+            await self._shutdown()
+            return 1
+        if self.config.balancer.agent_listen:
+            self.agent = AgentServer(self.config.balancer.agent_listen,
+                                     lambda: self._agent_line(routes))
+            try:
+                await self.agent.start()
+            except OSError as e:
+                log.error("cannot listen on %s (balancer.agent_listen): %s",
+                          self.config.balancer.agent_listen, e)
+                await self._shutdown()
+                return 1
+        log.info("spillway %s listening on %s", __version__, ", ".join(self.listening))
+        log.info("incidents go to %s", self.incidents.path)
+        # Listing devices takes a moment (a CUDA build initialises the driver): do it while the
+        # children start; it only informs the status.
+        self._spawn(self._list_gpu_devices())
+        self._spawn(self._tick())
+        self._spawn(self.notifier.watchdog())
+        self._spawn(self._extend_start())
+        if self.config.path is not None:
+            self.reloader = Reloader(self.config.path, lambda: self.config, self.apply_config,
+                                     self._reload_result, self._reload_started)
+            self.reloader.watch()
+        for name in ROLES:
+            if self.mode.starts_at_boot(name):
+                self.children[name].start()
+        self._maybe_ready()
+        await self._stop.wait()
+        await self._shutdown()
+        return 0
+
+    def _make_mode(self) -> Mode:
+        """Single model or router, from the config at start (a change between them waits
+        for a restart: see _defer_restart_keys)."""
+        assert self.pool is not None
+        if not self.config.router:
+            return SingleModel(self.children, self.res, self.pool, lambda: self.config,
+                               self._http, self._spawn)
+        models = RouterModels(self.config, self.children, self.monitor, self.res.paused,
+                              self._http, metrics=self.metrics, boot=self.boot,
+                              on_change=self._model_changed)
+        return RouterMode(models, self.pool, lambda: self.config)
+
+    def _agent_line(self, routes: OwnRoutes) -> str:
+        if self.stopping:
+            # Out of the balancer's rotation while in-flight requests drain (HAProxy takes a
+            # refused agent connection for no news, so the agent says it, to the end).
+            return "down #spillway is stopping"
+        return agent_reply(routes.machine_health())
+
+    def _on_sighup(self) -> None:
+        if self.reloader is not None:
+            self._spawn(self._reload("SIGHUP"))
+
+    async def _reload(self, trigger: str) -> None:
+        assert self.reloader is not None
+        await self.reloader.reload(trigger)
+
+    async def _list_gpu_devices(self) -> None:
+        self.gpu_devices = await asyncio.to_thread(
+            list_devices, self.config.gpu.llama_server, 10.0, self._gpu_env())
+        self.devices_listed = True
+        if not self.gpu_devices:
+            log.warning("the GPU child's llama-server (%s) lists no GPU device: it runs "
+                        "CPU-only", self.config.gpu.llama_server)
+        else:
+            log.info("the GPU child's llama-server sees %s", "; ".join(self.gpu_devices))
+
+    async def _shutdown(self) -> None:
+        self.notifier.stopping()
+        self.stopping = True  # the balancer's agent says "down" from now on
+        if self.reloader is not None:
+            self.reloader.stop()
+        if self._runner is not None:
+            # Stop accepting, then let in-flight requests finish up to the drain timeout; a
+            # second signal cuts the wait short.
+            for site in list(self._runner.sites):
+                await site.stop()
+            if self.proxy is not None and self.proxy.open_requests:
+                log.info("waiting for %d in-flight request(s), up to %.0f s",
+                         self.proxy.open_requests,
+                         self.config.server.drain_timeout_s)
+                idle = asyncio.create_task(self.proxy.idle.wait())
+                second = asyncio.create_task(self._second_signal())
+                await asyncio.wait({idle, second}, timeout=self.config.server.drain_timeout_s,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                idle.cancel()
+                second.cancel()
+            # Resumable streams still going past the drain end now, and so do their readers.
+            self.streams.stop_all(time.time())
+            with contextlib.suppress(Exception):
+                await self._runner.cleanup()
+        for task in self._tasks:
+            task.cancel()
+        if self.mode is not None:
+            await self.mode.close()
+        # A second signal asked for speed: a short grace for the children too.
+        grace = 1.0 if self._stop_signals >= 2 else None
+        await asyncio.gather(*(c.close(grace) for c in self.children.values()),
+                             return_exceptions=True)
+        if self._upstream is not None:
+            self._upstream.close()
+        if self._session is not None:
+            await self._session.close()
+        await self.monitor.close()
+        if self.agent is not None:
+            await self.agent.close()
+        log.info("stopped")
+
+    async def _second_signal(self) -> None:
+        while self._stop_signals < 2:
+            self._stop.clear()
+            await self._stop.wait()

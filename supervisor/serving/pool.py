@@ -1,0 +1,485 @@
+"""The pool: the one owner of what is known about the upstreams while serving.
+
+An upstream is one child (its name is its identity; the router-mode issue makes it a child and
+a model). The pool keeps, for each: its state (it hears every change itself), its load (the one
+count of requests in flight, `load.Load`), its capacity, speeds and profile (through its
+`CapacitySource`, resources.py), whether an operator paused it; and, for all of them, the waiting
+line and the replays waiting for a place.
+
+The proxy asks it for a **lease**: a place on an upstream that is ready at that moment, or a
+refusal with the 503's figures. The proxy forwards on the lease and closes it with the
+attempt's outcome; the pool then releases the place, learns from the answer (speeds, service
+time), counts the failure and drains an upstream that survived an OOM, and lets the next
+request in. Admission itself is pure (policy/admission.py); the pool turns its decisions into
+places and waits: a decision and its place are taken in one step, with no await between.
+
+Roles: vocabulary.ROLES names the GPU role first and the CPU role second; a request that
+fails on one is replayed on the other (policy/replay.py decides whether).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from ..config.schema import Config
+from ..records.metrics import Metrics
+from ..policy import admission, waitline
+from ..policy.admission import Action, Capacity, ChildView, Decision, Request
+from ..policy.evidence import FailureKind
+from ..policy.lifecycle import ChildState
+from ..vocabulary import ROLES, Attempt, AttemptEnd, AttemptFailure, Upstream
+
+log = logging.getLogger("spillway.pool")
+
+
+class CapacitySource(Protocol):
+    """What the pool learns of its upstreams' capacity, and where it puts what it learns
+    (resources.Resources provides it; the tests give a fake)."""
+
+    paused: set[str]
+
+    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int,
+                   with_estimate: bool = True) -> ChildView: ...
+
+    def vram_free_mib(self) -> float | None: ...
+
+    def vram_headroom_mib(self) -> float: ...
+
+    def service_s(self) -> float | None: ...
+
+    def ctx_per_slot(self, name: str) -> int | None: ...
+
+    def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None: ...
+
+    def observe_timings(self, name: str, timings: Mapping[str, Any]) -> None: ...
+
+    def observe_duration(self, seconds: float) -> None: ...
+
+    def start_child(self, name: str) -> None: ...
+
+    async def wait_ready(self, name: str, within_s: float) -> float | None: ...
+
+
+@dataclass(eq=False)
+class Lease:
+    """A place on one upstream, ready when handed out; closed once with the attempt's outcome.
+    `counted` leases are generation requests, under the caps; the others (routes outside the
+    caps) only count as in flight."""
+
+    pool: Pool
+    upstream: Upstream
+    counted: bool
+    decision: Decision | None = None
+    waited_s: float = 0.0
+    start_s: float = 0.0  # waiting for an on-demand upstream to start
+    # The wait this request was told to expect when it joined the line (what a 503 gives in
+    # Retry-After); None when it did not wait.
+    estimated_wait_s: float | None = None
+    estimate_basis: str = "measured"  # see waitline.service_estimate
+    closed: bool = False
+
+    @property
+    def name(self) -> str:
+        return self.upstream.name
+
+    def close(self, attempt: Attempt | None, end: AttemptEnd | None) -> None:
+        """The attempt is over (end None: it was cancelled, the client left)."""
+        self.pool.close(self, attempt, end)
+
+
+@dataclass
+class _Waiter:
+    ticket: waitline.Ticket
+    request: Request
+    body_size: int
+    max_tokens: int
+    future: asyncio.Future[Decision]
+
+
+class Pool:
+    def __init__(self, source: CapacitySource, upstreams: Mapping[str, Upstream], max_waiting: int,
+                 max_wait_s: float, *, metrics: Metrics | None = None, boot: str = "",
+                 on_change: Callable[[], None] | None = None) -> None:
+        self.source = source
+        self.upstreams = dict(upstreams)
+        self.roles: Sequence[str] = [n for n in ROLES if n in self.upstreams]
+        self.max_wait_s = max_wait_s
+        self.line = waitline.WaitLine(max_waiting)
+        self.metrics = metrics
+        self.boot = boot  # part of each failure episode's id
+        self.on_change = on_change  # the waiting line changed (the status line)
+        now = time.monotonic()
+        self.last_used = {name: now for name in self.upstreams}  # a lease closed on it
+        self._waiters: dict[int, _Waiter] = {}
+        self._replays: deque[tuple[str, asyncio.Future[None]]] = deque()
+        # When the first request was let through while none had been timed (a lower bound of
+        # the service time until one finishes).
+        self._first_unmeasured: float | None = None
+        for member in self.upstreams.values():
+            member.listeners.append(self._heard)
+
+    # --- what is known ------------------------------------------------------------------------
+
+    def busy(self, name: str) -> int:
+        return self.upstreams[name].load.generation
+
+    def states(self) -> dict[str, ChildState]:
+        return {name: u.state for name, u in self.upstreams.items()}
+
+    @property
+    def paused(self) -> set[str]:
+        return self.source.paused
+
+    def ctx_per_slot(self, name: str) -> int | None:
+        return self.source.ctx_per_slot(name)
+
+    def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
+        return self.source.expected_seconds(name, body_size, max_tokens)
+
+    def configure(self, config: Config) -> None:
+        """A reload: the waiting line's new bounds (a shorter line keeps who is in it)."""
+        self.max_wait_s = config.queue.max_wait_s
+        self.line.max_waiting = config.queue.max_waiting
+
+    def first_ready(self) -> Upstream | None:
+        """The upstream a question outside the caps (a token count) goes to."""
+        for name in self.roles:
+            member = self.upstreams[name]
+            if member.is_ready:
+                return member
+        return None
+
+    def failover_target(self, name: str) -> str:
+        """Where a request that failed on `name` is replayed: the other role."""
+        gpu, cpu = self.roles[0], self.roles[-1]
+        return cpu if name == gpu else gpu
+
+    def episode_id(self, name: str, generation: int) -> str:
+        return f"{name}-{self.boot}-{generation}"
+
+    def retry_after_s(self, name: str) -> float:
+        """A Retry-After for a failed upstream: its back-off left plus its last start time."""
+        member = self.upstreams[name]
+        start = member.last_start_s if member.last_start_s is not None else 5.0
+        if member.state is ChildState.READY:
+            return 1.0
+        if name in self.paused:
+            return 60.0
+        next_try = member.next_try_in_s()  # in BACKOFF and FATAL: when it is started again
+        if next_try is not None:
+            return min(60.0, next_try + start)
+        if member.state is ChildState.FATAL:
+            return 60.0
+        return 1.0 + start
+
+    def can_take_replay(self, name: str) -> bool:
+        view = self.source.child_view(name, 0, 0, 0)
+        return view.state in (ChildState.READY, ChildState.STARTING) or view.startable
+
+    def service_estimate(self) -> tuple[float, str]:
+        running = (None if self._first_unmeasured is None
+                   else time.monotonic() - self._first_unmeasured)
+        return waitline.service_estimate(self.source.service_s(), running)
+
+    def capacity(self, waiting: int, body_size: int, max_tokens: int,
+                 with_estimate: bool = True) -> Capacity:
+        gpu_name, cpu_name = self.roles[0], self.roles[-1]
+        gpu = self.source.child_view(gpu_name, self.busy(gpu_name), body_size, max_tokens,
+                                     with_estimate)
+        cpu = self.source.child_view(cpu_name, self.busy(cpu_name), body_size, max_tokens,
+                                     with_estimate)
+        servers = sum(c.cap for c in (gpu, cpu) if c.ready)
+        returning = [(c.back_in_s, c.cap) for c in (gpu, cpu)
+                     if not c.ready and c.back_in_s is not None]
+        return Capacity(
+            gpu=gpu, cpu=cpu,
+            vram_free_mib=self.source.vram_free_mib(),
+            vram_headroom_mib=self.source.vram_headroom_mib(),
+            waiting=waiting,
+            max_waiting=self.line.max_waiting,
+            wait_s=waitline.estimated_wait(waiting + 1, self.service_estimate()[0], servers,
+                                           returning),
+            max_wait_s=self.max_wait_s,
+        )
+
+    def waiting(self) -> list[dict[str, float]]:
+        now = time.monotonic()
+        return [{"position": i, "waited_s": round(now - t.joined, 3)}
+                for i, t in enumerate(self.line.tickets(), start=1)]
+
+    # --- places -------------------------------------------------------------------------------
+
+    def _take(self, name: str) -> None:
+        self.upstreams[name].load.take(generation=True)
+        if self._first_unmeasured is None and self.source.service_s() is None:
+            self._first_unmeasured = time.monotonic()
+
+    def _give_back(self, name: str) -> None:
+        self.upstreams[name].load.give_back(generation=True)
+        self.dispatch()
+
+    def _heard(self, member: Any, old: ChildState, new: ChildState, reason: str) -> None:
+        """A state change: capacity may have come back."""
+        self.dispatch()
+
+    # --- leases -------------------------------------------------------------------------------
+
+    def passthrough(self, pin: str | None) -> Lease | Decision:
+        """A lease for a route outside the caps: the GPU role when ready, else the CPU role,
+        or the upstream pinned with X-Spillway-Child."""
+        decision = admission.passthrough(self.states(), pin)
+        if decision.child is None:
+            return decision
+        member = self.upstreams[decision.child]
+        member.load.take(generation=False)
+        return Lease(self, member, counted=False, decision=decision)
+
+    async def lease(self, req: Request, body_size: int, max_tokens: int) -> Lease | Decision:
+        """A lease for a generation request (branches 3 to 7 of the admission order), or a
+        REJECT/TOO_LONG decision. Handed out only for an upstream that is ready now: a request
+        served from the waiting line resumes a moment after its place was taken, and in that
+        moment its upstream may have begun to drain (a reload, an OOM it survived); then it
+        goes through admission again, here, with what is left of its deadline."""
+        began = time.monotonic()
+        while True:
+            got = await self._admit(req, body_size, max_tokens)
+            if isinstance(got, Decision) or got.upstream.is_ready:
+                return got
+            self._give_back(got.name)
+            if req.deadline_s is not None:
+                req = dataclasses.replace(
+                    req, deadline_s=req.deadline_s - (time.monotonic() - began))
+                began = time.monotonic()
+
+    async def _admit(self, req: Request, body_size: int, max_tokens: int) -> Lease | Decision:
+        began = time.monotonic()
+        estimate: float | None = None
+        basis = "measured"
+        if not self.line:
+            fast = self._gpu_fast_path(req)
+            if fast is not None:
+                self._take(self.roles[0])
+                return Lease(self, self.upstreams[self.roles[0]], counted=True, decision=fast)
+        cap = self.capacity(len(self.line), body_size, max_tokens,
+                            with_estimate=req.deadline_s is not None)
+        decision = admission.decide(req, cap)
+        if decision.action is Action.FORWARD and len(self.line) > 0:
+            # A newcomer never passes those already waiting (no starvation): with anyone in
+            # line, a request that could go now waits its turn too.
+            position = len(self.line) + 1
+            decision = (Decision(Action.REJECT, 7, "the waiting line is full",
+                                 retry_after_s=cap.wait_s, queue_position=position,
+                                 cause="queue_full")
+                        if self.line.full else
+                        Decision(Action.WAIT, 6, "waiting behind earlier requests",
+                                 retry_after_s=cap.wait_s, queue_position=position))
+        if decision.action is Action.FORWARD:
+            assert decision.child is not None
+            self._take(decision.child)  # in the same step as the decision: no race
+        elif decision.action is Action.WAIT:
+            estimate = decision.retry_after_s
+            basis = self.service_estimate()[1]
+            decision = await self._wait(req, decision, body_size, max_tokens)
+            if decision.action is not Action.FORWARD:
+                return decision  # dispatch took no place for these
+        else:
+            return decision
+        name = decision.child
+        assert name is not None
+        lease = Lease(self, self.upstreams[name], counted=True, decision=decision,
+                      waited_s=time.monotonic() - began, estimated_wait_s=estimate,
+                      estimate_basis=basis)
+        if decision.warm is not None:
+            self.source.start_child(decision.warm)
+        if decision.start_child:
+            self.source.start_child(name)
+            within = self.max_wait_s if req.deadline_s is None else req.deadline_s
+            try:
+                started = await self.source.wait_ready(name, within)
+            except asyncio.CancelledError:
+                self._give_back(name)
+                raise
+            if started is None:
+                self._give_back(name)
+                return Decision(Action.REJECT, 7, f"the {name} child did not start in time",
+                                retry_after_s=10.0, cause="start_timeout")
+            lease.start_s = started
+        return lease
+
+    def _gpu_fast_path(self, req: Request) -> Decision | None:
+        """Branch 4 for the common case, without building the whole picture: nobody waiting,
+        the GPU child ready with room and headroom, the prompt known to fit. Gives the same
+        answer decide() would (the tests hold the two to it); None when in doubt."""
+        name = self.roles[0]
+        gpu = self.source.child_view(name, self.busy(name), 0, 0, with_estimate=False)
+        if not gpu.has_room or not gpu.fits(req.prompt_tokens):
+            return None
+        free = self.source.vram_free_mib()
+        if free is not None and free < self.source.vram_headroom_mib():
+            return None
+        return Decision(Action.FORWARD, 4, "GPU child has room", child=name)
+
+    async def _wait(self, req: Request, decision: Decision, body_size: int,
+                    max_tokens: int) -> Decision:
+        ticket = self.line.join(time.monotonic())
+        if ticket is None:
+            return Decision(Action.REJECT, 7, "the waiting line is full",
+                            retry_after_s=decision.retry_after_s,
+                            queue_position=self.line.max_waiting + 1, cause="queue_full")
+        future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
+        self._waiters[ticket.id] = _Waiter(ticket, req, body_size, max_tokens, future)
+        allowed = self.max_wait_s if req.deadline_s is None else min(self.max_wait_s,
+                                                                     req.deadline_s)
+        log.info("queued at position %d: %s", self.line.position(ticket), decision.reason)
+        self._changed()
+        try:
+            self.dispatch()
+            return await asyncio.wait_for(asyncio.shield(future), allowed)
+        except TimeoutError:
+            position = self.line.position(ticket)
+            cap = self.capacity(position - 1, body_size, max_tokens)
+            return Decision(Action.REJECT, 7, f"waited {allowed:.0f} s without capacity "
+                                              f"freeing", retry_after_s=cap.wait_s,
+                            queue_position=position, cause="wait_timeout")
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                served = future.result()
+                if served.child is not None:
+                    self._give_back(served.child)  # served just as the client left
+            raise
+        finally:
+            self.line.leave(ticket)
+            self._waiters.pop(ticket.id, None)
+            if not future.done():
+                future.cancel()
+            self._changed()
+
+    def dispatch(self) -> None:
+        """Serve replays first, then the head of the line, while capacity allows."""
+        while self._replays:
+            name, fut = self._replays[0]
+            if fut.done():
+                self._replays.popleft()
+                continue
+            view = self.source.child_view(name, self.busy(name), 0, 0)
+            if not view.has_room:
+                break
+            self._replays.popleft()
+            self._take(name)
+            fut.set_result(None)
+        while (head := self.line.head()) is not None:
+            waiter = self._waiters.get(head.id)
+            if waiter is None or waiter.future.done():
+                self.line.leave(head)
+                continue
+            cap = self.capacity(0, waiter.body_size, waiter.max_tokens)
+            decision = admission.can_serve_now(waiter.request, cap)
+            if decision is None:
+                break
+            self.line.leave(head)
+            if decision.child is not None:
+                self._take(decision.child)
+            # (A TOO_LONG keeps its figures: its 400 names the context the prompt exceeds.)
+            waiter.future.set_result(dataclasses.replace(decision, reason="served from the line"))
+            self._changed()
+
+    async def replay_lease(self, name: str, within_s: float | None) -> Lease | None:
+        """A lease on `name` for a replay, ahead of the line; starts an on-demand upstream.
+        None if it could not take the replay in time. Like every lease, handed out only for an
+        upstream that is ready now (see `lease`)."""
+        began = time.monotonic()
+        while True:
+            left = None if within_s is None else within_s - (time.monotonic() - began)
+            start_s = await self._acquire_replay(name, left)
+            if start_s is None:
+                return None
+            member = self.upstreams[name]
+            if member.is_ready:
+                return Lease(self, member, counted=True, start_s=start_s)
+            self._give_back(name)
+
+    async def _acquire_replay(self, name: str, within_s: float | None) -> float | None:
+        """A place on `name` for a replay: the seconds spent waiting for it to start (0 when it
+        was running), or None."""
+        began = time.monotonic()
+        limit = self.max_wait_s if within_s is None else min(within_s, self.max_wait_s)
+        view = self.source.child_view(name, self.busy(name), 0, 0)
+        start_s = 0.0  # it was running
+        if view.ready and not view.has_room:
+            # Busy: wait only if the estimated wait fits; a replay that would sit out the
+            # whole limit is better answered now, with a Retry-After.
+            expected = waitline.estimated_wait(len(self._replays) + 1,
+                                               self.service_estimate()[0], view.cap)
+            if expected > limit:
+                log.info("replay on the %s child refused: it is busy and the wait would be "
+                         "about %.0f s", name, expected)
+                return None
+        if not view.ready:
+            if view.startable:
+                self.source.start_child(name)
+            elif view.state != ChildState.STARTING:
+                return None
+            waited = await self.source.wait_ready(name, limit)
+            if waited is None:
+                return None
+            start_s = waited
+        view = self.source.child_view(name, self.busy(name), 0, 0)
+        if view.has_room and not self._replays:
+            self._take(name)
+            return start_s
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._replays.append((name, future))
+        try:
+            self.dispatch()
+            await asyncio.wait_for(asyncio.shield(future),
+                                   max(0.0, limit - (time.monotonic() - began)))
+            return start_s
+        except TimeoutError:
+            return None
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                self._give_back(name)
+            raise
+        finally:
+            if not future.done():
+                future.cancel()
+
+    # --- closing ------------------------------------------------------------------------------
+
+    def close(self, lease: Lease, attempt: Attempt | None, end: AttemptEnd | None) -> None:
+        """Learn from the attempt, count its failure, give its place back, let the next in."""
+        if lease.closed:
+            return
+        lease.closed = True
+        name = lease.name
+        now = time.monotonic()
+        end = end or AttemptEnd()
+        if end.failure is not None:
+            self._failed(end.failure)
+        if attempt is not None and attempt.timings and end.timed:
+            self.source.observe_timings(name, attempt.timings)
+        if lease.counted and attempt is not None and end.ok:
+            self.source.observe_duration(now - attempt.started)
+        self.last_used[name] = now
+        self.upstreams[name].load.give_back(generation=lease.counted)
+        if lease.counted:
+            self.dispatch()
+
+    def _failed(self, failure: AttemptFailure) -> None:
+        if self.metrics is not None:
+            self.metrics.failovers.labels(failure.child, str(failure.verdict.kind)).inc()
+        if failure.verdict.kind is FailureKind.OOM_SURVIVED:
+            # The upstream lives but its memory state is unknown: no new work, let its other
+            # requests finish, then restart it.
+            self.upstreams[failure.child].drain(f"OOM survived: {failure.verdict.evidence}")
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()

@@ -1,0 +1,256 @@
+"""What is known of each child's capacity, for admission: slots and context per slot (from its
+`/props`), measured speeds, the GPU's free memory and the machine's free RAM.
+
+The pool owns one of these (as its CapacitySource): it reads the figures for admission and feeds
+in what each closed lease taught (timings of answers, durations of attempts). The daemon's tick
+samples RAM and VRAM into it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+import psutil
+
+from ..config import gguf_meta, llama_args
+from ..config.schema import Config
+from ..gpu import MIB, GpuMonitor
+from ..policy import estimate
+from ..policy.admission import ChildView
+from ..policy.lifecycle import ChildState
+from ..vocabulary import Upstream
+
+log = logging.getLogger("spillway.resources")
+
+RAM_FLOOR = 256 * MIB  # below this much free RAM, nothing more goes to the CPU child
+SERVICE_ALPHA = 0.2
+
+
+@dataclass
+class Profile:
+    slots: int | None = None  # from /props total_slots (or -np until then)
+    ctx_per_slot: int | None = None  # default_generation_settings.n_ctx
+    peak_rss: int = 0  # the most resident memory seen (CPU child)
+    peak_vram: int = 0  # the most VRAM seen in use by it (GPU child, from NVML)
+
+
+class Resources:
+    def __init__(self, config: Config, children: Mapping[str, Upstream],
+                 monitor: GpuMonitor) -> None:
+        self.config = config
+        self.children = children
+        self.monitor = monitor
+        self.profiles = {name: Profile(slots=self._slots_from_args(name)) for name in children}
+        self.throughput = {name: estimate.Throughput() for name in children}
+        self.service: float | None = None  # seconds per generation request (moving average)
+        self.ram_available: int | None = None
+        self.model_size = 0
+        self.model_shape: gguf_meta.ModelShape | None = None
+        self.paused: set[str] = set()
+        self._cpu_need = 0  # cached: asked on every admission, changes only with the config
+        self.refresh()
+
+    def configure(self, config: Config) -> None:
+        """A reload: the new config, and what depends on it."""
+        self.config = config
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Recompute what depends on the config and the model (after a reload, a sample)."""
+        self._cpu_need = self._compute_cpu_need()
+
+    def _slots_from_args(self, name: str) -> int | None:
+        value = llama_args.flag_value(self.config.child(name).args, "-np")
+        return int(value) if value is not None and value.isdigit() and int(value) > 0 else None
+
+    # --- learning ---------------------------------------------------------------------------
+
+    def model_path(self) -> str:
+        return self.config.model.path
+
+    def props_path(self) -> str:
+        return "/props"
+
+    def read_model(self) -> None:
+        """Blocking (reads the file's metadata): call it in a thread."""
+        try:
+            self.model_size = os.path.getsize(self.model_path())
+            self.model_shape = gguf_meta.model_shape(self.model_path())
+        except (OSError, gguf_meta.GgufError) as e:
+            log.info("model shape unknown (%s): the KV estimate is a guess", e)
+        self.refresh()
+
+    async def fetch_profile(self, session: aiohttp.ClientSession, name: str) -> None:
+        """Slots and context per slot, as the child reports them once ready."""
+        child = self.children[name]
+        try:
+            async with session.get(f"{child.base_url}{self.props_path()}",
+                                   headers={"Authorization": f"Bearer {child.api_key}"},
+                                   timeout=aiohttp.ClientTimeout(total=10)) as r:
+                props: Any = await r.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+            log.warning("[%s] /props unreadable: %s", name, e)
+            return
+        profile = self.profiles[name]
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            profile.slots = int(props.get("total_slots")) or profile.slots
+        with contextlib.suppress(AttributeError, TypeError, ValueError):
+            profile.ctx_per_slot = int(props["default_generation_settings"]["n_ctx"])
+        log.info("[%s] %s slots of %s tokens; admission cap %d", name, profile.slots,
+                 profile.ctx_per_slot, self.cap(name))
+
+    def observe_timings(self, name: str, timings: Mapping[str, Any]) -> None:
+        self.throughput[name] = estimate.observe(self.throughput[name], timings)
+
+    def observe_duration(self, seconds: float) -> None:
+        self.service = seconds if self.service is None else (
+            (1 - SERVICE_ALPHA) * self.service + SERVICE_ALPHA * seconds)
+
+    def sample(self) -> None:
+        """RAM, and each child's own use (called on the monitor's interval)."""
+        self.ram_available = psutil.virtual_memory().available
+        cpu = self.children["cpu"]
+        if cpu.state is ChildState.READY and cpu.pid is not None:
+            with contextlib.suppress(psutil.Error):
+                rss = psutil.Process(cpu.pid).memory_info().rss
+                self.profiles["cpu"].peak_rss = max(self.profiles["cpu"].peak_rss, rss)
+        gpu = self.children["gpu"]
+        sample = self.monitor.latest
+        if sample is not None and gpu.state is ChildState.READY and gpu.pid is not None:
+            used = sample.process_bytes.get(gpu.pid, 0)
+            self.profiles["gpu"].peak_vram = max(self.profiles["gpu"].peak_vram, used)
+        self.refresh()
+
+    # --- what the child needs ---------------------------------------------------------------
+
+    def _kv_bytes(self, name: str) -> int:
+        shape = self.model_shape
+        if shape is None:
+            return self.model_size // 4  # a guess: a quarter of the weights
+        ctx = llama_args.flag_value(self.config.child(name).args, "-c")
+        n_ctx = int(ctx) if ctx is not None and ctx.isdigit() and int(ctx) > 0 \
+            else shape.n_ctx_train
+        return shape.kv_bytes(n_ctx)
+
+    def _compute_cpu_need(self) -> int:
+        estimate_bytes = self.model_size + self._kv_bytes("cpu") + 256 * MIB
+        return max(self.profiles["cpu"].peak_rss, estimate_bytes)
+
+    def cpu_need_bytes(self) -> int:
+        """RAM the CPU child needs to start: what it used before, else the model plus its KV
+        cache (and some room for compute buffers)."""
+        return self._cpu_need
+
+    def gpu_need_bytes(self) -> int:
+        """VRAM the GPU child needs to load: what it used before, else the model plus its KV
+        cache; plus the headroom."""
+        estimate_bytes = int(self.model_size * 1.1) + self._kv_bytes("gpu")
+        need = max(self.profiles["gpu"].peak_vram, estimate_bytes)
+        return need + self.config.gpu.vram_headroom_mib * MIB
+
+    def cpu_ram_ok(self, cold: bool) -> bool:
+        available = self.ram_available
+        if available is None:
+            return True
+        return available >= (self.cpu_need_bytes() if cold else RAM_FLOOR)
+
+    # --- the pool's CapacitySource ----------------------------------------------------------
+
+    def ctx_per_slot(self, name: str) -> int | None:
+        return self.profiles[name].ctx_per_slot
+
+    def cap(self, name: str) -> int:
+        configured = self.config.child(name).max_concurrency
+        return configured or self.profiles[name].slots or 1
+
+    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int,
+                   with_estimate: bool = True) -> ChildView:
+        """What admission needs of one child; called on every request, so kept cheap (the
+        time estimate only when the request has a deadline to weigh it against)."""
+        state = self.children[name].state
+        startable, ram_ok = self.startable(name, state)
+        expected = self.expected_seconds(name, body_size, max_tokens) if with_estimate else None
+        return ChildView(
+            name=name, state=state, busy=busy, cap=self.cap(name),
+            ctx_per_slot=self.profiles[name].ctx_per_slot, startable=startable, ram_ok=ram_ok,
+            expected_s=expected, back_in_s=self.back_in_s(name))
+
+    def startable(self, name: str, state: ChildState) -> tuple[bool, bool]:
+        """(may be started now, has the RAM it needs): the on-demand CPU child's."""
+        if name == "gpu":
+            return False, True
+        running = state is ChildState.READY or state is ChildState.STARTING
+        startable = (state is ChildState.STOPPED and self.config.cpu.mode == "on-demand"
+                     and name not in self.paused and self.cpu_ram_ok(cold=True))
+        return startable, self.cpu_ram_ok(cold=not running)
+
+    def back_in_s(self, name: str) -> float | None:
+        """Seconds until a child whose restart is under way serves again: what is left of its
+        back-off, plus its last start time (how long its start takes). None for a ready child,
+        or one that is not coming back by itself."""
+        child = self.children[name]
+        state = child.state
+        if name in self.paused or child.last_start_s is None:
+            return None
+        if state is ChildState.BACKOFF:
+            return (child.next_try_in_s() or 0.0) + child.last_start_s
+        if state is ChildState.STARTING:
+            return max(0.0, child.last_start_s - (time.monotonic() - child.state_since))
+        if state is ChildState.EXITED:
+            return child.last_start_s
+        return None
+
+    def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
+        """How long a request would take on the child, from its own reported speeds."""
+        return estimate.expected_seconds(self.throughput[name],
+                                         estimate.prompt_tokens_bound(body_size), max_tokens)
+
+    def vram_free_mib(self) -> float | None:
+        sample = self.monitor.latest
+        if sample is None:
+            return None
+        if time.monotonic() - sample.monotonic > max(10.0, 10 * self.monitor.interval_s):
+            return None  # stale: say nothing rather than something old
+        return sample.free_bytes / MIB
+
+    def vram_headroom_mib(self) -> float:
+        return float(self.config.gpu.vram_headroom_mib)
+
+    def service_s(self) -> float | None:
+        return self.service
+
+    def start_child(self, name: str) -> None:
+        if name not in self.paused:
+            self.children[name].start()
+
+    async def wait_ready(self, name: str, within_s: float) -> float | None:
+        child = self.children[name]
+        began = time.monotonic()
+        limit = min(within_s, child.start_timeout_s)
+        if not await child.wait_state(ChildState.READY, timeout=max(0.0, limit)):
+            return None
+        return time.monotonic() - began
+
+    def to_json(self, name: str, busy: int) -> dict[str, Any]:
+        p = self.profiles[name]
+        t = self.throughput[name]
+        out: dict[str, Any] = {
+            "busy": busy, "cap": self.cap(name), "slots": p.slots,
+            "ctx_per_slot": p.ctx_per_slot,
+            "tokens_per_s": {"prompt": t.prompt_tps and round(t.prompt_tps, 1),
+                             "generation": t.gen_tps and round(t.gen_tps, 1)},
+        }
+        if name == "cpu":
+            out["ram"] = {"available_bytes": self.ram_available,
+                          "needs_bytes_to_start": self.cpu_need_bytes(),
+                          "peak_rss_bytes": p.peak_rss}
+        else:
+            out["vram_peak_bytes"] = p.peak_vram
+        return out

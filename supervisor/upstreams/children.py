@@ -1,0 +1,595 @@
+"""The supervised llama-server processes: the only code that spawns, signals and watches them.
+
+Each child's lifecycle has one owner (engine.py: one task, one inbox, the only writer of its
+state), which asks policy/lifecycle.step what each event comes to; this module is a child's
+effects: a launch is a process, supervised by a task of its own that probes /health (posting
+Ready, or Unresponsive after the start or hang timeout) and, once the process is reaped,
+posts its Ended with the exit record; a stop is SIGTERM, grace, SIGKILL. Others ask for
+changes through `start`, `stop`, `restart` and `drain` (events posted to the owner), and read
+the state, pid, port and evidence.
+
+Every child:
+- listens on a loopback port Spillway picks, with a random API key only Spillway knows (given in
+  the `LLAMA_API_KEY` environment variable, the same setting as `--api-key`, because a command
+  line is readable by every local user in /proc and an environment is not);
+- runs in its own session and process group, with the kernel told to kill it when the daemon
+  dies (PR_SET_PDEATHSIG), so none outlives the daemon even when the daemon gets SIGKILL;
+- is ready when `/health` answers 200 (503 `Loading model` means still starting);
+- has each stdout/stderr line logged with a `[name]` prefix, the last 200 kept as evidence;
+- is stopped with SIGTERM to its group, a grace period, then SIGKILL (llama-server does not exit
+  while a client is connected).
+
+The effects go through two seams, so that a child's lifecycle is unit tested without processes
+or sleeping (tests/test_child_lifecycle.py): the launcher (launcher.py: spawning, signalling,
+reading output, the health probe) and the clock (clock.py: the lifecycle's waits, i.e. health
+and liveness polls, back-off, drain, grace, and the times that decide the start timeout, the
+hang timeout and quick failures). Only the callers' own timeouts (`wait_state`, `exit_of`)
+take real time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import secrets
+import signal
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .clock import Clock, MonotonicClock
+from ..config.schema import ChildConfig, RestartConfig, command_changed
+from .engine import Engine, LifeReader
+from .launcher import Launcher, Process, SubprocessLauncher
+from .launcher import pick_port as pick_port  # the drill's import
+from .hostcpu import HostCpu, host_cpu
+from ..policy import lifecycle, signatures
+from ..records.timefmt import rfc3339
+from ..vocabulary import Load, StateListener
+from ..policy.evidence import FailureKind, VramSample, classify_exit, describe_exit, exit_signal
+from ..policy.lifecycle import ChildState
+
+log = logging.getLogger("spillway.child")
+
+STDERR_TAIL_LINES = 200
+MARKER_LINES = 20
+HEALTH_POLL_S = 0.1  # while starting
+LIVENESS_POLL_S = 2.0  # while ready
+LIVENESS_TIMEOUT_S = 10.0
+HUNG_GRACE_S = 1.0  # SIGTERM to SIGKILL for a child that stopped answering /health
+
+# systemd's variables, which are for the daemon alone (a child must not answer systemd's notify
+# socket in its place).
+SYSTEMD_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
+                     "LISTEN_FDNAMES")
+# Environment variables llama-server reads as settings that Spillway owns, and systemd's.
+_OWNED_ENV = ("LLAMA_ARG_HOST", "LLAMA_ARG_PORT", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE",
+              "LLAMA_ARG_MODEL", *SYSTEMD_VARIABLES)
+
+
+@dataclass(frozen=True)
+class ExitRecord:
+    """How one process of a child ended, and what the evidence says it was."""
+
+    generation: int
+    pid: int
+    returncode: int
+    kind: FailureKind
+    evidence: str
+    wall: float
+    monotonic: float
+    run_s: float
+    planned: bool  # Spillway stopped it
+    served: bool = False  # it had started work on at least one request
+    diagnosis: signatures.Diagnosis | None = None  # a known crash signature, if one matched
+
+    @property
+    def known_crash(self) -> str:
+        return self.diagnosis.summary() if self.diagnosis is not None else ""
+
+    @property
+    def signature(self) -> str | None:
+        """The known crash signature's name, if one matched."""
+        return self.diagnosis.name if self.diagnosis is not None else None
+
+    @property
+    def signal_name(self) -> str | None:
+        sig = exit_signal(self.returncode)
+        if sig is None:
+            return None
+        try:
+            return signal.Signals(sig).name
+        except ValueError:
+            return f"SIG{sig}"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "code": self.returncode,
+            "signal": self.signal_name,
+            "kind": self.kind,
+            "evidence": self.evidence,
+            "time": rfc3339(self.wall),
+            "run_s": round(self.run_s, 3),
+            "planned": self.planned,
+            "diagnosis": self.diagnosis.to_json() if self.diagnosis else None,
+        }
+
+
+VramProbe = Callable[[float], VramSample | None]
+
+
+class Child(LifeReader):
+    def __init__(
+        self,
+        cfg: ChildConfig,
+        restart: RestartConfig,
+        *,
+        drain_timeout_s: float = lifecycle.DRAIN_TIMEOUT_S,
+        hang_timeout_s: float = 120.0,
+        vram_probe: VramProbe | None = None,
+        vram_short_mib: float = 512.0,
+        extra_env: dict[str, str] | None = None,
+        cpu: HostCpu | None = None,
+        rng: Callable[[], float] = random.random,
+        clock: Clock | None = None,
+        launcher: Launcher | None = None,
+    ) -> None:
+        self.name = cfg.name
+        self.cfg = cfg
+        self.restart_cfg = restart
+        self.drain_timeout_s = drain_timeout_s
+        self.hang_timeout_s = hang_timeout_s
+        self.vram_probe = vram_probe
+        self.vram_short_mib = vram_short_mib
+        self.extra_env = dict(extra_env or {})
+        self.cpu = cpu or host_cpu()  # the crash signatures' facts (AMX, ...)
+        self._clock: Clock = clock or MonotonicClock()  # every timed wait
+        # The processes and the health probe; a launcher made here is closed by `close`.
+        self._own_launcher: SubprocessLauncher | None = None
+        if launcher is None:
+            launcher = self._own_launcher = SubprocessLauncher()
+        self._launcher: Launcher = launcher
+        # Its requests in flight: counted by the pool (the one writer), read here.
+        self.load = Load()
+        # The lifecycle's one owner (engine.py): the state, the crash loop and the next try
+        # are its Life's, read through the properties below.
+        self.engine = Engine(self.name, self, lifecycle.CHILD, policy=self.backoff_policy,
+                             drain_timeout_s=lambda: self.drain_timeout_s,
+                             idle=self.load.idle, clock=self._clock, rng=rng)
+
+        self.state_since = time.monotonic()
+        self.pid: int | None = None
+        self.host = "127.0.0.1"  # every child listens on loopback only
+        self.port: int | None = None
+        self.api_key: str = ""
+        self.last_exit: ExitRecord | None = None
+        self.started_at: float | None = None  # monotonic, of the current process
+        self.ready_at: float | None = None
+        self.tasks_started = 0  # `launch_slot_` lines: executions, counted by the child itself
+        self.stderr_tail: deque[str] = deque(maxlen=STDERR_TAIL_LINES)
+        # Lines a crash signature names (an "AMX model buffer" line at load), kept past the
+        # tail's bound for this process's whole life.
+        self.marker_lines: deque[str] = deque(maxlen=MARKER_LINES)
+        self.listeners: list[StateListener] = []
+        # Each output line, as read (router mode: the router's own lines tell of its models).
+        self.line_listeners: list[Callable[[str], None]] = []
+        self.armed_signal: int | None = None  # the drill's: sent when the next task launches
+
+        # The running process, its supervision (spawn, probes, exit) and how Spillway is
+        # ending it, if it is: (planned, a note for an unplanned end's record).
+        self._process: Process | None = None
+        self._waiter: asyncio.Task[int] | None = None
+        self._run: asyncio.Task[None] | None = None
+        self._ending: tuple[bool, str] | None = None
+        self._probe_wake = asyncio.Event()  # the probes stop: it left STARTING|READY
+        self._unkillable = asyncio.Event()  # SIGKILL did not end it: reaped as it is
+        self._exits: dict[int, asyncio.Future[ExitRecord]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # --- reading ----------------------------------------------------------------------------------
+
+    @property
+    def state(self) -> ChildState:
+        return self.engine.life.state
+
+    @property
+    def restarts(self) -> int:
+        """Starts after the first (each start is a new generation)."""
+        return max(self.generation - 1, 0)
+
+    @property
+    def start_timeout_s(self) -> float:
+        return self.cfg.start_timeout_s
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def is_ready(self) -> bool:
+        return self.state is ChildState.READY
+
+    def to_json(self) -> dict[str, Any]:
+        now = time.monotonic()
+        return {
+            "state": str(self.state),
+            "reason": self.reason,
+            "state_for_s": round(now - self.state_since, 3),
+            "pid": self.pid,
+            "port": self.port,
+            "restarts": self.restarts,
+            "quick_failures": self.quick_failures,
+            "next_try_in_s": self.next_try_in_s(),
+            "last_exit": self.last_exit.to_json() if self.last_exit else None,
+            "diagnosis": self.diagnosis_json(),
+            "uptime_s": round(now - self.started_at, 3) if self.started_at is not None else None,
+            "last_start_s": round(self.last_start_s, 3) if self.last_start_s is not None else None,
+            "in_flight": self.load.in_flight,
+            "tasks_started": self.tasks_started,
+            "command": self.cfg.command(self.port or 0, "")[:-2],
+        }
+
+    def diagnosis_json(self) -> dict[str, str] | None:
+        """The known crash of the last exit, while it is the latest word on this child."""
+        last = self.last_exit
+        if last is None or last.diagnosis is None or self.state is ChildState.READY:
+            return None
+        return last.diagnosis.to_json()
+
+    def next_try_in_s(self) -> float | None:
+        """Seconds to the next start, in BACKOFF or FATAL; None in other states."""
+        return self.own_next_try_in_s()
+
+    def backoff_policy(self) -> lifecycle.BackoffPolicy:
+        r = self.restart_cfg  # read each time: a reload may replace it
+        return lifecycle.BackoffPolicy(
+            initial_s=r.backoff_initial_s, max_s=r.backoff_max_s,
+            quick_failure_s=r.quick_failure_s, max_quick_failures=r.max_quick_failures,
+            fatal_retry_max_s=r.fatal_retry_max_s)
+
+    # --- asking for changes: each is an event for the owner ---------------------------------------
+
+    def configure(self, cfg: ChildConfig, restart: RestartConfig, drain_timeout_s: float) -> None:
+        """A reload: new timeouts at once; a new command drains a READY child (its requests
+        finish, then it restarts with it) and restarts a starting, backing-off or FATAL one.
+        STOPPED, DRAINING and STOPPING children take it at their next start."""
+        self.restart_cfg = restart
+        self.hang_timeout_s = restart.hang_timeout_s
+        self.drain_timeout_s = drain_timeout_s
+        changed = command_changed(self.cfg, cfg)
+        self.cfg = cfg
+        if changed:
+            self.engine.post(lifecycle.CommandChanged("config reload: its command changed"))
+
+    def start(self) -> None:
+        """Begin supervising: start the process and keep it running; from FATAL, at once."""
+        first = self.engine.life.generation == 0
+        self.engine.post(lifecycle.Start("starting" if first else "start asked for",
+                                         keep=True))
+
+    def restart(self, reason: str) -> None:
+        """Stop the process now (SIGTERM, grace, SIGKILL) and start it again; from BACKOFF or
+        FATAL, start at once."""
+        self.engine.post(lifecycle.Restart(reason))
+
+    def drain(self, reason: str) -> None:
+        """No new work; in-flight work finishes (up to the drain timeout); then restart."""
+        self.engine.post(lifecycle.Drain(reason))
+
+    async def stop(self, reason: str = "stop asked for", grace_s: float | None = None) -> None:
+        """Stop the process and wait until it is gone; the child stays STOPPED (unless it is
+        started again meanwhile)."""
+        await self.engine.ask(lifecycle.Stop(reason, grace_s))
+        if not self.engine.closed:
+            await self.engine.until(lambda life: life.state is ChildState.STOPPED or
+                                    life.wanted)
+
+    async def close(self, grace_s: float | None = None) -> None:
+        """Stop for good (daemon shutdown)."""
+        await self.stop("daemon shutting down", grace_s)
+        await self.engine.close()
+        for task in [*self._tasks, *([self._run] if self._run is not None else [])]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for fut in self._exits.values():
+            if not fut.done():
+                fut.cancel()
+        if self._own_launcher is not None:
+            await self._own_launcher.close()
+
+    async def wait_state(self, *states: ChildState, timeout: float | None = None) -> bool:
+        """Wait until the child is in one of `states`; False on timeout."""
+        return await self.engine.wait_state(*states, timeout=timeout)
+
+    async def exit_of(self, generation: int, timeout: float) -> ExitRecord | None:
+        """The exit record of process `generation`, waiting up to `timeout` for it to end."""
+        fut = self._exits.get(generation)
+        if fut is None:
+            return None
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except TimeoutError:
+            return None
+
+    def running(self, generation: int) -> bool:
+        """Process `generation` is this child's current one and has not exited (as far as the
+        event loop has heard)."""
+        fut = self._exits.get(generation)
+        return generation == self.generation and fut is not None and not fut.done() \
+            and self.pid is not None
+
+    def arm(self, sig: int | None) -> None:
+        """The drill without a GPU: send `sig` to the process group as soon as the next task
+        launches (during its prompt processing), standing in for a GPU that runs out of
+        memory. None disarms."""
+        self.armed_signal = sig
+
+    def signal_now(self, sig: int) -> bool:
+        """The drill's failure in the middle of an answer: `sig` to the process group now,
+        standing in for a GPU that runs out of memory while a stream is generated (the KV
+        cache grows with the answer). False when no process runs."""
+        proc = self._process
+        if proc is None:
+            return False
+        log.warning("[%s] drill: sending %s now", self.name, signal.Signals(sig).name)
+        proc.signal_group(sig)
+        return True
+
+    def _fire_armed(self, proc: Process) -> None:
+        sig = self.armed_signal
+        self.armed_signal = None
+        if sig is None:
+            return
+        log.warning("[%s] drill: sending %s as a task launches", self.name,
+                    signal.Signals(sig).name)
+        proc.signal_group(sig)
+
+    # --- the effects: what the owner carries out (engine.Effects) ---------------------------------
+
+    def entered(self, old: ChildState, new: ChildState, reason: str) -> None:
+        self.state_since = time.monotonic()
+        log.info("[%s] %s -> %s: %s", self.name, old, new, reason)
+        if new not in _PROBED:
+            self._probe_wake.set()
+        for listener in list(self.listeners):
+            try:
+                listener(self, old, new, reason)
+            except Exception:  # noqa: BLE001 - a listener must not break the owner task
+                log.exception("state listener failed")
+
+    def launch(self, generation: int, reason: str) -> None:
+        loop = asyncio.get_running_loop()
+        self._exits = {g: f for g, f in self._exits.items() if g >= generation - 4}
+        self._exits[generation] = loop.create_future()
+        self._ending = None
+        self._probe_wake = asyncio.Event()
+        self._unkillable = asyncio.Event()
+        self._run = asyncio.create_task(self._run_process(generation),
+                                        name=f"child-{self.name}-{generation}")
+
+    def terminate(self, action: lifecycle.Terminate) -> None:
+        proc, waiter = self._process, self._waiter
+        if proc is None or waiter is None or waiter.done() or proc.returncode is not None \
+                or self._ending is not None:
+            return  # gone already (its end is on its way), or being ended
+        self._ending = (action.planned, action.note)
+        self._probe_wake.set()
+        grace = self.cfg.stop_grace_s if action.grace_s is None else action.grace_s
+        self._spawn(self._terminate(proc, waiter, grace))
+
+    def recorded(self, end: lifecycle.Ended) -> None:
+        record = end.record
+        assert isinstance(record, ExitRecord)
+        fut = self._exits.get(record.generation)
+        if fut is not None and not fut.done():
+            fut.set_result(record)
+        if not end.planned:
+            self.last_exit = record
+
+    def opened(self, generation: int, since: int) -> None:
+        pass  # a child's process begins with its launch
+
+    def orphaned(self, generation: int) -> None:
+        pass  # a child has no host
+
+    def why_not_now(self) -> str | None:
+        return None  # a child is always tried (the GPU's freed memory restarts it early)
+
+    # --- one process, from spawn to exit ----------------------------------------------------------
+
+    def _environment(self, api_key: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in _OWNED_ENV}
+        # A quick abort (no backtrace through gdb) gets the crash evidence out faster.
+        env.setdefault("GGML_NO_BACKTRACE", "1")
+        env.update(self.extra_env)
+        env.update(self.cfg.env)
+        env["LLAMA_API_KEY"] = api_key
+        return env
+
+    async def _spawn_process(self) -> Process:
+        # Never the last process's port: connections pooled to it must not reach the new one.
+        self.port = pick_port(avoid=self.port)
+        self.api_key = secrets.token_urlsafe(24)
+        argv = self.cfg.command(self.port, self.api_key)
+        argv = argv[:-2]  # the key travels in the environment, not on the command line
+        log.info("[%s] starting: %s", self.name, " ".join(argv))
+        return await self._launcher.spawn(argv, self._environment(self.api_key))
+
+    async def _run_process(self, generation: int) -> None:
+        """Process `generation` from spawn to exit: its probes post Ready or Unresponsive,
+        its end posts Ended."""
+        spawned_at = time.monotonic()
+        spawned = self._clock.now()
+        try:
+            proc = await self._spawn_process()
+        except OSError as e:
+            self.engine.post(_ended(ExitRecord(
+                generation, 0, 127, FailureKind.CRASH,
+                f"cannot start {self.cfg.llama_server!r}: {e}", time.time(), time.monotonic(),
+                0.0, planned=False)))
+            return
+        self.pid = proc.pid
+        self._process = proc
+        self.started_at = spawned_at
+        self.ready_at = None
+        self.stderr_tail.clear()
+        self.marker_lines.clear()
+        reader = asyncio.create_task(self._read_output(proc), name=f"child-{self.name}-output")
+        waiter = self._waiter = asyncio.create_task(proc.wait(), name=f"child-{self.name}-wait")
+        tasks_before = self.tasks_started
+        given_up = asyncio.ensure_future(self._unkillable.wait())
+        try:
+            await self._probe(generation, waiter, spawned)
+            await asyncio.wait({waiter, given_up}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            given_up.cancel()
+            await self._reap(proc, waiter, reader)
+        planned, note = self._ending or (False, "")
+        record = self._exit_record(generation, proc, spawned, planned, note,
+                                   served=self.tasks_started > tasks_before)
+        self.pid = None
+        self._process = None
+        self.started_at = None
+        if not planned:
+            log.warning("[%s] exited: %s (%s)", self.name, record.kind, record.evidence)
+            if record.diagnosis is not None:
+                log.warning("[%s] %s", self.name, record.diagnosis.summary())
+        self.engine.post(_ended(record))
+
+    def _probing(self, waiter: asyncio.Task[int]) -> bool:
+        return not waiter.done() and self._ending is None and \
+            self.engine.life.state in _PROBED
+
+    async def _probe(self, generation: int, waiter: asyncio.Task[int], spawned: float) -> None:
+        """/health until it answers (the start timeout), then every LIVENESS_POLL_S while it
+        serves (the hang timeout); over when it leaves STARTING|READY or is being ended."""
+        deadline = self._clock.now() + self.cfg.start_timeout_s
+        while True:
+            if not self._probing(waiter):
+                return
+            if self._clock.now() > deadline:
+                self.engine.post(lifecycle.Unresponsive(
+                    generation, f"not ready after {self.cfg.start_timeout_s:.0f} s "
+                                "(start timeout)"))
+                return
+            if await self._health_ok(timeout=2.0):
+                break
+            await self._sleep_or_exit(waiter, HEALTH_POLL_S)
+        self.ready_at = time.monotonic()
+        self.engine.post(lifecycle.Ready(generation))
+        last_ok = self._clock.now()
+        while True:
+            woke = await self._sleep_or_exit(waiter, LIVENESS_POLL_S)
+            if not self._probing(waiter):
+                return
+            if woke:
+                continue
+            limit = min(LIVENESS_TIMEOUT_S, self.hang_timeout_s or LIVENESS_TIMEOUT_S)
+            if await self._health_ok(timeout=limit):
+                last_ok = self._clock.now()
+            elif self.hang_timeout_s > 0 and self._clock.now() - last_ok > self.hang_timeout_s:
+                self.engine.post(lifecycle.Unresponsive(
+                    generation, f"/health unanswered for {self.hang_timeout_s:.0f} s",
+                    HUNG_GRACE_S))
+                return
+
+    async def _reap(self, proc: Process, waiter: asyncio.Task[int],
+                    reader: asyncio.Task[None]) -> None:
+        """The process gone (SIGKILL if cancelled while it runs) and its last lines read."""
+        if not waiter.done():  # cancelled, or SIGKILL did not end it: one more, and on
+            proc.signal_group(signal.SIGKILL)
+            with contextlib.suppress(Exception):
+                await self._clock.wait_any({waiter}, 5)
+        with contextlib.suppress(asyncio.TimeoutError, asyncio.CancelledError):
+            await asyncio.wait_for(reader, 2.0)  # the last lines are the evidence
+        reader.cancel()
+
+    def _exit_record(self, generation: int, proc: Process, spawned: float, planned: bool,
+                     note: str, served: bool) -> ExitRecord:
+        returncode = proc.returncode if proc.returncode is not None else -9
+        died = time.monotonic()
+        vram = self.vram_probe(died) if self.vram_probe is not None else None
+        verdict = classify_exit(returncode, list(self.stderr_tail), vram,
+                                vram_short_mib=self.vram_short_mib)
+        evidence = f"{note} ({describe_exit(returncode)})" if note else verdict.evidence
+        kind = FailureKind.CRASH if note else verdict.kind
+        diagnosis = None
+        if not planned and not note:  # a death of its own, not one Spillway dealt
+            diagnosis = signatures.diagnose(signatures.CrashFacts(
+                returncode=returncode, lines=[*self.marker_lines, *self.stderr_tail],
+                before_ready=self.ready_at is None, cpu_model=self.cpu.describe(),
+                cpu_flags=self.cpu.flags))
+        return ExitRecord(generation, proc.pid, returncode, kind, evidence, time.time(), died,
+                          self._clock.now() - spawned, planned=planned, served=served,
+                          diagnosis=diagnosis)
+
+    async def _sleep_or_exit(self, waiter: asyncio.Task[int], seconds: float) -> bool:
+        """Sleep, cut short by the process exiting or the probes' end. True if the probes'
+        end came."""
+        wake = asyncio.create_task(self._probe_wake.wait())
+        try:
+            done = await self._clock.wait_any({waiter, wake}, seconds)
+        finally:
+            wake.cancel()
+        return wake in done
+
+    async def _health_ok(self, timeout: float) -> bool:
+        if self.port is None:
+            return False
+        return await self._launcher.health(self.port, timeout)
+
+    async def _terminate(self, proc: Process, waiter: asyncio.Task[int], grace: float) -> None:
+        """SIGTERM to the group, a grace period, then SIGKILL."""
+        proc.signal_group(signal.SIGTERM)
+        if not await self._clock.wait_any({waiter}, grace):
+            log.warning("[%s] still running %.0f s after SIGTERM; sending SIGKILL",
+                        self.name, grace)
+            proc.signal_group(signal.SIGKILL)
+            if not await self._clock.wait_any({waiter}, 10):
+                self._unkillable.set()  # (uninterruptible sleep): its end is recorded as is
+
+    def _spawn(self, coro: Any) -> None:
+        task: asyncio.Task[None] = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _read_output(self, proc: Process) -> None:
+        while True:
+            raw = await proc.readline()
+            if not raw:
+                return
+            line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+            self.stderr_tail.append(line)
+            if signatures.is_marker(line):
+                self.marker_lines.append(line)
+            log.info("[%s] %s", self.name, line)
+            for listener in self.line_listeners:
+                try:
+                    listener(line)
+                except Exception:  # noqa: BLE001 - a listener must not stop the reading
+                    log.exception("output line listener failed")
+            if "launch_slot_" in line:
+                self.tasks_started += 1
+                if self.armed_signal is not None:
+                    self._fire_armed(proc)
+
+
+# The states in which a process is probed (/health): starting, and serving.
+_PROBED = frozenset({ChildState.STARTING, ChildState.READY})
+
+
+def _ended(record: ExitRecord) -> lifecycle.Ended:
+    """A process's end, as the lifecycle hears it."""
+    return lifecycle.Ended(
+        record.generation, record.planned,
+        what=f"stopped ({describe_exit(record.returncode)})" if record.planned
+        else f"{record.kind}: {record.evidence}",
+        run_s=record.run_s, served=record.served,
+        signature=record.signature,
+        known_crash=record.known_crash or None, record=record)
