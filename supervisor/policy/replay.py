@@ -16,6 +16,7 @@ When one fails, the reason says which, and the client gets a controlled error in
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .evidence import Verdict
@@ -32,6 +33,14 @@ class Refusal(enum.StrEnum):
     DEADLINE = "the client's deadline leaves no room for the other child"
     ALREADY_REPLAYED = "already replayed once"
     NO_TARGET = "no other child can take it"
+
+
+def takeover(order: Sequence[str], failed: str) -> str | None:
+    """Who takes over a request that failed on `failed`: the next upstream in the config's
+    order, from the last back to the first (today gpu -> cpu, cpu -> gpu); None alone."""
+    if failed not in order or len(order) < 2:
+        return None
+    return order[(order.index(failed) + 1) % len(order)]
 
 
 @dataclass(frozen=True)

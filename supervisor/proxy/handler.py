@@ -24,6 +24,7 @@ from ..records.idempotency import IdempotencyStore, Outcome, StoredResponse, fin
 from ..records.incidents import Incident, IncidentLog, new_incident_id
 from ..records.metrics import Metrics
 from ..serving.pool import Lease, Pool
+from ..serving.failover import Cut, Failed, Failover, GiveUp, GoOn
 from ..serving.pools import Pools
 from ..records.stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
 from ..records.timefmt import rfc3339
@@ -451,44 +452,35 @@ class ProxyHandler:
     async def _after_failure(self, request: web.Request, ctx: RequestCtx,
                              failure: AttemptFailure,
                              episodes: list[_Episode]) -> Answered | Broken:
-        pool = self._pool(ctx)
-        other = pool.failover_target(failure.child)
-        left = self._deadline_left(ctx)
-        decision = replay.decide(replay.ReplayCase(
-            verdict=failure.verdict,
+        """Before any byte: the failover says replay (the second attempt) or give up (the
+        controlled error)."""
+        nxt = await Failover(self._pool(ctx)).after_failure(Failed(
+            failure=failure,
             route=ctx.route,
             body_replayable=(self.settings.replay and ctx.payload is not None
                              and len(ctx.body) <= self.settings.max_replay_body_bytes),
-            bytes_sent=False,  # a failure before any byte: after bytes it is Broken
-            timed_out=failure.timed_out,
             opted_out=_opted_out(ctx),
             attempts=len(ctx.attempts),
-            deadline_left_s=left,
-            target_expected_s=pool.expected_seconds(
-                other, len(ctx.body), estimate.requested_tokens(ctx.payload)),
-            target_available=pool.can_take_replay(other),
-        ))
-        lease = await pool.replay_lease(other, left) if decision.replay else None
-        if decision.replay and lease is None:
-            decision = replay.ReplayDecision(False, f"{replay.Refusal.NO_TARGET}: the {other}"
-                                                    " child did not become ready in time",
-                                             replay.Refusal.NO_TARGET)
-        if lease is None:
-            episodes.append(_Episode(failure, "rejected", decision.reason))
-            return Answered(self._controlled_error(ctx, failure, decision))
-        episode = _Episode(failure, "replayed", decision.reason, lease.start_s, other)
-        episodes.append(episode)
+            deadline_left_s=self._deadline_left(ctx),
+            body_size=len(ctx.body),
+            max_tokens=estimate.requested_tokens(ctx.payload)))
+        if isinstance(nxt, GiveUp):
+            episodes.append(_Episode(failure, "rejected", nxt.reason))
+            return Answered(self._controlled_error(ctx, failure, nxt))
+        other = nxt.lease.name
+        episodes.append(_Episode(failure, "replayed", nxt.reason, nxt.lease.start_s, other))
         ctx.follow = None  # a replay is the second attempt: it is not continued in turn
         ctx.failover_kind = str(failure.verdict.kind)
         log.warning("rid=%s %s child failed (%s: %s); replaying on the %s child",
                     ctx.request_id, failure.child, failure.verdict.kind,
                     failure.verdict.evidence, other)
-        second = await self._attempt(request, ctx, lease)
+        second = await self._attempt(request, ctx, nxt.lease)
         if isinstance(second, AttemptFailure):
             # No third attempt: the client gets a controlled error naming both failures.
-            episodes.append(_Episode(second, "rejected", str(replay.Refusal.ALREADY_REPLAYED)))
-            return Answered(self._controlled_error(ctx, second, replay.ReplayDecision(
-                False, str(replay.Refusal.ALREADY_REPLAYED), replay.Refusal.ALREADY_REPLAYED)))
+            refusal = replay.Refusal.ALREADY_REPLAYED
+            episodes.append(_Episode(second, "rejected", str(refusal)))
+            return Answered(self._controlled_error(ctx, second, GiveUp(
+                str(refusal), refusal, self._pool(ctx).retry_after_s(second.child))))
         if isinstance(second, Interrupted):  # (not followed, so not expected)
             return await self.forwarder.end_broken(ctx, second.response, second.failure,
                                                    second.anthropic)
@@ -496,31 +488,30 @@ class ProxyHandler:
 
     async def _after_interruption(self, ctx: RequestCtx, cut: Interrupted,
                                   episodes: list[_Episode]) -> Answered | Broken:
-        """A followed stream's child failed after bytes: it goes on from the other child when
-        the continuation rule allows (policy/continuation.py), else ends with the error
+        """A followed stream's upstream failed after bytes: the failover says go on from the
+        upstream that takes over (policy/continuation.py), or the stream ends with the error
         event."""
         failure, so_far = cut.failure, ctx.follow
         assert so_far is not None and ctx.payload is not None
-        pool = self._pool(ctx)
-        other = pool.failover_target(failure.child)
-        left = self._deadline_left(ctx)
-        limit = continuation.token_limit(so_far.kind, ctx.payload)
-        remaining = max(limit - so_far.tokens, 0) if limit is not None else \
-            estimate.requested_tokens(ctx.payload)
-        decision = continuation.decide(
-            ctx.payload, so_far, ctx.continued, left,
-            target_expected_s=pool.expected_seconds(other, len(ctx.body), remaining) or 0.0,
-            target_available=pool.can_take_replay(other),
-            target_prefills=other not in self.settings.no_prefill)
-        lease = await pool.replay_lease(other, left) if decision.allowed else None
-        if lease is None:
-            why = decision.reason if not decision.allowed else \
-                f"the {other} child did not become ready in time"
+        nxt = await Failover(self._pool(ctx)).after_cut(Cut(
+            failure=failure, payload=ctx.payload, so_far=so_far,
+            continued_before=ctx.continued, deadline_left_s=self._deadline_left(ctx),
+            body_size=len(ctx.body), requested_tokens=estimate.requested_tokens(ctx.payload),
+            no_prefill=self.settings.no_prefill))
+        if isinstance(nxt, GiveUp):
             self.metrics.continuations.labels("refused").inc()
             episodes.append(_Episode(failure, "passed_on", f"the stream had started; not "
-                                                           f"continued: {why}"))
+                                                           f"continued: {nxt.reason}"))
             return await self.forwarder.end_broken(ctx, cut.response, failure, cut.anthropic,
-                                                   f"; not continued: {why}")
+                                                   f"; not continued: {nxt.reason}")
+        return await self._continue(ctx, cut, nxt, episodes)
+
+    async def _continue(self, ctx: RequestCtx, cut: Interrupted, nxt: GoOn,
+                        episodes: list[_Episode]) -> Answered | Broken:
+        """The stream goes on from the lease's upstream, in the client's one stream."""
+        failure, so_far, lease = cut.failure, ctx.follow, nxt.lease
+        assert so_far is not None and ctx.payload is not None
+        other = lease.name
         if so_far.text and so_far.kind != "native_completion":  # (that one counts its own)
             # Stream events merge a few tokens (UTF-8 pieces): the other child's tokenizer
             # says how many the relayed text holds, for max_tokens and usage.
@@ -540,7 +531,7 @@ class ProxyHandler:
         body = json.dumps(continuation.continuation_body(ctx.payload, so_far)).encode()
         attempt = Attempt(other, len(ctx.attempts) + 1)
         ctx.attempts.append(attempt)
-        episode = _Episode(failure, "continued", decision.reason, lease.start_s, other,
+        episode = _Episode(failure, "continued", nxt.reason, lease.start_s, other,
                            tokens_before=so_far.tokens)
         episodes.append(episode)
         result: Answered | Broken | None = None
@@ -558,21 +549,21 @@ class ProxyHandler:
         return result
 
     def _controlled_error(self, ctx: RequestCtx, failure: AttemptFailure,
-                          decision: replay.ReplayDecision) -> web.Response:
+                          gave_up: GiveUp) -> web.Response:
         v = failure.verdict
-        back = self._pool(ctx).retry_after_s(failure.child)
+        back = gave_up.retry_after_s
         what = f"the {failure.child} child failed ({v.kind}: {v.evidence})" if ctx.model is None \
             else f"model {ctx.model} on the {failure.child} child failed ({v.kind}: {v.evidence})"
         if failure.timed_out:
             return errors.json_error(
-                504, "upstream_error", f"{what}; not replayed: {decision.reason}",
+                504, "upstream_error", f"{what}; not replayed: {gave_up.reason}",
                 ctx.request_id, kind=str(v.kind), headers={"x-should-retry": "false"})
-        if decision.refusal is replay.Refusal.NO_TARGET:
+        if gave_up.refusal is replay.Refusal.NO_TARGET:
             # Capacity is the cause: a 503 that says when to come back.
             return errors.unavailable(f"{what}, and no other child can take the request now; "
                                       "retry later", ctx.request_id, retry_after_s=back,
                                       queue_position=0, kind=str(v.kind))
-        return errors.upstream_error(f"{what}; not replayed: {decision.reason}",
+        return errors.upstream_error(f"{what}; not replayed: {gave_up.reason}",
                                      ctx.request_id, kind=str(v.kind), retry_after_s=back)
 
     # --- records ------------------------------------------------------------------------------

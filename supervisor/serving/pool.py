@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 from ..config.schema import Config
 from ..records.metrics import Metrics
-from ..policy import admission, waitline
+from ..policy import admission, replay, waitline
 from ..policy.admission import Action, Capacity, ChildView, Decision, Request
 from ..policy.evidence import FailureKind
 from ..policy.lifecycle import ChildState
@@ -156,10 +156,10 @@ class Pool:
                 return member
         return None
 
-    def failover_target(self, name: str) -> str:
-        """Where a request that failed on `name` is replayed: the other role."""
-        gpu, cpu = self.roles[0], self.roles[-1]
-        return cpu if name == gpu else gpu
+    def takeover(self, name: str) -> str | None:
+        """Who takes over a request that failed on `name` (policy/replay.takeover: the next
+        upstream in the config's order)."""
+        return replay.takeover(self.roles, name)
 
     def episode_id(self, name: str, generation: int) -> str:
         return f"{name}-{self.boot}-{generation}"

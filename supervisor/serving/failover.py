@@ -1,0 +1,130 @@
+"""After an attempt failed: what comes next, decided in one place.
+
+The proxy says what happened: the attempt failed before any byte reached the client
+(`Failed`), or a followed stream failed after bytes (`Cut`). The failover finds the upstream
+that takes over (the next in the config's order: `Pool.takeover`), asks the pure rule with the
+pool's figures for it (policy/replay.py before any byte, policy/continuation.py after bytes),
+takes a place on it, and answers one of:
+
+- `Replay`: send the request again, on the lease's upstream (the second and last attempt);
+- `GoOn`: continue the stream from the lease's upstream;
+- `GiveUp`: the controlled error (why, the refusal, when to come back).
+
+The proxy carries it out (the attempt, the continuation, the error's response) and records the
+episode; nothing here touches HTTP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ..policy import continuation, replay
+from ..policy.routes import RouteClass
+from ..vocabulary import AttemptFailure
+from .pool import Lease, Pool
+
+
+@dataclass(frozen=True)
+class Failed:
+    """An attempt that failed before any byte reached the client, and what the proxy knows of
+    its request."""
+
+    failure: AttemptFailure
+    route: RouteClass
+    body_replayable: bool  # read whole, under the replay size limit, parsed (rule 1)
+    opted_out: bool  # X-Spillway-Replay: never
+    attempts: int  # attempts made so far
+    deadline_left_s: float | None
+    body_size: int
+    max_tokens: int  # what the request asks for (the other upstream's expected time)
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A followed stream whose upstream failed after bytes reached the client."""
+
+    failure: AttemptFailure
+    payload: dict[str, Any]
+    so_far: continuation.Transcript
+    continued_before: bool
+    deadline_left_s: float | None
+    body_size: int
+    requested_tokens: int  # what the request asks for, when its kind has no token limit
+    no_prefill: frozenset[str]  # upstreams run with --no-prefill-assistant
+
+
+@dataclass(frozen=True)
+class Replay:
+    lease: Lease
+    reason: str
+
+
+@dataclass(frozen=True)
+class GoOn:
+    lease: Lease
+    reason: str
+
+
+@dataclass(frozen=True)
+class GiveUp:
+    reason: str
+    refusal: replay.Refusal | None  # why, before any byte (None after bytes)
+    retry_after_s: float  # when the failed upstream may serve again
+
+
+class Failover:
+    """What comes after a failure on one of `pool`'s upstreams."""
+
+    def __init__(self, pool: Pool) -> None:
+        self.pool = pool
+
+    async def after_failure(self, failed: Failed) -> Replay | GiveUp:
+        """A replay on the upstream that takes over, when the replay rule allows and it can
+        take a place within the client's deadline; else why not."""
+        pool, name = self.pool, failed.failure.child
+        target = pool.takeover(name)
+        decision = replay.decide(replay.ReplayCase(
+            verdict=failed.failure.verdict,
+            route=failed.route,
+            body_replayable=failed.body_replayable,
+            bytes_sent=False,  # a failure before any byte (after bytes, the stream is cut)
+            timed_out=failed.failure.timed_out,
+            opted_out=failed.opted_out,
+            attempts=failed.attempts,
+            deadline_left_s=failed.deadline_left_s,
+            target_expected_s=None if target is None else pool.expected_seconds(
+                target, failed.body_size, failed.max_tokens),
+            target_available=target is not None and pool.can_take_replay(target),
+        ))
+        if not decision.replay or target is None:
+            return GiveUp(decision.reason, decision.refusal, pool.retry_after_s(name))
+        lease = await pool.replay_lease(target, failed.deadline_left_s)
+        if lease is None:
+            refusal = replay.Refusal.NO_TARGET
+            return GiveUp(f"{refusal}: the {target} child did not become ready in time",
+                          refusal, pool.retry_after_s(name))
+        return Replay(lease, decision.reason)
+
+    async def after_cut(self, cut: Cut) -> GoOn | GiveUp:
+        """The stream goes on from the upstream that takes over, when the continuation rule
+        allows and it can take a place in time; else why not (the stream ends with its error
+        event)."""
+        pool, name = self.pool, cut.failure.child
+        target = pool.takeover(name)
+        limit = continuation.token_limit(cut.so_far.kind, cut.payload)
+        remaining = (max(limit - cut.so_far.tokens, 0) if limit is not None
+                     else cut.requested_tokens)
+        decision = continuation.decide(
+            cut.payload, cut.so_far, cut.continued_before, cut.deadline_left_s,
+            target_expected_s=(pool.expected_seconds(target, cut.body_size, remaining)
+                               if target is not None else None) or 0.0,
+            target_available=target is not None and pool.can_take_replay(target),
+            target_prefills=target not in cut.no_prefill)
+        if not decision.allowed or target is None:
+            return GiveUp(decision.reason, None, pool.retry_after_s(name))
+        lease = await pool.replay_lease(target, cut.deadline_left_s)
+        if lease is None:
+            return GiveUp(f"the {target} child did not become ready in time", None,
+                          pool.retry_after_s(name))
+        return GoOn(lease, decision.reason)
