@@ -1,5 +1,5 @@
-"""The words the parts of Spillway share: the roles, what an upstream is (and the one count of
-what it is working on), and what one attempt at a request came to. A leaf above the pure policy:
+"""The words the parts of Spillway share: what an upstream is (and the one count of what it is
+working on), and what one attempt at a request came to. A leaf above the pure policy:
 it imports nothing of Spillway's but the policy's value types (ChildState, FailureKind, Verdict),
 and no aiohttp (import-linter checks it), so that the pool, the proxy, the resources and the
 router can all speak of upstreams without importing each other.
@@ -15,12 +15,6 @@ from typing import Any, Protocol
 
 from .policy import evidence as ev
 from .policy.lifecycle import ChildState
-
-# The roles, the GPU's first: the order of preference, of the config's sections and of the
-# status. Said here once (config, admission and the daemon read it).
-GPU = "gpu"
-CPU = "cpu"
-ROLES = (GPU, CPU)
 
 # What one upstream is working on: the one count of its requests in flight. The pool writes it
 # (a lease taken, a lease closed); nothing else does. The child reads it: a draining child waits

@@ -17,7 +17,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from supervisor import __version__
 from supervisor.upstreams.children import Child
 from supervisor.config.schema import Config, build
-from supervisor.vocabulary import ROLES
+from supervisor.config.schema import CHILDREN as ROLES
 from supervisor.serving.pool import Pool
 from supervisor.gpu import GpuMonitor
 from supervisor.records.incidents import IncidentLog

@@ -20,7 +20,7 @@ from supervisor.policy.waitline import (
 
 GPU = ChildView("gpu", "READY", busy=0, cap=2, ctx_per_slot=4096)
 CPU = ChildView("cpu", "READY", busy=0, cap=1, ctx_per_slot=8192, expected_s=20.0)
-CAP = Capacity(gpu=GPU, cpu=CPU, vram_free_mib=8000, vram_headroom_mib=1024, waiting=0,
+CAP = Capacity(children=(GPU, CPU), vram_free_mib=8000, vram_headroom_mib=1024, waiting=0,
                max_waiting=4, wait_s=5.0, max_wait_s=60)
 REQ = Request(route=RouteClass.GENERATION, prompt_tokens=100, cpu_allowed=True,
               deadline_s=None)
@@ -29,8 +29,9 @@ REQ = Request(route=RouteClass.GENERATION, prompt_tokens=100, cpu_allowed=True,
 def with_(cap: Capacity = CAP, gpu: dict[str, object] | None = None,
           cpu: dict[str, object] | None = None, **kw: object) -> Capacity:
     return dataclasses.replace(
-        cap, gpu=dataclasses.replace(cap.gpu, **(gpu or {})),  # type: ignore[arg-type]
-        cpu=dataclasses.replace(cap.cpu, **(cpu or {})), **kw)  # type: ignore[arg-type]
+        cap, children=(dataclasses.replace(cap.gpu, **(gpu or {})),  # type: ignore[arg-type]
+                       dataclasses.replace(cap.cpu, **(cpu or {}))),  # type: ignore[arg-type]
+        **kw)  # type: ignore[arg-type]
 
 
 # (name, request changes, capacity, expected action, branch, child)

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, vocabulary
+from .. import __version__
 from . import bootstrap, remote as client, tables
 from ..config import schema as config, edit as config_edit
 from ..gpu.llama_devices import list_devices
@@ -46,7 +46,7 @@ def _print_router_models(cfg: config.Config) -> None:
         print(f"  models ({len(found)}; and any in llama.cpp's cache, LLAMA_CACHE):")
         for m in found:
             print(f"    {m.name.ljust(width)}  from {', '.join(m.sources)}")
-    for name in vocabulary.ROLES:
+    for name in cfg.order:
         child = cfg.child(name)
         most = child.models_max or "no limit"
         print(f"  {name} router: at most {most} model(s) loaded at once (--models-max)")
@@ -67,7 +67,7 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     print(f"{cfg.path}: valid")
     if cfg.router:
         _print_router_models(cfg)
-    for name in vocabulary.ROLES:
+    for name in cfg.order:
         child = cfg.child(name)
         print(f"  {name} child: {' '.join(child.command(0, '')[:-6])}")
     return EXIT_OK

@@ -30,7 +30,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from . import llama_args, models_dir
 from ..policy.browser import normal_origin, valid_host_entry
 from ..policy.lifecycle import DRAIN_TIMEOUT_S
-from ..vocabulary import ROLES
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -39,6 +38,15 @@ else:  # pragma: no cover - the package requires 3.11, tomli is the documented f
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
+
+# The children, by their sections' names, in the order of preference: the first serves; a
+# request that fails on one is taken over by the next (policy/replay.takeover). The first is
+# given the GPU (its card's figures, the VRAM headroom rule, -fit off); the other runs without
+# one. Said here once: elsewhere the order and what each child is come from the config.
+GPU_CHILD = "gpu"
+CPU_CHILD = "cpu"
+CHILDREN = (GPU_CHILD, CPU_CHILD)
+LABELS = {GPU_CHILD: "GPU child", CPU_CHILD: "CPU child"}  # as people are told
 
 # Changes a reload cannot apply: noted in status, they take effect when spillway restarts.
 RESTART_KEYS = ("server.listen", "gpu.device", "balancer.agent_listen")
@@ -250,11 +258,11 @@ class ChildConfig:
     and the other child gets the field's default.
     """
 
-    name: str = field(metadata=derived())  # "gpu" or "cpu"
+    name: str = field(metadata=derived())  # its section's: "gpu" or "cpu"
     # model.args, then this child's own (a flag here replaces the same flag there)
     args: tuple[str, ...] = field(metadata=derived(
-        Key("str_list", ["-ngl", "99"], only="gpu"),
-        Key("str_list", ["--device", "none", "-ngl", "0"], only="cpu")))
+        Key("str_list", ["-ngl", "99"], only=GPU_CHILD),
+        Key("str_list", ["--device", "none", "-ngl", "0"], only=CPU_CHILD)))
     llama_server: str = field(metadata=derived(Key("str")))  # else model.llama_server
     model_path: str = field(metadata=derived())  # model.path; empty in router mode
     env: Mapping[str, str] = field(metadata=key("str_table", {}))
@@ -262,14 +270,30 @@ class ChildConfig:
     stop_grace_s: float = field(metadata=key("number", 10.0, check=_non_negative))
     max_concurrency: int | None = field(metadata=key("int", check=_positive))  # None: slots
     # gpu only
-    device: str | None = field(default=None, metadata=key("int_or_str", 0, only="gpu"))
+    device: str | None = field(default=None, metadata=key("int_or_str", 0, only=GPU_CHILD))
     vram_headroom_mib: int = field(default=0, metadata=key("int", 1024, check=_non_negative,
-                                                           only="gpu"))
+                                                           only=GPU_CHILD))
     # cpu only
     mode: str = field(default="hot", metadata=key("str", "hot", check=_one_of(*CPU_MODES),
-                                                  only="cpu"))
+                                                  only=CPU_CHILD))
     idle_stop_s: float = field(default=600.0, metadata=key("number", 600.0, check=_positive,
-                                                           only="cpu"))
+                                                           only=CPU_CHILD))
+
+    @property
+    def on_gpu(self) -> bool:
+        """Given the GPU: its card is watched, the VRAM headroom rule applies, its deaths are
+        judged with the card's figures."""
+        return self.name == GPU_CHILD
+
+    @property
+    def label(self) -> str:
+        """What people are told it is: "GPU child", "CPU child"."""
+        return LABELS.get(self.name, f"{self.name} child")
+
+    @property
+    def on_demand(self) -> bool:
+        """Started when a request needs it, stopped when idle (cpu.mode = "on-demand")."""
+        return self.mode == "on-demand"
 
     def command(self, port: int, api_key: str) -> list[str]:
         """The full argv; Spillway owns the model, host, port and key. A router gets no model:
@@ -412,7 +436,48 @@ class Config:
     balancer: BalancerConfig
 
     def child(self, name: str) -> ChildConfig:
-        return self.gpu if name == "gpu" else self.cpu
+        return self.gpu if name == GPU_CHILD else self.cpu
+
+    @property
+    def children(self) -> tuple[ChildConfig, ...]:
+        """Every child, in the order of preference (CHILDREN)."""
+        return tuple(self.child(name) for name in CHILDREN)
+
+    @property
+    def order(self) -> tuple[str, ...]:
+        """The children's names, in the order of preference."""
+        return CHILDREN
+
+    @property
+    def gpu_child(self) -> str:
+        """The child given the GPU (the first that is)."""
+        return next(c.name for c in self.children if c.on_gpu)
+
+    @property
+    def gpu_settings(self) -> ChildConfig:
+        """The section of the child given the GPU: the card (gpu.device), the headroom."""
+        return self.child(self.gpu_child)
+
+    @property
+    def cpu_child(self) -> str:
+        """The child without a GPU (the first that is): its RAM is what the RAM guard weighs."""
+        return next(c.name for c in self.children if not c.on_gpu)
+
+    def keeping_restart_keys(self, running: Config, changes: list[str]) -> Config:
+        """This config with the running one's values of the RESTART_KEYS that changed: until
+        Spillway restarts it listens where it did, and the GPU child keeps the card it started
+        with (the monitor keeps watching it)."""
+        new = self
+        if "server.listen" in changes:
+            new = dataclasses.replace(new, server=dataclasses.replace(
+                new.server, listen=running.server.listen))
+        key = f"{running.gpu_child}.device"
+        if key in changes:
+            section = dataclasses.replace(new.gpu_settings,
+                                          device=running.gpu_settings.device)
+            changed: dict[str, Any] = {running.gpu_child: section}
+            new = dataclasses.replace(new, **changed)
+        return new
 
     @property
     def router(self) -> bool:
@@ -656,7 +721,7 @@ def _check_child_args(
 
 
 def _check_across(values: Mapping[str, Mapping[str, Any]], problems: list[Problem]) -> None:
-    for section in ("model", *ROLES):
+    for section in ("model", *CHILDREN):
         args = values[section]["args"]
         if all(isinstance(a, str) for a in args):
             _check_child_args(section, args, problems)
@@ -679,7 +744,7 @@ def _build_child(name: str, v: Mapping[str, Any], model: ModelConfig,
     router's get --no-models-autoload), its binary falls back to model.llama_server, and its
     model is model.path."""
     merged = llama_args.merge_args(list(model.args), _arg_paths(v["args"], base_dir))
-    if name == "gpu" and llama_args.find_flag(merged, "-fit") is None:
+    if name == GPU_CHILD and llama_args.find_flag(merged, "-fit") is None:
         # With fit on, llama-server quietly shrinks the load to the free VRAM, turning a clean
         # load-time OOM into a slow partial offload.
         merged += ["-fit", "off"]
@@ -719,7 +784,7 @@ def _check_router(values: Mapping[str, Mapping[str, Any]],
     """Router mode against single-model mode, the router flags' values, and the one set of
     models both routers must serve."""
     model_path = values["model"]["path"]
-    for section in ("model", *ROLES):
+    for section in ("model", *CHILDREN):
         args = values[section]["args"]
         if not all(isinstance(a, str) for a in args):
             continue
@@ -740,16 +805,16 @@ def _check_router(values: Mapping[str, Mapping[str, Any]],
                                               f"(got {value!r})"))
     if model_path:
         return
-    gpu, cpu = children["gpu"], children["cpu"]
     for flag in llama_args.ROUTER_SOURCES:
-        ours = [llama_args.flag_value(c.args, flag) or None for c in (gpu, cpu)]
-        if ours[0] != ours[1]:
-            own = [n for n in ROLES if llama_args.find_flag(values[n]["args"], flag)]
+        ours = [llama_args.flag_value(children[n].args, flag) or None for n in CHILDREN]
+        if len(set(ours)) > 1:
+            own = [n for n in CHILDREN if llama_args.find_flag(values[n]["args"], flag)]
+            said = " and ".join(f"{v or 'not given'} for the {children[n].label}"
+                                for n, v in zip(CHILDREN, ours))
             problems.append(Problem(
-                _flag_key(values, (own or ["gpu"])[0], flag),
-                f"both routers serve the same models, but {flag} is "
-                f"{ours[0] or 'not given'} for the GPU child and {ours[1] or 'not given'} "
-                "for the CPU child; give it once in model.args"))
+                _flag_key(values, (own or list(CHILDREN))[0], flag),
+                f"both routers serve the same models, but {flag} is {said}; give it once in "
+                "model.args"))
 
 
 def _path_problems(values: Mapping[str, Mapping[str, Any]], model: ModelConfig,
@@ -792,20 +857,20 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
     api_key = _api_key(values["server"], environ, listen, problems)
     model = _make(ModelConfig, "model", values["model"], base_dir)
     _check_across(values, problems)
-    children = {name: _build_child(name, values[name], model, base_dir) for name in ROLES}
+    children = {name: _build_child(name, values[name], model, base_dir) for name in CHILDREN}
     _check_router(values, children, problems)
     if check_paths:
         problems = _dedupe(problems + _path_problems(values, model, children))
     if problems:
         raise ConfigError(source, problems)
 
-    special = {"server", "model", *ROLES}
+    special = {"server", "model", *CHILDREN}
     sections = {name: _make(cls, name, values[name], base_dir)
                 for name, cls in SECTIONS.items() if name not in special}
     server = _make(ServerConfig, "server", values["server"], base_dir, listen=tuple(listen),
                    api_key=api_key)
-    return Config(path=None, server=server, model=model, gpu=children["gpu"], cpu=children["cpu"],
-                  **sections)
+    return Config(path=None, server=server, model=model, gpu=children[GPU_CHILD],
+                  cpu=children[CPU_CHILD], **sections)
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:

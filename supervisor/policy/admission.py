@@ -8,6 +8,10 @@ Pure. The design's order, numbered the same way in the code:
 4. GPU child ready, under its concurrency cap, VRAM headroom kept: forward to it.
 5. Replay-safe, CPU child ready or startable (RAM available), expected CPU time within the
    client's deadline: forward to the CPU child.
+
+The children come in the config's order (`Capacity.children`): the first is the GPU child (the
+preferred, given the GPU: the headroom rule is its), the last the CPU child (the one a request
+that may move goes to); their names and labels are the config's.
 6. Room in the waiting line and the wait fits the deadline: wait, in FIFO order.
 7. Else 503 with Retry-After, x-should-retry, queue position and the estimated wait.
 
@@ -46,6 +50,11 @@ class ChildView:
     # Not ready: seconds until it is expected to serve again on its own (a restart under way);
     # None when it is not coming back by itself (FATAL, stopped, paused) or nothing is known.
     back_in_s: float | None = None
+    label: str = ""  # as people are told ("GPU child"); by default from its name
+
+    @property
+    def shown(self) -> str:
+        return self.label or f"{self.name.upper()} child"
 
     @property
     def ready(self) -> bool:
@@ -74,8 +83,7 @@ class Request:
 
 @dataclass(frozen=True)
 class Capacity:
-    gpu: ChildView
-    cpu: ChildView
+    children: tuple[ChildView, ...]  # in the config's order: the GPU child first, the CPU last
     vram_free_mib: float | None  # None: no GPU figures (no driver): the rule does not apply
     vram_headroom_mib: float
     waiting: int  # requests already in line, ahead of this one
@@ -83,8 +91,18 @@ class Capacity:
     wait_s: float  # estimated wait for a place at the back of the line
     max_wait_s: float
 
+    @property
+    def gpu(self) -> ChildView:
+        """The first child: the preferred, given the GPU."""
+        return self.children[0]
+
+    @property
+    def cpu(self) -> ChildView:
+        """The last child: where a request that may move goes when the first cannot take it."""
+        return self.children[-1]
+
     def child(self, name: str) -> ChildView:
-        return self.gpu if name == "gpu" else self.cpu
+        return next(c for c in self.children if c.name == name)
 
 
 @dataclass(frozen=True)
@@ -118,7 +136,7 @@ def _retry_after(cap: Capacity) -> float:
     """How soon capacity may be back, from what is known."""
     if cap.wait_s > 0:
         return cap.wait_s
-    states = {cap.gpu.state, cap.cpu.state}
+    states = {c.state for c in cap.children}
     if states & {ChildState.STARTING, ChildState.DRAINING, ChildState.STOPPING}:
         return 2.0
     if states & {ChildState.BACKOFF, ChildState.EXITED}:
@@ -128,13 +146,13 @@ def _retry_after(cap: Capacity) -> float:
 
 def _why(cap: Capacity) -> str:
     parts = []
-    for c in (cap.gpu, cap.cpu):
+    for c in cap.children:
         if c.ready:
             parts.append(f"{c.name} busy ({c.busy}/{c.cap})")
         else:
             parts.append(f"{c.name} is {c.state}")
     if not cap.cpu.ram_ok:
-        parts.append("not enough free RAM for the CPU child")
+        parts.append(f"not enough free RAM for the {cap.cpu.shown}")
     if not _headroom_kept(cap):
         parts.append(f"GPU has {cap.vram_free_mib:.0f} MiB free, under the "
                      f"{cap.vram_headroom_mib:.0f} MiB headroom")
@@ -183,13 +201,13 @@ def decide(req: Request, cap: Capacity) -> Decision:
     #    over every child's, it gets llama-server's own 400 (its words: errors.exceed_context).
     gpu_fits, cpu_fits = _fitting(req, gpu, cpu)
     if not gpu_fits and not cpu_fits:
-        limit = max(c.ctx_per_slot or 0 for c in (gpu, cpu))
+        limit = max(c.ctx_per_slot or 0 for c in cap.children)
         return Decision(Action.TOO_LONG, 3, f"request ({req.prompt_tokens} tokens) exceeds the "
                                             f"available context size ({limit} tokens), try "
                                             "increasing it", cause="too_long", n_ctx=limit)
     # 4. The GPU child: ready, under its cap, VRAM headroom kept.
     if gpu_fits and gpu.has_room and _headroom_kept(cap):
-        return Decision(Action.FORWARD, 4, "GPU child has room", child="gpu")
+        return Decision(Action.FORWARD, 4, f"{gpu.shown} has room", child=gpu.name)
     cpu_in_time = (req.deadline_s is None or cpu.expected_s is None
                    or cpu.expected_s <= req.deadline_s)
     # 4b. Router mode: the model is not loaded on the GPU router, and loading it would fit
@@ -197,20 +215,20 @@ def decide(req: Request, cap: Capacity) -> Decision:
     #     GPU router loads it for the requests after; else the request waits for the load.
     if gpu_fits and gpu.startable and _headroom_kept(cap):
         if req.cpu_allowed and cpu.has_room and cpu_fits and cpu.ram_ok and cpu_in_time:
-            return Decision(Action.FORWARD, 5, "CPU child while the GPU child loads the model",
-                            child="cpu", warm="gpu")
-        return Decision(Action.FORWARD, 4, "GPU child: loading the model on demand",
-                        child="gpu", start_child=True)
+            return Decision(Action.FORWARD, 5, f"{cpu.shown} while the {gpu.shown} loads the "
+                                               "model", child=cpu.name, warm=gpu.name)
+        return Decision(Action.FORWARD, 4, f"{gpu.shown}: loading the model on demand",
+                        child=gpu.name, start_child=True)
     # 5. The CPU child: for requests that may move, when it is ready (or can start), has the
     #    RAM, and its expected time fits the client's deadline.
     if req.cpu_allowed and cpu_fits and cpu.ram_ok and cpu_in_time:
         if cpu.has_room:
-            why = "GPU child full or short of VRAM" if gpu_fits else \
-                "the prompt exceeds the GPU child's context"
-            return Decision(Action.FORWARD, 5, f"CPU child: {why}", child="cpu")
+            why = f"{gpu.shown} full or short of VRAM" if gpu_fits else \
+                f"the prompt exceeds the {gpu.shown}'s context"
+            return Decision(Action.FORWARD, 5, f"{cpu.shown}: {why}", child=cpu.name)
         if cpu.startable:
-            return Decision(Action.FORWARD, 5, "CPU child started on demand", child="cpu",
-                            start_child=True)
+            return Decision(Action.FORWARD, 5, f"{cpu.shown} started on demand",
+                            child=cpu.name, start_child=True)
     # 6. Wait in line, if there is room, the wait fits, and capacity can come back at all.
     coming = (gpu_fits and (_may_serve(gpu) or gpu.startable)) or (
         req.cpu_allowed and cpu_fits and (_may_serve(cpu) or cpu.startable))
@@ -230,8 +248,8 @@ def decide(req: Request, cap: Capacity) -> Decision:
         reason = (f"the estimated wait ({cap.wait_s:.0f} s) is longer than the client will "
                   f"wait ({allowed:.0f} s): {_why(cap)}")
     if req.deadline_s is not None and cpu.expected_s is not None and not cpu_in_time:
-        reason += (f"; the CPU child would need about {cpu.expected_s:.0f} s, the deadline is "
-                   f"{req.deadline_s:.0f} s")
+        reason += (f"; the {cpu.shown} would need about {cpu.expected_s:.0f} s, the deadline "
+                   f"is {req.deadline_s:.0f} s")
     return Decision(Action.REJECT, 7, reason, retry_after_s=_retry_after(cap),
                     queue_position=position, cause=cause)
 

@@ -7,6 +7,7 @@ children `gpu`/`cpu`, failure kinds from the fixed set.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -20,7 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..policy.lifecycle import ChildState
 from .stream_sessions import StreamSessions
-from ..vocabulary import ROLES
+from ..config.schema import CHILDREN
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -30,7 +31,9 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    def __init__(self) -> None:
+    def __init__(self, children: Sequence[str] = CHILDREN) -> None:
+        """`children`: their names, in the config's order (each child's series exist from the
+        start, at 0, not absent)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -112,7 +115,7 @@ class Metrics:
             "(the running one is in effect either way).", registry=r)
         self.config_valid.set(1)
         self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
-        for child in ROLES:
+        for child in children:
             self.set_state(child, ChildState.STOPPED)
             self.stale_connection_resends.labels(child)  # 0 from the start, not absent
         for result in ("served", "not_found", "offset_lost"):

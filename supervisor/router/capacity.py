@@ -61,7 +61,7 @@ class ModelResources(Resources):
         """Why loading the model on `name` now would not fit, or None."""
         if name in self.paused:
             return f"the {name} child is paused"
-        if name == "gpu":
+        if self.config.child(name).on_gpu:
             short = self._vram_short()
             if short is not None:
                 return short
@@ -96,7 +96,7 @@ class ModelResources(Resources):
         return min(idle, key=lambda u: u.loaded_at or 0.0) if idle else None
 
     def startable(self, name: str, state: ChildState) -> tuple[bool, bool]:
-        ram_ok = name == "gpu" or self.cpu_ram_ok(
+        ram_ok = self.config.child(name).on_gpu or self.cpu_ram_ok(
             cold=state not in (ChildState.READY, ChildState.STARTING))
         if state is not ChildState.STOPPED:
             return False, ram_ok
@@ -126,7 +126,7 @@ class ModelResources(Resources):
     def to_json(self, name: str, busy: int) -> dict[str, Any]:
         out = super().to_json(name, busy)
         out.update(self.upstreams[name].to_json())
-        if name == "gpu":
+        if self.config.child(name).on_gpu:
             out["vram_needs_bytes_to_load"] = self.gpu_need_bytes()
         out["file"] = self.path or None
         return out

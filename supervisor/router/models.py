@@ -85,8 +85,8 @@ class RouterModels:
         upstreams = {
             name: ModelUpstream(
                 child, model, self.watches[name],
-                vram_probe=self.monitor.vram_before if name == "gpu" else None,
-                vram_short_mib=max(256.0, float(cfg.gpu.vram_headroom_mib)),
+                vram_probe=self.monitor.vram_before if cfg.child(name).on_gpu else None,
+                vram_short_mib=max(256.0, float(cfg.gpu_settings.vram_headroom_mib)),
                 drain_timeout_s=cfg.failover.drain_timeout_s)
             for name, child in self.children.items()}
         resources = ModelResources(cfg, upstreams, self.monitor, model, self.neighbours)

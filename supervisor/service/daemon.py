@@ -34,7 +34,6 @@ from ..records.idempotency import IdempotencyStore
 from .modes import Mode, RouterMode, SingleModel
 from .operator import Operator
 from ..records.stream_sessions import StreamSessions
-from ..vocabulary import ROLES
 from ..records.incidents import IncidentLog, default_path
 from ..records.metrics import Metrics
 from ..policy.lifecycle import ChildState
@@ -80,7 +79,7 @@ def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, Prox
                       max_replay_body_bytes=f.max_replay_body_bytes, replay=f.replay,
                       continue_streams=f.continue_streams,
                       body_timeout_s=s.body_timeout_s, access_log=s.access_log,
-                      no_prefill=frozenset(c.name for c in (config.gpu, config.cpu)
+                      no_prefill=frozenset(c.name for c in config.children
                                            if not c.prefills_assistant)),
     )
 
@@ -124,7 +123,7 @@ class Daemon:
         self.on_ready = on_ready
         self.started = time.monotonic()
         self.boot = f"{int(time.time()):x}"
-        self.monitor = GpuMonitor(config.gpu.device, config.monitor.sample_interval_s)
+        self.monitor = GpuMonitor(config.gpu_settings.device, config.monitor.sample_interval_s)
         self.monitor.owners = self._gpu_owners
         self.children: dict[str, Child] = {}
         self.gpu_devices: list[str] = []
@@ -139,7 +138,7 @@ class Daemon:
         self.proxy: ProxyHandler | None = None
         self.operator: Operator | None = None  # spillway gpu restart|drain|pause|resume
         self.routes: OwnRoutes | None = None  # /spillway/*, and the drill's window
-        self.metrics = Metrics()
+        self.metrics = Metrics(config.order)
         self.notifier = Notifier()
         self.reloader: Reloader | None = None
         self.restart_notes: list[str] = []  # config changes that need a daemon restart
@@ -180,8 +179,8 @@ class Daemon:
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
         if self.monitor.latest is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.monitor.latest.uuid
-        elif self.config.gpu.device is not None and self.config.gpu.device.isdigit():
-            env["CUDA_VISIBLE_DEVICES"] = self.config.gpu.device
+        elif (device := self.config.gpu_settings.device) is not None and device.isdigit():
+            env["CUDA_VISIBLE_DEVICES"] = device
         return env
 
     def _gpu_owners(self) -> dict[str, list[int] | None]:
@@ -197,14 +196,14 @@ class Daemon:
 
     def _make_child(self, name: str) -> Child:
         cfg = self.config.child(name)
-        # The CPU child must not touch the GPU at all: even a CUDA context costs VRAM.
-        extra = self._gpu_env() if name == "gpu" else {"CUDA_VISIBLE_DEVICES": ""}
+        # A child without the GPU must not touch it at all: even a CUDA context costs VRAM.
+        extra = self._gpu_env() if cfg.on_gpu else {"CUDA_VISIBLE_DEVICES": ""}
         child = Child(
             cfg, self.config.restart,
             drain_timeout_s=self.config.failover.drain_timeout_s,
             hang_timeout_s=self.config.restart.hang_timeout_s,
-            vram_probe=self.monitor.vram_before if name == "gpu" else None,
-            vram_short_mib=max(256.0, float(self.config.gpu.vram_headroom_mib)),
+            vram_probe=self.monitor.vram_before if cfg.on_gpu else None,
+            vram_short_mib=max(256.0, float(self.config.gpu_settings.vram_headroom_mib)),
             extra_env=extra,
         )
         child.listeners.append(self._child_changed)
@@ -215,7 +214,7 @@ class Daemon:
         self.timeline.append({"time": time.time(), "child": child.name, "state": str(new),
                               "reason": reason})
         self.metrics.set_state(child.name, new)
-        if child.name == "gpu" and new is ChildState.FATAL:
+        if child.cfg.on_gpu and new is ChildState.FATAL:
             sample = self.monitor.latest
             self._gpu_free_at_fatal = sample.free_bytes if sample is not None else None
         if old is ChildState.EXITED and child.last_exit is not None and \
@@ -285,14 +284,14 @@ class Daemon:
     def _freed_bytes(self) -> int:
         """How much more free memory counts as "freed by another process": the headroom, and
         never less than 256 MiB (NVML's figure moves a little on its own)."""
-        return max(256, self.config.gpu.vram_headroom_mib) * MIB
+        return max(256, self.config.gpu_settings.vram_headroom_mib) * MIB
 
     def _recover_gpu(self) -> None:
         """A FATAL GPU child is tried again at once when the card's memory was freed by
         another process since it went FATAL, and the card now has room for it. Both are
         needed: free memory alone, if the estimate of the need is low, would restart it on
         every tick into the same failure."""
-        gpu = self.children["gpu"]
+        gpu = self.children[self.config.gpu_child]
         sample = self.monitor.latest
         if sample is None or gpu.state is not ChildState.FATAL or self.gpu_paused:
             return
@@ -307,11 +306,9 @@ class Daemon:
     # --- systemd --------------------------------------------------------------------------------
 
     def can_serve(self) -> bool:
-        """A child is ready, or the CPU child can start on demand while the GPU child cannot."""
-        if any(c.state is ChildState.READY for c in self.children.values()):
-            return True
-        return (self.config.cpu.mode == "on-demand" and bool(self.children)
-                and self.children["cpu"].state is ChildState.STOPPED)
+        """A child is ready, or one can start on demand (stopped, an on-demand child)."""
+        return any(c.state is ChildState.READY or (
+            c.cfg.on_demand and c.state is ChildState.STOPPED) for c in self.children.values())
 
     def _maybe_ready(self) -> None:
         if not self.notifier.ready_sent and self.listening and self.can_serve():
@@ -394,24 +391,17 @@ class Daemon:
                 note = f"{key} changed: it takes effect when spillway restarts"
                 log.warning("%s", note)
                 self.restart_notes.append(note)
-        if "gpu.device" in changes:
-            new = dataclasses.replace(new, gpu=dataclasses.replace(new.gpu,
-                                                                   device=self.config.gpu.device))
-        if "server.listen" in changes:  # the addresses listened on, until the restart
-            new = dataclasses.replace(new, server=dataclasses.replace(
-                new.server, listen=self.config.server.listen))
-        return new
+        return new.keeping_restart_keys(self.config, changes)
 
     def _apply_to_children(self, new: Config) -> None:
-        """Each child takes its section (children.Child.configure); a hot CPU child that is
-        stopped (and not paused) is started."""
-        for name in ROLES:
-            self.children[name].configure(new.child(name), new.restart,
-                                          new.failover.drain_timeout_s)
-        cpu = self.children["cpu"]
-        if new.cpu.mode == "hot" and cpu.state is ChildState.STOPPED and "cpu" not in \
-                self.res.paused:
-            cpu.start()
+        """Each child takes its section (children.Child.configure); a hot child without the GPU
+        that is stopped (and not paused: it was on demand) is started."""
+        for cfg in new.children:
+            child = self.children[cfg.name]
+            child.configure(cfg, new.restart, new.failover.drain_timeout_s)
+            if not cfg.on_gpu and not cfg.on_demand and child.state is ChildState.STOPPED \
+                    and cfg.name not in self.res.paused:
+                child.start()
 
     # --- running ----------------------------------------------------------------------------------
 
@@ -430,7 +420,7 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop, sig.name)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         await self.monitor.start()
-        self.children = {name: self._make_child(name) for name in ROLES}
+        self.children = {name: self._make_child(name) for name in self.config.order}
         self.resources = Resources(self.config, self.children, self.monitor)
         await asyncio.to_thread(self.res.read_model)
         self.res.sample()
@@ -451,7 +441,8 @@ class Daemon:
         self.proxy = ProxyHandler(self.mode.pools(), forwarder, self.proxy_settings, self.incidents,
                                   self.idempotency, self.metrics, self.streams)
         self.metrics.track_streams(self.streams)
-        self.operator = Operator(self.children["gpu"], self.res.paused, self.models)
+        self.operator = Operator(self.children[self.config.gpu_child], self.res.paused,
+                                 self.models)
         self.routes = routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
@@ -498,7 +489,7 @@ class Daemon:
             self.reloader = Reloader(self.config.path, lambda: self.config, self.apply_config,
                                      self._reload_result, self._reload_started)
             self.reloader.watch()
-        for name in ROLES:
+        for name in self.config.order:
             if self.mode.starts_at_boot(name):
                 self.children[name].start()
         self._maybe_ready()
@@ -535,11 +526,11 @@ class Daemon:
 
     async def _list_gpu_devices(self) -> None:
         self.gpu_devices = await asyncio.to_thread(
-            list_devices, self.config.gpu.llama_server, 10.0, self._gpu_env())
+            list_devices, self.config.gpu_settings.llama_server, 10.0, self._gpu_env())
         self.devices_listed = True
         if not self.gpu_devices:
             log.warning("the GPU child's llama-server (%s) lists no GPU device: it runs "
-                        "CPU-only", self.config.gpu.llama_server)
+                        "CPU-only", self.config.gpu_settings.llama_server)
         else:
             log.info("the GPU child's llama-server sees %s", "; ".join(self.gpu_devices))
 

@@ -27,7 +27,6 @@ from ..serving.pool import Pool
 from ..serving.pools import Pools
 from ..serving.resources import Resources
 from ..router.models import RouterModels
-from ..vocabulary import CPU
 
 Spawn = Callable[[Coroutine[Any, Any, None], bool], None]  # (a task, dispatch after it)
 
@@ -79,16 +78,17 @@ class SingleModel:
         self.spawn(self.res.fetch_profile(self.session(), child.name), True)
 
     def tick(self) -> None:
-        """An on-demand CPU child idle for cpu.idle_stop_s is stopped."""
-        cfg = self.config().cpu
-        cpu = self.children[CPU]
-        idle = time.monotonic() - self.pool.last_used[CPU]
-        if (cfg.mode == "on-demand" and cpu.state is ChildState.READY
-                and cpu.load.in_flight == 0 and idle >= cfg.idle_stop_s):
-            self.spawn(cpu.stop(f"on-demand: idle for {idle:.0f} s"), False)
+        """An on-demand child idle for its idle_stop_s is stopped."""
+        now = time.monotonic()
+        for cfg in self.config().children:
+            child = self.children[cfg.name]
+            idle = now - self.pool.last_used[cfg.name]
+            if (cfg.on_demand and child.state is ChildState.READY
+                    and child.load.in_flight == 0 and idle >= cfg.idle_stop_s):
+                self.spawn(child.stop(f"on-demand: idle for {idle:.0f} s"), False)
 
     def starts_at_boot(self, role: str) -> bool:
-        return role != CPU or self.config().cpu.mode != "on-demand"
+        return not self.config().child(role).on_demand
 
     def configure(self, new: Config) -> None:
         pass  # the pool and the resources take theirs themselves
@@ -128,18 +128,18 @@ class RouterMode:
         self._models.dispatch()
 
     def _unload_idle_cpu_models(self) -> None:
-        """On-demand CPU: a model idle on the CPU router for cpu.idle_stop_s is unloaded (the
-        router itself keeps running: without models it costs little)."""
-        cfg = self.config().cpu
-        if cfg.mode != "on-demand":
-            return
+        """An on-demand router: a model idle on it for its idle_stop_s is unloaded (the router
+        itself keeps running: without models it costs little)."""
         now = time.monotonic()
-        for entry in self._models.entries.values():
-            cpu = entry.upstreams[CPU]
-            idle = now - entry.pool.last_used[CPU]
-            if cpu.state is ChildState.READY and cpu.load.in_flight == 0 \
-                    and idle >= cfg.idle_stop_s:
-                cpu.unload(f"on-demand: idle for {idle:.0f} s")
+        for cfg in self.config().children:
+            if not cfg.on_demand:
+                continue
+            for entry in self._models.entries.values():
+                upstream = entry.upstreams[cfg.name]
+                idle = now - entry.pool.last_used[cfg.name]
+                if upstream.state is ChildState.READY and upstream.load.in_flight == 0 \
+                        and idle >= cfg.idle_stop_s:
+                    upstream.unload(f"on-demand: idle for {idle:.0f} s")
 
     def starts_at_boot(self, role: str) -> bool:
         return True  # a CPU router always runs: its models load on demand

@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ..policy.lifecycle import ChildState
-from ..vocabulary import GPU
 
 if TYPE_CHECKING:
     from ..upstreams.children import Child
@@ -30,7 +29,7 @@ class Operator:
 
     @property
     def gpu_paused(self) -> bool:
-        return GPU in self.paused
+        return self.gpu.name in self.paused
 
     async def act(self, action: str) -> str:
         """One of ACTIONS; what was done, in a sentence."""
@@ -45,9 +44,9 @@ class Operator:
         raise ValueError(f"no operator action {action!r}; one of {', '.join(ACTIONS)}")
 
     def restart(self) -> str:
-        self.paused.discard(GPU)
+        self.paused.discard(self.gpu.name)
         if self.models is not None:
-            for model in self.models.neighbours(GPU):
+            for model in self.models.neighbours(self.gpu.name):
                 model.reset("operator: spillway gpu restart")
         self.gpu.restart("operator: spillway gpu restart")
         return "restarting the GPU child"
@@ -59,11 +58,11 @@ class Operator:
         return "draining the GPU child; it restarts when its requests are done"
 
     async def pause(self) -> str:
-        self.paused.add(GPU)
+        self.paused.add(self.gpu.name)
         await self.gpu.stop("operator: spillway gpu pause (VRAM freed)")
         return "the GPU child is stopped and its VRAM free; the CPU child serves"
 
     def resume(self) -> str:
-        self.paused.discard(GPU)
+        self.paused.discard(self.gpu.name)
         self.gpu.start()
         return "starting the GPU child"

@@ -95,8 +95,8 @@ def why_gpu_fatal(child: Child, fatal_retry_max_s: float, need_bytes: int) -> st
             f"{need_bytes // MIB} MiB free, or on `spillway gpu restart`")
 
 
-def why_cpu_fatal(child: Child) -> str:
-    return (f"the CPU child failed {child.quick_failures} times in a "
+def why_cpu_fatal(child: Child, label: str = "CPU child") -> str:
+    return (f"the {label} failed {child.quick_failures} times in a "
             f"row ({child.reason}); it is tried again in "
             f"{child.next_try_in_s() or 0:.0f} s (the wait doubles up to "
             "restart.fatal_retry_max_s)")
@@ -119,7 +119,8 @@ class OwnRoutes:
         self.incidents = incidents
         self.metrics = metrics
         self.timeline = timeline  # child state changes with wall-clock times, for the drill
-        self.operator = operator or Operator(children["gpu"], resources.paused, models)
+        self.operator = operator or Operator(children[host.config.gpu_child], resources.paused,
+                                             models)
         self.streams = streams  # resumable streams' replay buffers
         self.drill = drill or DrillWindow()  # arming answers only while a drill runs
 
@@ -150,9 +151,7 @@ class OwnRoutes:
                     for name, child in self.children.items()}
         ready = [n for n, c in self.children.items() if c.state is ChildState.READY]
         config = self.host.config
-        on_demand = config.cpu.mode == "on-demand" and \
-            self.children["cpu"].state is ChildState.STOPPED
-        serving = bool(ready) or on_demand
+        serving = bool(ready) or any(self._startable(c.name) for c in config.children)
         return {
             "version": __version__,
             "uptime_s": round(time.monotonic() - self.started, 3),
@@ -182,44 +181,56 @@ class OwnRoutes:
             "drill": self.drill.to_json(),
         }
 
+    def _startable(self, name: str) -> bool:
+        """An on-demand child, stopped (and not paused): it starts when a request needs it."""
+        return (self.host.config.child(name).on_demand and name not in self.pool.paused
+                and self.children[name].state is ChildState.STOPPED)
+
+    @property
+    def _gpu(self) -> Child:
+        """The child given the GPU: the drill's and the operator's."""
+        return self.children[self.host.config.gpu_child]
+
     def machine_health(self) -> MachineHealth:
         """What a load balancer is told (policy/balancer.py): is the GPU side serving, can the
-        CPU side, and how much of the GPU's capacity is free (router mode: over the models
-        loaded on the GPU router)."""
-        gpu, cpu = self.children["gpu"], self.children["cpu"]
+        rest, and how much of the GPU's capacity is free (router mode: over the models loaded
+        on the GPU router)."""
+        gpu = self._gpu
+        rest = [c for n, c in self.children.items() if n != gpu.name]
         if self.models is None:
-            slots, busy = self.res.cap("gpu"), self.pool.busy("gpu")
+            slots, busy = self.res.cap(gpu.name), self.pool.busy(gpu.name)
         else:
-            loaded = [e for e in self.models.entries.values() if e.upstreams["gpu"].is_ready]
-            slots = sum(e.resources.cap("gpu") for e in loaded)
-            busy = sum(e.pool.busy("gpu") for e in loaded)
-        cpu_startable = self.host.config.cpu.mode == "on-demand" and \
-            cpu.state is ChildState.STOPPED and "cpu" not in self.pool.paused
-        status = None if gpu.is_ready or cpu.is_ready else self.status()
+            loaded = [e for e in self.models.entries.values()
+                      if e.upstreams[gpu.name].is_ready]
+            slots = sum(e.resources.cap(gpu.name) for e in loaded)
+            busy = sum(e.pool.busy(gpu.name) for e in loaded)
+        rest_serving = any(c.is_ready or self._startable(c.name) for c in rest)
+        status = None if any(c.is_ready for c in self.children.values()) else self.status()
         return MachineHealth(
             gpu_serving=gpu.is_ready and not self.operator.gpu_paused,
-            cpu_serving=cpu.is_ready or cpu_startable, gpu_slots=slots, gpu_busy=busy,
+            cpu_serving=rest_serving, gpu_slots=slots, gpu_busy=busy,
             why_not=(status or {}).get("why_not_serving") or "")
 
     def _child_status(self, name: str, child: Child) -> dict[str, Any]:
         info = child.to_json()
         info.update(self.res.to_json(name, self.pool.busy(name)))
         fatal = child.state is ChildState.FATAL
-        if name == "gpu":
+        cfg = self.host.config.child(name)
+        if cfg.on_gpu:
             devices = list(self.host.gpu_devices)
             info["devices"] = devices
             info["runs_on"] = (devices[0] if devices else
                                "CPU: this llama-server lists no GPU device "
-                               "(--list-devices), so the GPU child runs CPU-only")
-            info["paused"] = self.operator.gpu_paused
+                               f"(--list-devices), so the {cfg.label} runs CPU-only")
+            info["paused"] = name in self.pool.paused
             if fatal:
                 info["why"] = why_gpu_fatal(child, self.host.config.restart.fatal_retry_max_s,
                                             self.res.gpu_need_bytes())
         else:
             info["runs_on"] = "CPU"
-            info["mode"] = self.host.config.cpu.mode
+            info["mode"] = cfg.mode
             if fatal:
-                info["why"] = why_cpu_fatal(child)
+                info["why"] = why_cpu_fatal(child, cfg.label)
         if self.models is not None:
             info["models"] = self.models.to_json(name)
         return info
@@ -299,9 +310,9 @@ class OwnRoutes:
             self.disarm_all()
 
     def disarm_all(self) -> None:
-        self.children["gpu"].arm(None)
+        self._gpu.arm(None)
         for entry in (self.models.entries.values() if self.models is not None else ()):
-            entry.upstreams["gpu"].arm(None)
+            entry.upstreams[self._gpu.name].arm(None)
 
     def _drill_refusal(self, request: web.Request) -> web.StreamResponse | None:
         """None when the request carries the running drill's token."""
@@ -331,12 +342,13 @@ class OwnRoutes:
             return self._arm_model(str(body["model"]), body)
         if body.get("now") is True:
             # In the middle of an answer (scenario 7): at once, not at the next task.
-            sent = self.children["gpu"].signal_now(signal.SIGABRT)
-            return json_response({"sent": sent, "child": "gpu", "signal": "SIGABRT"},
+            sent = self._gpu.signal_now(signal.SIGABRT)
+            return json_response({"sent": sent, "child": self._gpu.name, "signal": "SIGABRT"},
                                  200 if sent else 409)
         disarm = body.get("disarm") is True
-        self.children["gpu"].arm(None if disarm else signal.SIGABRT)
-        return json_response({"armed": not disarm, "child": "gpu", "signal": "SIGABRT"})
+        self._gpu.arm(None if disarm else signal.SIGABRT)
+        return json_response({"armed": not disarm, "child": self._gpu.name,
+                              "signal": "SIGABRT"})
 
     def _arm_model(self, model: str, body: dict[str, Any]) -> web.StreamResponse:
         """Router mode: the model's instance on the GPU router, not the router itself."""
@@ -344,22 +356,24 @@ class OwnRoutes:
         if entry is None:
             return json_response({"error": f"no model {model!r} on the routers"}, 404)
         if body.get("now") is True:
-            sent = entry.upstreams["gpu"].signal_now(signal.SIGABRT)
-            return json_response({"sent": sent, "child": "gpu", "model": entry.name,
+            gpu = entry.upstreams[self._gpu.name]
+            sent = gpu.signal_now(signal.SIGABRT)
+            return json_response({"sent": sent, "child": gpu.name, "model": entry.name,
                                   "signal": "SIGABRT"}, 200 if sent else 409)
         when = body.get("when", "task")
         if when not in ("task", "neighbour_load"):
             return json_response({"error": "when: 'task' (its next task launches) or "
                                            "'neighbour_load' (another model loads)"}, 400)
         disarm = body.get("disarm") is True
-        entry.upstreams["gpu"].arm(None if disarm else signal.SIGABRT,
+        gpu = entry.upstreams[self._gpu.name]
+        gpu.arm(None if disarm else signal.SIGABRT,
                                    on_neighbour_load=when == "neighbour_load")
-        return json_response({"armed": not disarm, "child": "gpu", "model": entry.name,
+        return json_response({"armed": not disarm, "child": gpu.name, "model": entry.name,
                               "signal": "SIGABRT", "when": when})
 
     def _gpu_action(self, action: str) -> OwnRoute:
         async def act(request: web.Request) -> web.StreamResponse:
             message = await self.operator.act(action)
             return json_response({"action": action, "message": message,
-                                  "gpu": self.children["gpu"].to_json()})
+                                  "gpu": self._gpu.to_json()})
         return act

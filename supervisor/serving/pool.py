@@ -13,8 +13,9 @@ time), counts the failure and drains an upstream that survived an OOM, and lets 
 request in. Admission itself is pure (policy/admission.py); the pool turns its decisions into
 places and waits: a decision and its place are taken in one step, with no await between.
 
-Roles: vocabulary.ROLES names the GPU role first and the CPU role second; a request that
-fails on one is replayed on the other (policy/replay.py decides whether).
+The upstreams come in the config's order (today the GPU child's, then the CPU child's): the first
+is preferred, and a request that fails on one is taken over by the next (serving/failover.py
+decides with policy/replay.py and policy/continuation.py).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from ..policy import admission, replay, waitline
 from ..policy.admission import Action, Capacity, ChildView, Decision, Request
 from ..policy.evidence import FailureKind
 from ..policy.lifecycle import ChildState
-from ..vocabulary import ROLES, Attempt, AttemptEnd, AttemptFailure, Upstream
+from ..vocabulary import Attempt, AttemptEnd, AttemptFailure, Upstream
 
 log = logging.getLogger("spillway.pool")
 
@@ -109,7 +110,9 @@ class Pool:
                  on_change: Callable[[], None] | None = None) -> None:
         self.source = source
         self.upstreams = dict(upstreams)
-        self.roles: Sequence[str] = [n for n in ROLES if n in self.upstreams]
+        # The upstreams' names in the config's order: the first is preferred; who takes over
+        # from whom follows it (policy/replay.takeover).
+        self.roles: Sequence[str] = list(self.upstreams)
         self.max_wait_s = max_wait_s
         self.line = waitline.WaitLine(max_waiting)
         self.metrics = metrics
@@ -190,16 +193,13 @@ class Pool:
 
     def capacity(self, waiting: int, body_size: int, max_tokens: int,
                  with_estimate: bool = True) -> Capacity:
-        gpu_name, cpu_name = self.roles[0], self.roles[-1]
-        gpu = self.source.child_view(gpu_name, self.busy(gpu_name), body_size, max_tokens,
-                                     with_estimate)
-        cpu = self.source.child_view(cpu_name, self.busy(cpu_name), body_size, max_tokens,
-                                     with_estimate)
-        servers = sum(c.cap for c in (gpu, cpu) if c.ready)
-        returning = [(c.back_in_s, c.cap) for c in (gpu, cpu)
+        children = tuple(self.source.child_view(name, self.busy(name), body_size, max_tokens,
+                                                with_estimate) for name in self.roles)
+        servers = sum(c.cap for c in children if c.ready)
+        returning = [(c.back_in_s, c.cap) for c in children
                      if not c.ready and c.back_in_s is not None]
         return Capacity(
-            gpu=gpu, cpu=cpu,
+            children=children,
             vram_free_mib=self.source.vram_free_mib(),
             vram_headroom_mib=self.source.vram_headroom_mib(),
             waiting=waiting,

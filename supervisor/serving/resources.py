@@ -116,16 +116,18 @@ class Resources:
     def sample(self) -> None:
         """RAM, and each child's own use (called on the monitor's interval)."""
         self.ram_available = psutil.virtual_memory().available
-        cpu = self.children["cpu"]
-        if cpu.state is ChildState.READY and cpu.pid is not None:
-            with contextlib.suppress(psutil.Error):
-                rss = psutil.Process(cpu.pid).memory_info().rss
-                self.profiles["cpu"].peak_rss = max(self.profiles["cpu"].peak_rss, rss)
-        gpu = self.children["gpu"]
         sample = self.monitor.latest
-        if sample is not None and gpu.state is ChildState.READY and gpu.pid is not None:
-            used = sample.process_bytes.get(gpu.pid, 0)
-            self.profiles["gpu"].peak_vram = max(self.profiles["gpu"].peak_vram, used)
+        for name, child in self.children.items():
+            if child.state is not ChildState.READY or child.pid is None:
+                continue
+            profile = self.profiles[name]
+            if not self.config.child(name).on_gpu:
+                with contextlib.suppress(psutil.Error):
+                    rss = psutil.Process(child.pid).memory_info().rss
+                    profile.peak_rss = max(profile.peak_rss, rss)
+            elif sample is not None:
+                used = sample.process_bytes.get(child.pid, 0)
+                profile.peak_vram = max(profile.peak_vram, used)
         self.refresh()
 
     # --- what the child needs ---------------------------------------------------------------
@@ -140,8 +142,9 @@ class Resources:
         return shape.kv_bytes(n_ctx)
 
     def _compute_cpu_need(self) -> int:
-        estimate_bytes = self.model_size + self._kv_bytes("cpu") + 256 * MIB
-        return max(self.profiles["cpu"].peak_rss, estimate_bytes)
+        name = self.config.cpu_child
+        estimate_bytes = self.model_size + self._kv_bytes(name) + 256 * MIB
+        return max(self.profiles[name].peak_rss, estimate_bytes)
 
     def cpu_need_bytes(self) -> int:
         """RAM the CPU child needs to start: what it used before, else the model plus its KV
@@ -151,9 +154,10 @@ class Resources:
     def gpu_need_bytes(self) -> int:
         """VRAM the GPU child needs to load: what it used before, else the model plus its KV
         cache; plus the headroom."""
-        estimate_bytes = int(self.model_size * 1.1) + self._kv_bytes("gpu")
-        need = max(self.profiles["gpu"].peak_vram, estimate_bytes)
-        return need + self.config.gpu.vram_headroom_mib * MIB
+        name = self.config.gpu_child
+        estimate_bytes = int(self.model_size * 1.1) + self._kv_bytes(name)
+        need = max(self.profiles[name].peak_vram, estimate_bytes)
+        return need + self.config.child(name).vram_headroom_mib * MIB
 
     def cpu_ram_ok(self, cold: bool) -> bool:
         available = self.ram_available
@@ -180,14 +184,17 @@ class Resources:
         return ChildView(
             name=name, state=state, busy=busy, cap=self.cap(name),
             ctx_per_slot=self.profiles[name].ctx_per_slot, startable=startable, ram_ok=ram_ok,
-            expected_s=expected, back_in_s=self.back_in_s(name))
+            expected_s=expected, back_in_s=self.back_in_s(name),
+            label=self.config.child(name).label)
 
     def startable(self, name: str, state: ChildState) -> tuple[bool, bool]:
-        """(may be started now, has the RAM it needs): the on-demand CPU child's."""
-        if name == "gpu":
+        """(may be started now, has the RAM it needs): an on-demand child's, without the GPU
+        (the GPU child's VRAM is weighed by the headroom rule instead)."""
+        cfg = self.config.child(name)
+        if cfg.on_gpu:
             return False, True
         running = state is ChildState.READY or state is ChildState.STARTING
-        startable = (state is ChildState.STOPPED and self.config.cpu.mode == "on-demand"
+        startable = (state is ChildState.STOPPED and cfg.on_demand
                      and name not in self.paused and self.cpu_ram_ok(cold=True))
         return startable, self.cpu_ram_ok(cold=not running)
 
@@ -221,7 +228,7 @@ class Resources:
         return sample.free_bytes / MIB
 
     def vram_headroom_mib(self) -> float:
-        return float(self.config.gpu.vram_headroom_mib)
+        return float(self.config.child(self.config.gpu_child).vram_headroom_mib)
 
     def service_s(self) -> float | None:
         return self.service
@@ -247,7 +254,7 @@ class Resources:
             "tokens_per_s": {"prompt": t.prompt_tps and round(t.prompt_tps, 1),
                              "generation": t.gen_tps and round(t.gen_tps, 1)},
         }
-        if name == "cpu":
+        if not self.config.child(name).on_gpu:
             out["ram"] = {"available_bytes": self.ram_available,
                           "needs_bytes_to_start": self.cpu_need_bytes(),
                           "peak_rss_bytes": p.peak_rss}
