@@ -29,7 +29,7 @@ run (so ratios hold on a noisy machine):
   each figure the median of the rounds, and writes bench/results/hotpath.{json,md}.
 
 Needs root (or the tools already installed) for `apt-get install nginx wrk`. Writes
-bench/results/latest.json and prints the table (the README carries the latest one).
+bench/results/latest.json and prints the table (docs/performance.md carries the latest one).
 """
 
 from __future__ import annotations

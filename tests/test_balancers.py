@@ -524,7 +524,7 @@ async def test_a_full_machines_503s_are_retried_on_the_other_and_the_client_sees
         tiny_model: Path) -> None:
     # A: one slot per child, and no waiting line: two long requests fill it.
     # --context-shift: its long answers go on past the context, for as long as the burst takes
-    # (a full machine can take seconds to refuse large bodies: see the README).
+    # (a full machine can take seconds to refuse large bodies: see docs/operations.md).
     full = machine_config(llama_server, tiny_model,
                           model={"args": ["-c", "4096", "-np", "1", "-t", "1", "-tb", "1",
                                           "--context-shift"]},

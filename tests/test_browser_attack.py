@@ -163,7 +163,7 @@ async def test_a_web_page_cannot_stop_the_gpu_and_the_status_page_still_can(
         assert "children" not in seen["status_body"]
         assert seen["pause_body"]["error"]["setting"] == "server.allowed_hosts"
         # llama-server's own routes pass through as llama-server has them (it checks no Host;
-        # see the README): the rebound page can use the model, as it could llama-server.
+        # see docs/operations.md): the rebound page can use the model, as it could llama-server.
         assert seen["models"] == 200
         await asyncio.to_thread(untouched, s)
         # The page itself, and its two fetches of Spillway's routes.

@@ -165,7 +165,7 @@ async def test_a_foreign_host_reads_and_changes_nothing_of_spillways(
         "same-origin", "Content-Type": "application/json"})
     await refused_as(resp, 403, "server.allowed_hosts")
     assert not rig.routes.operator.gpu_paused
-    # llama-server's routes pass through as llama-server has them (see the README).
+    # llama-server's routes pass through as llama-server has them (see docs/operations.md).
     assert (await client.get("/v1/models", headers=rebound)).status == 200
     assert rig.proxied == ["/v1/models"]
     for host in ("localhost", f"127.0.0.1:{client.port}", "[::1]:1"):

@@ -14,8 +14,8 @@ how Spillway's answer stands to llama-server's:
 - DIFFERENT: Spillway answers otherwise, on purpose.
 - NO_COUNTERPART: llama-server has no such situation (a waiting line, a replay, ...).
 
-Every row but SAME and CHILD is a deliberate difference, and the README's table says why
-(`test_every_difference_is_in_the_readme`). The requests are the captures' own, sent by the
+Every row but SAME and CHILD is a deliberate difference, and docs/failover.md's table says why
+(`test_every_difference_is_in_the_docs`). The requests are the captures' own, sent by the
 same code (tests/llama_answers.py) to three daemons: `main` with real children like the capture's
 `main` server, `embeddings` with real children like its `embeddings` server, and `loading`,
 whose children never finish loading.
@@ -58,7 +58,7 @@ class Row:
     daemon: str = "main"
     status: int | None = None  # Spillway's, where it differs (DIFFERENT, NO_COUNTERPART)
     extra: tuple[str, ...] = ()  # Spillway's own fields beside llama-server's
-    readme: str = ""  # the README's row that says why it differs
+    readme: str = ""  # docs/failover.md's row that says why it differs
     body_size: int | None = None  # Spillway's own limit stands in for llama-server's
 
 
@@ -198,14 +198,15 @@ def test_the_table_covers_every_capture() -> None:
                                        if r.kind is Kind.NO_COUNTERPART}
 
 
-def test_every_difference_is_in_the_readme() -> None:
-    readme = (REPO / "README.md").read_text()
+def test_every_difference_is_in_the_docs() -> None:
+    readme = (REPO / "docs" / "failover.md").read_text()
     section = readme.split("### Spillway's answers beside llama-server's", 1)[1].split("\n#", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("| ")]
     for row in TABLE:
         if row.kind in (Kind.SAME, Kind.CHILD) and not row.readme:
             continue
-        assert any(row.readme in line for line in rows), f"README: no row for {row.readme!r}"
+        assert any(row.readme in line for line in rows), \
+            f"docs/failover.md: no row for {row.readme!r}"
 
 
 def test_the_over_context_answer_names_the_childs_own_count() -> None:

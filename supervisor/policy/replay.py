@@ -1,4 +1,4 @@
-"""The replay rule: may a failed request get a second attempt on the other child?
+"""The replay rule: may a failed request get a second attempt, on the upstream that takes over?
 
 A request may be replayed only when all six hold:
 1. its body was read whole (under the replay size limit) and parsed;

@@ -1,7 +1,7 @@
 """The browser checks (policy/browser.py) on Spillway's own routes, as a precheck of the app's one
 middleware: `Host` on every /spillway/ route, and the cross-site check on those that change
 something. The llama-server routes that pass through are left as llama-server has them (see the
-README: "Web pages and Spillway's own routes").
+docs/operations.md: "Web pages and Spillway's own routes").
 """
 
 from __future__ import annotations
