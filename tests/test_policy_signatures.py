@@ -75,7 +75,7 @@ def test_a_real_gpu_oom_is_not_a_known_crash() -> None:
 def test_a_verdict_says_what_it_is_what_to_change_and_where_to_read_more() -> None:
     amx = diagnose(facts("amx-sigsegv-lv4.log", SEGV, cpu=XEON))
     assert amx is not None
-    assert amx.evidence.endswith("AMX model buffer size =    12.66 MiB")
+    assert amx.evidence.endswith("AMX model buffer size =   213.91 MiB")
     assert "Intel(R) Xeon(R) Platinum 8480+" in amx.what
     assert "--no-repack" in amx.signature.remedy
     assert amx.summary().endswith("(see https://github.com/ggml-org/llama.cpp/issues/20824)")
