@@ -153,9 +153,11 @@ def normal_origin(value: str) -> str | None:
     if not sep or scheme not in _DEFAULT_PORTS:
         return None
     parsed = split_host(authority)
-    if parsed is None:
-        return None
-    host, port = parsed
+    return None if parsed is None else _origin(scheme, *parsed)
+
+
+def _origin(scheme: str, host: str, port: int | None) -> str:
+    """An origin as browsers serialise it: brackets around IPv6, no default port."""
     shown = f"[{host}]" if ":" in host else host
     if port is None or port == _DEFAULT_PORTS[scheme]:
         return f"{scheme}://{shown}"
@@ -257,12 +259,5 @@ def same_origin(origin: str, host_header: str | None) -> bool:
     normal = normal_origin(origin)
     if normal is None or host_header is None:
         return False
-    scheme = normal.partition("://")[0]
     parsed = split_host(host_header)
-    if parsed is None:
-        return False
-    host, port = parsed
-    shown = f"[{host}]" if ":" in host else host
-    if port is None or port == _DEFAULT_PORTS[scheme]:
-        return normal == f"{scheme}://{shown}"
-    return normal == f"{scheme}://{shown}:{port}"
+    return parsed is not None and normal == _origin(normal.partition("://")[0], *parsed)
