@@ -169,7 +169,10 @@ def _house(package: Path, runtime: dict[str, set[str]],
                 continue
             units.setdefault(_unit(module), set()).add(_unit(target))
             statements += 1
+    # A module's own packages are not counted: `from . import sibling` names the sibling, and
+    # Python runs a package's __init__ before any module of it anyway.
     module_graph = {m: {t if t in modules else t.rsplit(".", 1)[0] for t in ts} - {m}
+                    - {m.rsplit(".", k)[0] for k in range(1, m.count(".") + 1)}
                     for m, ts in runtime.items()}
     top = sorted(p.stem for p in package.glob("*.py")
                  if p.stem not in ("__init__", "__main__"))
