@@ -41,7 +41,7 @@ from typing import Any, Protocol
 from ..upstreams.children import STDERR_TAIL_LINES, Child, VramProbe
 from ..upstreams.clock import Clock, MonotonicClock
 from ..config.schema import RestartConfig
-from ..upstreams.engine import Engine, Heard, LifeReader
+from ..upstreams.engine import Engine, Heard, LifeReader, exit_within
 from ..policy import lifecycle
 from ..policy.evidence import FailureKind
 from ..policy.lifecycle import SERVING, ChildState, Life
@@ -185,17 +185,7 @@ class ModelUpstream(LifeReader):
                 and not fut.done() and self.child.state in SERVING)
 
     async def exit_of(self, generation: int, timeout: float) -> ModelExit | None:
-        fut = self._exits.get(generation)
-        if fut is None:
-            return None
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            return None
-        except asyncio.CancelledError:
-            if fut.cancelled():
-                return None  # the model's upstream was closed, not the caller
-            raise
+        return await exit_within(self._exits.get(generation), timeout)
 
     def next_try_in_s(self) -> float | None:
         if self.child.state is not S.READY:

@@ -44,7 +44,7 @@ from typing import Any
 
 from .clock import Clock, MonotonicClock
 from ..config.schema import ChildConfig, RestartConfig, command_changed
-from .engine import Engine, LifeReader
+from .engine import Engine, LifeReader, exit_within
 from .launcher import Launcher, Process, SubprocessLauncher
 from .launcher import pick_port as pick_port  # the drill's import
 from .hostcpu import HostCpu, host_cpu
@@ -309,13 +309,7 @@ class Child(LifeReader):
 
     async def exit_of(self, generation: int, timeout: float) -> ExitRecord | None:
         """The exit record of process `generation`, waiting up to `timeout` for it to end."""
-        fut = self._exits.get(generation)
-        if fut is None:
-            return None
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), timeout)
-        except TimeoutError:
-            return None
+        return await exit_within(self._exits.get(generation), timeout)
 
     def running(self, generation: int) -> bool:
         """Process `generation` is this child's current one and has not exited (as far as the

@@ -20,7 +20,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from .clock import Clock
 from ..policy import lifecycle
@@ -282,3 +282,21 @@ class LifeReader:
             return None
         return round(max(0.0, life.next_try_at - self._clock.now()), 1)
 
+
+Exit = TypeVar("Exit")
+
+
+async def exit_within(fut: asyncio.Future[Exit] | None, timeout: float) -> Exit | None:
+    """An upstream's exit record once its process (or instance) ends, waiting up to `timeout`;
+    None when there is none to wait for, it did not end in time, or the upstream was closed
+    (its futures cancelled: that is not the caller's own cancellation)."""
+    if fut is None:
+        return None
+    try:
+        return await asyncio.wait_for(asyncio.shield(fut), timeout)
+    except TimeoutError:
+        return None
+    except asyncio.CancelledError:
+        if fut.cancelled():
+            return None
+        raise
