@@ -78,6 +78,7 @@ class VramSample:
     free_mib: float
     total_mib: float
     age_s: float  # how old the sample was when the failure was seen
+    device: str = ""  # which device, when known: "0000:03:00.0 AMD Radeon RX 7900 XTX"
 
 
 @dataclass(frozen=True)
@@ -141,7 +142,9 @@ def _vram_short(ev: Evidence) -> bool:
 def _vram_note(ev: Evidence) -> str:
     v = ev.vram
     assert v is not None
-    return f"free VRAM {v.free_mib:.0f} MiB of {v.total_mib:.0f} MiB, {v.age_s:.1f} s before"
+    on = f" on {v.device}" if v.device else ""
+    return (f"free VRAM {v.free_mib:.0f} MiB of {v.total_mib:.0f} MiB{on}, "
+            f"{v.age_s:.1f} s before")
 
 
 def last_match(lines: Sequence[str], patterns: Sequence[re.Pattern[str]]) -> str | None:
@@ -155,7 +158,9 @@ def vram_short(ev: Evidence) -> bool:
 
 
 def vram_note(ev: Evidence) -> str:
-    """`free VRAM 61 MiB of 143771 MiB, 0.4 s before` (the sample must be present)."""
+    """`free VRAM 61 MiB of 143771 MiB, 0.4 s before`, or with the sample's device
+    `free VRAM 61 MiB of 24560 MiB on 0000:03:00.0 AMD Radeon RX 7900 XTX, 0.4 s before`
+    (the sample must be present)."""
     return _vram_note(ev)
 
 
