@@ -124,3 +124,78 @@ def test_exit_status_outranks_everything_else() -> None:
     ev = Evidence(returncode=-6, stderr_tail=["ggml-cuda.cu:109: CUDA error"],
                   upstream_status=500, upstream_body="Compute error.", vram=LOW)
     assert classify(ev).kind is K.RUNTIME_OOM
+
+
+def test_the_vram_note_names_the_device_when_the_sample_does() -> None:
+    amd = VramSample(free_mib=61, total_mib=24560, age_s=0.4,
+                     device="0000:03:00.0 AMD Radeon RX 7900 XTX")
+    verdict = classify_exit(-6, ["/app/ggml/src/ggml-cuda/ggml-cuda.cu:115: ROCm error"], amd)
+    assert verdict.kind is K.RUNTIME_OOM
+    assert verdict.evidence.endswith("(killed by SIGABRT, free VRAM 61 MiB of 24560 MiB on "
+                                     "0000:03:00.0 AMD Radeon RX 7900 XTX, 0.4 s before)")
+    # Without a device the note reads as before.
+    assert "143771 MiB, 0.4 s before" in classify_exit(-6, [], LOW).evidence
+
+
+# Each backend's terse abort line, as its source prints it (llama.cpp 11434.0.0): the same rule
+# as CUDA's: an OOM when the card was nearly full just before, else the backend's error.
+@pytest.mark.parametrize("line", [
+    "/src/ggml/src/ggml-cuda/ggml-cuda.cu:109: MUSA error",       # ggml_cuda_error, MUSA build
+    "/src/ggml/src/ggml-sycl/common.hpp:146: SYCL error",         # ggml_sycl_error
+    "/src/ggml/src/ggml-cuda/vendors/hip.h:31: HipVMM Failure: out of memory",
+    "terminate called after throwing an instance of 'sycl::_V1::exception'",
+    "/src/ggml/src/ggml-metal/ggml-metal-context.m:235: fatal error",
+])
+def test_every_backends_terse_line_is_read_like_cudas(line: str) -> None:
+    assert classify_exit(-6, [line], LOW).kind is K.RUNTIME_OOM
+    assert classify_exit(-6, [line], PLENTY).kind is K.CUDA_ERROR
+    assert classify_exit(-6, [line], None).kind is K.CUDA_ERROR
+
+
+@pytest.mark.parametrize("line", [
+    "ggml_vulkan: device lost on Vulkan0",                       # ggml_vk_print_device_lost_info
+    "ggml_vulkan: vk::Queue::submit: VK_ERROR_DEVICE_LOST",
+    "zeCommandQueueSynchronize: ZE_RESULT_ERROR_DEVICE_LOST",
+    "NVRM: Xid (PCI:0000:01:00): 79, pid=1234, GPU has fallen off the bus.",
+])
+def test_a_lost_device_is_a_gpu_fault_whatever_the_memory_says(line: str) -> None:
+    for vram in (None, LOW, PLENTY):
+        verdict = classify_exit(-6, ["I srv  llama_server: model loaded", line], vram)
+        assert verdict.kind is K.GPU_FAULT and verdict.evidence == line and verdict.child_failed
+    # Also on a load that failed with exit code 1, and with the process still running.
+    assert classify_exit(1, [line, "failed to allocate buffer for kv cache"]).kind is K.GPU_FAULT
+    assert classify(Evidence(closed_before_response=True, stderr_tail=[line])).kind is K.GPU_FAULT
+
+
+def test_the_latest_of_an_oom_and_a_lost_device_decides() -> None:
+    oom = "ggml_vulkan: vk::Device::allocateMemory: ErrorOutOfDeviceMemory"
+    lost = "  what():  vk::Queue::submit: ErrorDeviceLost"
+    assert classify_exit(-6, [oom, lost]).kind is K.GPU_FAULT
+    assert classify_exit(-6, [lost, oom]).kind is K.RUNTIME_OOM
+    assert classify(Evidence(closed_before_response=True, stderr_tail=[lost, oom])).kind \
+        is K.RUNTIME_OOM
+
+
+def test_a_compute_error_after_a_lost_device_is_a_gpu_fault() -> None:
+    compute = '{"error":{"code":500,"message":"Compute error.","type":"server_error"}}'
+    ignored = ("error: Ignored (for causing prior/excessive GPU errors) "
+               "(00000004:kIOAccelCommandBufferCallbackErrorSubmissionsIgnored)")
+    verdict = classify_response(500, compute, [ignored])
+    assert verdict.kind is K.GPU_FAULT and verdict.evidence.startswith(ignored)
+    assert classify_response(500, compute).kind is K.OOM_SURVIVED  # no lines: as before
+    assert classify_response(500, '{"error":{"message":"decode() failed: ErrorDeviceLost"}}') \
+        .kind is K.GPU_FAULT
+    # A 4xx or a complete answer is never a failure of the child, whatever the tail says.
+    assert classify_response(400, "bad", [ignored]).kind is K.CLIENT_ERROR
+    assert classify_response(200, "{}", [ignored]).kind is K.NONE
+
+
+@pytest.mark.parametrize("line", [
+    "CUDA error: an illegal memory access was encountered",
+    "CUDA error: unspecified launch failure",
+    "Memory access fault by GPU node-1 (Agent handle: 0x5e7ff2a0) on address 0x7f0c00000000. "
+    "Reason: Page not present or supervisor privilege.",
+    "error: Caused GPU Timeout Error (00000002:kIOAccelCommandBufferCallbackErrorTimeout)",
+])
+def test_a_faulting_kernel_is_not_a_lost_device(line: str) -> None:
+    assert classify_exit(-6, [line], PLENTY).kind is not K.GPU_FAULT

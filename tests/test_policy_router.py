@@ -404,3 +404,13 @@ def test_classify_instance_exit_vram_thresholds(vram: VramSample, short_mib: flo
     verdict = classify_instance_exit(1, [H200_CUDA_LINE], loading=False, vram=vram,
                                      vram_short_mib=short_mib, vram_max_age_s=max_age_s)
     assert verdict.kind is kind
+
+
+def test_a_lost_device_kills_an_instance_as_a_gpu_fault_loading_or_not() -> None:
+    lines = ["[52251] terminate called after throwing an instance of 'vk::DeviceLostError'",
+             "[52251]   what():  vk::Queue::submit: ErrorDeviceLost"]
+    for loading in (False, True):
+        for vram in (None, LOW, PLENTY):
+            verdict = classify_instance_exit(1, lines, loading=loading, vram=vram)
+            assert verdict.kind is K.GPU_FAULT
+            assert verdict.evidence == "what():  vk::Queue::submit: ErrorDeviceLost"

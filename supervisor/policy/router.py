@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .evidence import (
-    CUDA_ERROR_LINE, LOAD_FAILURE, OOM_PATTERNS, Evidence, FailureKind, Verdict, VramSample,
+    CUDA_ERROR_LINE, LOAD_FAILURE, Evidence, FailureKind, Verdict, VramSample, gpu_line,
     last_match, vram_note, vram_short,
 )
 
@@ -251,13 +251,16 @@ def classify_instance_exit(exit_code: int | None, instance_lines: Sequence[str],
 
     The router reports every death as status 1, so the exit code decides nothing. `loading`:
     the instance died before it was loaded (a load-failure or out-of-memory line then means
-    the model did not fit).
+    the model did not fit). A lost-device line (any backend's) is a `gpu_fault`, loading or not.
     """
     lines = [_own_line(line) for line in instance_lines]
     ev = Evidence(vram=vram, vram_short_mib=vram_short_mib, vram_max_age_s=vram_max_age_s)
     how = ("instance exit status unknown" if exit_code is None
            else f"instance exited with status {exit_code}")
-    oom_line = last_match(lines, OOM_PATTERNS)
+    seen = gpu_line(lines)  # the last out-of-memory or lost-device line
+    if seen is not None and seen[0] is FailureKind.GPU_FAULT:
+        return Verdict(FailureKind.GPU_FAULT, seen[1])
+    oom_line = seen[1] if seen is not None else None
 
     if loading:
         load_line = last_match(lines, LOAD_FAILURE) or oom_line
