@@ -15,7 +15,7 @@ from supervisor.gpu import GpuMonitor
 
 def test_the_real_library_without_a_driver_says_so_and_samples_nothing() -> None:
     async def run() -> GpuMonitor:
-        monitor = GpuMonitor("0", 0.1)
+        monitor = GpuMonitor(0.1)
         await monitor.start()
         await asyncio.sleep(0.3)
         await monitor.close()
@@ -47,13 +47,18 @@ def test_status_shows_the_gpu_figures_and_the_childs_own_use(
     while (gpu := s.status()["gpu"])["free_mib"] != 18000:
         assert time.monotonic() < deadline
         time.sleep(0.1)
-    assert gpu["name"] == "Fake RTX"
-    assert gpu["pci_bus_id"] == "00000000:2B:00.0"
+    assert gpu["name"] == "Fake RTX" and gpu["vendor"] == "nvidia" and gpu["source"] == "nvml"
+    assert gpu["pci_bus_id"] == "0000:2b:00.0"  # NVML's form, written as the kernel writes it
     assert gpu["total_mib"] == 24576 and gpu["used_mib"] == 24576 - 18000
     assert gpu["children_used_bytes"]["gpu"] == 3858 * 1024 * 1024
     assert gpu["children_used_bytes"]["cpu"] == 0
+    [card] = gpu["devices"]
+    assert card["pci_bus_id"] == "0000:2b:00.0" and card["used_by_gpu_child"]
+    assert card["free_bytes"] == 18000 * 1024 * 1024
+    # It holds memory there now: that is how its card is known.
+    assert gpu["gpu_child_devices"]["how"] == "its own memory"
     assert s.status()["gpu_note"] is None
-    # The GPU child sees only the watched card; the CPU child sees none.
+    # The GPU child sees only the watched card; the CPU child sees no card of any vendor.
     _, gpu_props = s.get("/props", {"X-Spillway-Child": "gpu"})
     _, cpu_props = s.get("/props", {"X-Spillway-Child": "cpu"})
     assert gpu_props["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-1234"
@@ -75,15 +80,24 @@ def test_no_driver_means_no_gpu_in_status_and_nothing_else_changes(
     assert status["children"]["gpu"]["state"] == "READY"
 
 
+TWO_CARDS = [
+    {"total_mib": 24576, "free_mib": 20000, "name": "First card", "uuid": "GPU-first",
+     "pci_bus_id": "00000000:01:00.0"},
+    {"total_mib": 16384, "free_mib": 9000, "name": "Second card", "uuid": "GPU-second",
+     "pci_bus_id": "00000000:41:00.0"},
+]
+
+
 def test_the_card_is_chosen_by_its_pci_bus_id_and_the_child_sees_only_it(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
     figures = tmp_path / "nvml.json"
-    write_json(figures, total_mib=16384, free_mib=9000, name="Second card", index=1,
-               uuid="GPU-second", pci_bus_id="00000000:41:00.0")
+    write_json(figures, devices=TWO_CARDS)
     cfg = fake_config(fake_server, tiny_model, gpu={"device": "00000000:41:00.0"})
     s = spillway(cfg, fake_nvml=figures)
     gpu = s.status()["gpu"]
-    assert gpu["index"] == 1 and gpu["pci_bus_id"] == "00000000:41:00.0"
+    assert gpu["index"] == 1 and gpu["pci_bus_id"] == "0000:41:00.0"
+    assert [(d["name"], d["used_by_gpu_child"]) for d in gpu["devices"]] == [
+        ("First card", False), ("Second card", True)]
     _, props = s.get("/props", {"X-Spillway-Child": "gpu"})
     assert props["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-second"
     assert props["env"]["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
@@ -95,5 +109,7 @@ def test_a_card_that_is_not_there_is_said_plainly(
     write_json(figures, total_mib=16384, free_mib=9000)
     s = spillway(fake_config(fake_server, tiny_model, gpu={"device": 3}), fake_nvml=figures)
     status = s.status()
-    assert status["gpu"] is None
-    assert "device '3' not found" in status["gpu_note"]
+    assert status["gpu"]["gpu_child_devices"]["pci_bus_ids"] == []
+    assert "gpu.device names '3': no such card here (cards: 0000:01:00.0)" in \
+        status["gpu_note"]
+    assert status["children"]["gpu"]["state"] == "READY"

@@ -43,7 +43,7 @@ class FakeHost:
 def make_routes(tmp_path: Path, cpu_mode: str = "hot") -> tuple[OwnRoutes, FakeHost]:
     cfg = build({"model": {"path": "/m.gguf"}, "cpu": {"mode": cpu_mode}}, check_paths=False)
     children = {name: Child(cfg.child(name), cfg.restart) for name in ROLES}
-    monitor = GpuMonitor(cfg.gpu.device, cfg.monitor.sample_interval_s)
+    monitor = GpuMonitor(cfg.monitor.sample_interval_s)
     resources = Resources(cfg, children, monitor)
     host = FakeHost(cfg)
     timeline = [{"time": 10.0, "child": "gpu", "state": "STARTING", "reason": "a"},

@@ -16,25 +16,30 @@ from test_router_upstream import FakeLoader, FakeRouter, loaded, told
 from tinymodel import write_tiny_model
 
 from supervisor.config import schema as config_module
-from supervisor.gpu import MIB, GpuSample
+from supervisor.gpu import MIB, GpuMonitor, GpuSample
+from supervisor.policy.devices import Selection
 from supervisor.policy.lifecycle import ChildState as S
 from supervisor.router.capacity import ModelResources
 from supervisor.router.upstream import ModelUpstream
 
 
-class FakeMonitor:
-    """Stands in for gpu.GpuMonitor: the latest sample, as the test sets it."""
+class FakeMonitor(GpuMonitor):
+    """The real monitor, without sources: its cards' figures are what the test sets."""
 
-    interval_s = 1.0
-
-    def __init__(self, free_mib: float | None) -> None:
-        self.latest: GpuSample | None = None
+    def __init__(self, free_mib: float | None, cards: int = 1) -> None:
+        super().__init__(1.0, samplers=[])
+        self.cards = cards
         if free_mib is not None:
             self.set_free(free_mib)
 
-    def set_free(self, free_mib: float) -> None:
-        self.latest = GpuSample(time.monotonic(), time.time(), 0, "Fake GPU", "0", "GPU-0",
-                                24576 * MIB, int(free_mib * MIB), int((24576 - free_mib) * MIB))
+    def set_free(self, *free_mib: float) -> None:
+        """Each card's free MiB (the first's for the rest when fewer are given)."""
+        frees = list(free_mib) + [free_mib[0]] * (self.cards - len(free_mib))
+        self.devices = [GpuSample(time.monotonic(), time.time(), i, "Fake GPU",
+                                  f"0000:0{i + 1}:00.0", f"GPU-{i}", 24576 * MIB,
+                                  int(free * MIB), int((24576 - free) * MIB))
+                        for i, free in enumerate(frees)]
+        self.selection = Selection(tuple(d.pci_bus_id for d in self.devices), "config")
 
 
 def config(models_max: int = 2, headroom: int = 1024) -> config_module.Config:
@@ -94,6 +99,24 @@ async def test_a_load_that_would_not_fit_the_free_vram_is_refused_with_the_figur
     assert not res.child_view("gpu", 0, 0, 0).startable
     # The CPU router is not held to the card's memory.
     assert res.child_view("cpu", 0, 0, 0).startable
+
+
+@pytest.mark.asyncio
+async def test_with_two_cards_the_load_must_fit_each_cards_part(model_file: Path) -> None:
+    """Without -ts llama.cpp splits by free memory; each card keeps the headroom."""
+    monitor = FakeMonitor(free_mib=20000, cards=2)
+    routers = Routers(config(headroom=1024), monitor)
+    res = routers.add("alpha", model_file)
+    weights_mib = res.gpu_need_bytes() / MIB - 1024
+    assert res.load_refusal("gpu") is None
+    # Enough in all (the sum of the two is more than the need plus one headroom), but the
+    # second card cannot keep its headroom besides its part.
+    monitor.set_free(20000, 1024)
+    refusal = res.load_refusal("gpu")
+    assert refusal is not None and "on 0000:02:00.0 Fake GPU" in refusal, refusal
+    assert "1024 MiB free" in refusal
+    monitor.set_free(20000, 1024 + weights_mib)  # its part is far less than the weights
+    assert res.load_refusal("gpu") is None
 
 
 @pytest.mark.asyncio

@@ -82,7 +82,7 @@ def test_since_is_wall_time_and_strictly_after() -> None:
     assert h.since(1_700_000_004.0) == []
     assert point(2.0, children={"gpu": 5 * MIB, "cpu": None}).to_json() == {
         "time": 1002.0, "total_bytes": 1000, "free_bytes": 100, "used_bytes": 900,
-        "children": {"gpu": 5 * MIB, "cpu": None}}
+        "children": {"gpu": 5 * MIB, "cpu": None}, "devices": {}}
     with pytest.raises(ValueError):
         GpuHistory(span_s=0)
 
@@ -96,9 +96,9 @@ def test_each_point_sums_each_childs_own_processes_at_the_moment_of_the_sample(
     sample = GpuSample(monotonic=1.0, wall=2.0, index=0, name="x", pci_bus_id="b", uuid="u",
                        total_bytes=100 * MIB, free_bytes=60 * MIB, used_bytes=40 * MIB,
                        process_bytes={10: 30 * MIB, 11: 5 * MIB, 99: 5 * MIB})
-    assert monitor._point(sample).children == {"gpu": 35 * MIB, "cpu": None}
+    assert monitor._point([sample], owners).children == {"gpu": 35 * MIB, "cpu": None}
     owners["gpu"] = [12]  # restarted: its new pid is not on the card (yet)
-    assert monitor._point(sample).children == {"gpu": 0, "cpu": None}
+    assert monitor._point([sample], owners).children == {"gpu": 0, "cpu": None}
 
 
 # --- the page's headers and key rules, on the app alone ---------------------------------------
@@ -161,7 +161,7 @@ async def test_the_history_route_answers_the_points_after_since(
     assert await times("x") == [1001.0, 1002.0, 1003.0]
     body = await (await guarded.get("/spillway/gpu/history", headers=AUTH)).json()
     assert body["points"][0] == {"time": 1001.0, "total_bytes": 1000, "free_bytes": 100,
-                                 "used_bytes": 900, "children": {}}
+                                 "used_bytes": 900, "children": {}, "devices": {}}
     assert body["span_s"] == 600.0 and body["step_s"] == 1.0
     assert body["note"] == "GPU monitor not started"
     assert isinstance(body["time"], float)

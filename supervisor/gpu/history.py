@@ -29,11 +29,13 @@ class MemoryPoint:
     used_bytes: int
     # child name -> its processes' bytes on the card; None while it has no process.
     children: Mapping[str, int | None] = field(default_factory=dict)
+    # every card's memory in use, by PCI address: a line per card on the chart
+    devices: Mapping[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"time": round(self.wall, 3), "total_bytes": self.total_bytes,
                 "free_bytes": self.free_bytes, "used_bytes": self.used_bytes,
-                "children": dict(self.children)}
+                "children": dict(self.children), "devices": dict(self.devices)}
 
 
 class GpuHistory:

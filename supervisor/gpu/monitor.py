@@ -1,9 +1,12 @@
-"""The GPU monitor: one device's figures, sampled on an interval in a worker thread from a
-sampler (sampler.py; NVML by default, nvml.py), kept for the rest of Spillway.
+"""The GPU monitor: every card's figures, sampled on an interval in a worker thread from the
+sources there are (NVML for NVIDIA, nvml.py; amdgpu's sysfs and the DRM fdinfo for AMD and
+Intel, drm.py), and which of them the GPU child uses (placement.py), kept for the rest of
+Spillway.
 
-Without figures (no driver, no such device) the monitor says why in `note` and samples nothing;
-nothing else changes. The samples feed the status, the VRAM headroom rule of admission, the
-evidence of a GPU child's death and the status page's chart (the last minutes, history.py).
+Without figures (no driver, no card) the monitor says why in `note` and samples nothing;
+nothing else changes. The samples feed the status, the VRAM headroom rule of admission (on
+every card the GPU child uses), the evidence of a GPU child's death and the status page's chart
+(the last minutes, history.py).
 """
 
 from __future__ import annotations
@@ -13,33 +16,44 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from ..policy.devices import Listed, Room, Selection, tightest
 from ..policy.evidence import VramSample
+from .drm import DrmSampler
 from .history import GpuHistory, MemoryPoint
 from .nvml import NvmlSampler
 from .sampler import MIB, GpuSample, Sampler, Unavailable
 
 log = logging.getLogger("spillway.gpu")
 
-# Who is on the card: child name -> the pids that are its own (a router's instances count as
+# Who is on the cards: child name -> the pids that are its own (a router's instances count as
 # the router's), or None while it has no process. Asked on the event loop at each sample.
 Owners = Callable[[], Mapping[str, Iterable[int] | None]]
+# Which cards the GPU child uses, given every card's latest figures (placement.py).
+Chooser = Callable[[Sequence[GpuSample]], Selection]
+
+
+def _every_card(samples: Sequence[GpuSample]) -> Selection:
+    return Selection(tuple(s.pci_bus_id for s in samples), "config", "every card")
 
 
 class GpuMonitor:
-    """Samples one device, chosen by index, PCI bus id or UUID (`gpu.device`)."""
-
-    def __init__(self, device: str | None, interval_s: float,
-                 sampler: Sampler | None = None) -> None:
-        self.device = device if device is not None else "0"
+    def __init__(self, interval_s: float, samplers: Sequence[Sampler] | None = None) -> None:
         self.interval_s = interval_s
-        self.sampler: Sampler = sampler or NvmlSampler(self.device)
-        self.latest: GpuSample | None = None
-        # A short history, so the evidence of a death is the sample from just *before* it (after
-        # the death the child's own memory is free again and the figure says nothing).
-        self.history: deque[GpuSample] = deque(maxlen=64)
+        # The GPU child's llama-server's own listing (--list-devices), once the daemon has it:
+        # Intel's totals come from it.
+        self.listed: list[Listed] = []
+        self.samplers: list[Sampler] = list(samplers) if samplers is not None else [
+            NvmlSampler(), DrmSampler(listed=lambda: self.listed)]
+        self._open: list[Sampler] = []
+        self.devices: list[GpuSample] = []  # the latest figures of every card, in PCI order
+        self.selection = Selection((), "none", "not sampled yet")
+        self.chooser: Chooser = _every_card  # set by the daemon once it knows the child
+        # A short history, so the evidence of a death is the sample from just *before* it
+        # (after the death the child's own memory is free again and the figure says nothing).
+        self.history: deque[tuple[GpuSample, ...]] = deque(maxlen=64)
         # The last minutes of memory figures, each child's own among them, for the status page.
         self.chart = GpuHistory()
         self.owners: Owners = lambda: {}  # set by the daemon once the children exist
@@ -48,49 +62,87 @@ class GpuMonitor:
         self._task: asyncio.Task[None] | None = None
 
     def configure(self, interval_s: float) -> None:
-        """A reload: the new sampling interval (the device stays: gpu.device needs a
+        """A reload: the new sampling interval (the cards stay: gpu.device needs a
         restart)."""
         self.interval_s = interval_s
 
-    def _open(self) -> None:
-        try:
-            self.sampler.open()
-        except Unavailable as e:
-            self.note = str(e)
-            return
-        self.available = True
-        self.note = None
+    def _open_all(self) -> None:
+        notes = []
+        for sampler in self.samplers:
+            try:
+                sampler.open()
+            except Unavailable as e:
+                notes.append(str(e))
+                continue
+            self._open.append(sampler)
+        self.available = bool(self._open)
+        self.note = None if self.available else "; ".join(notes) or "no GPU source"
+
+    # --- what the rest of Spillway reads ------------------------------------------------------
+
+    @property
+    def child_devices(self) -> list[GpuSample]:
+        """The latest figures of the cards the GPU child uses."""
+        chosen = set(self.selection.pci_bus_ids)
+        return [s for s in self.devices if s.pci_bus_id in chosen]
+
+    @property
+    def latest(self) -> GpuSample | None:
+        """The tightest card the GPU child uses (the least free): where its headroom runs
+        out first."""
+        cards = self.child_devices
+        return min(cards, key=lambda s: s.free_bytes) if cards else None
 
     @property
     def index(self) -> int | None:
-        """The watched device's index (the CUDA index under PCI_BUS_ID order)."""
-        return self.sampler.index if self.available else None
+        latest = self.latest
+        return latest.index if latest is not None else None
+
+    def rooms(self) -> list[Room]:
+        return [Room(s.pci_bus_id, s.label, s.free_bytes, s.total_bytes)
+                for s in self.child_devices]
+
+    def sampled_at(self) -> float | None:
+        return self.devices[0].monotonic if self.devices else None
+
+    # --- sampling ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        await asyncio.to_thread(self._open)
+        await asyncio.to_thread(self._open_all)
         if not self.available:
             log.info("%s", self.note)
             return
         await self.sample_now()
-        if self.latest is not None:
-            log.info("watching GPU %d %s (%s): %d MiB free of %d MiB", self.latest.index,
-                     self.latest.name, self.latest.pci_bus_id,
-                     self.latest.free_bytes // MIB, self.latest.total_bytes // MIB)
+        for s in self.devices:
+            log.info("GPU %s %s (%s, %s): %d MiB free of %d MiB", s.pci_bus_id, s.name,
+                     s.vendor, s.source, s.free_bytes // MIB, s.total_bytes // MIB)
         self._task = asyncio.create_task(self._run(), name="gpu-monitor")
 
     async def sample_now(self) -> GpuSample | None:
         if not self.available:
             return None
+        owners = self.owners()
+        pids = {pid for group in owners.values() if group is not None for pid in group}
         try:
-            sample = await asyncio.to_thread(self.sampler.sample, time.monotonic(), time.time())
-            self.latest = sample
-            self.history.append(sample)
-            self.chart.add(self._point(sample))
-            self.note = None
+            samples = await asyncio.to_thread(self._sample_all, time.monotonic(), time.time(),
+                                              pids)
         except Exception as e:  # noqa: BLE001 - a lost GPU must not take the daemon down
             self.note = f"GPU sampling failed: {e}"
             log.warning("%s", self.note)
+            return self.latest
+        self.devices = samples
+        self.selection = self.chooser(samples)
+        self.history.append(tuple(samples))
+        if samples:
+            self.chart.add(self._point(samples, owners))
+        self.note = None
         return self.latest
+
+    def _sample_all(self, monotonic: float, wall: float, pids: set[int]) -> list[GpuSample]:
+        samples: list[GpuSample] = []
+        for sampler in self._open:
+            samples += sampler.sample(monotonic, wall, pids)
+        return sorted(samples, key=lambda s: s.pci_bus_id)
 
     async def _run(self) -> None:
         while True:
@@ -102,28 +154,55 @@ class GpuMonitor:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        if self.available:
+        for sampler in self._open:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.sampler.close)
+                await asyncio.to_thread(sampler.close)
 
-    def _point(self, s: GpuSample) -> MemoryPoint:
-        """The sample as a chart point, each owner's processes summed under its name (read
-        now, at the sample: pids change when a child restarts)."""
+    def _point(self, samples: Sequence[GpuSample],
+               owners: Mapping[str, Iterable[int] | None]) -> MemoryPoint:
+        """The cards the child uses as one chart point (summed), each owner's processes summed
+        under its name (read now, at the sample: pids change when a child restarts), and each
+        card's own use for its line."""
+        chosen = set(self.selection.pci_bus_ids)
+        mine = [s for s in samples if s.pci_bus_id in chosen] or list(samples)
+        groups = {name: None if pids is None else list(pids) for name, pids in owners.items()}
         children = {name: None if pids is None else
-                    sum(s.process_bytes.get(pid, 0) for pid in pids)
-                    for name, pids in self.owners().items()}
-        return MemoryPoint(monotonic=s.monotonic, wall=s.wall, total_bytes=s.total_bytes,
-                           free_bytes=s.free_bytes, used_bytes=s.used_bytes, children=children)
+                    sum(s.process_bytes.get(pid, 0) for s in mine for pid in pids)
+                    for name, pids in groups.items()}
+        return MemoryPoint(monotonic=samples[0].monotonic, wall=samples[0].wall,
+                           total_bytes=sum(s.total_bytes for s in mine),
+                           free_bytes=sum(s.free_bytes for s in mine),
+                           used_bytes=sum(s.used_bytes for s in mine), children=children,
+                           devices={s.pci_bus_id: s.used_bytes for s in samples})
 
     def vram_before(self, moment: float) -> VramSample | None:
-        """The last sample taken before `moment` (monotonic), as evidence, with its age then."""
-        for s in reversed(self.history):
-            if s.monotonic <= moment:
-                return VramSample(free_mib=s.free_bytes / MIB, total_mib=s.total_bytes / MIB,
-                                  age_s=moment - s.monotonic)
+        """The tightest of the child's cards in the last sampling before `moment` (monotonic),
+        as evidence, with its age then."""
+        chosen = set(self.selection.pci_bus_ids)
+        for samples in reversed(self.history):
+            mine = [s for s in samples if s.pci_bus_id in chosen]
+            if not mine or mine[0].monotonic > moment:
+                continue
+            room = tightest([Room(s.pci_bus_id, s.label, s.free_bytes, s.total_bytes)
+                             for s in mine])
+            assert room is not None
+            return VramSample(free_mib=room.free_bytes / MIB, total_mib=room.total_bytes / MIB,
+                              age_s=moment - mine[0].monotonic,
+                              device=room.label if len(self.devices) > 1 else "")
         return None
 
-    def to_json(self, child_pids: dict[str, int | None]) -> dict[str, Any] | None:
-        if self.latest is None:
+    def to_json(self, owners: Mapping[str, Iterable[int] | None]) -> dict[str, Any] | None:
+        """The tightest card the GPU child uses, as before several cards (its fields at the
+        top), and every card in `devices`, with which the child uses and how that is known."""
+        latest = self.latest
+        if latest is None and not self.devices:
             return None
-        return self.latest.to_json(time.monotonic(), child_pids)
+        now = time.monotonic()
+        groups = {name: None if pids is None else list(pids) for name, pids in owners.items()}
+        chosen = set(self.selection.pci_bus_ids)
+        out: dict[str, Any] = latest.to_json(now, groups) if latest is not None else {}
+        out["devices"] = [{**s.to_json(now, groups), "used_by_gpu_child": s.pci_bus_id in chosen}
+                          for s in self.devices]
+        out["gpu_child_devices"] = {"pci_bus_ids": list(self.selection.pci_bus_ids),
+                                    "how": self.selection.how, "why": self.selection.why}
+        return out

@@ -1,14 +1,16 @@
 """GPU figures from NVML (NVIDIA's management library): the only module that imports pynvml.
 
-Without a driver (`NVMLError_LibraryNotFound`, `NVMLError_DriverNotLoaded`, ...) `open` says so
-and the monitor samples nothing. The device is chosen by index, PCI bus id or UUID
-(`gpu.device`).
+Every NVIDIA card of the machine is sampled; which of them the GPU child uses is decided by
+the PCI address (policy/devices.py), never by NVML's index. Without a driver
+(`NVMLError_LibraryNotFound`, `NVMLError_DriverNotLoaded`, ...) `open` says so.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
+from ..policy.devices import normalize_pci
 from .sampler import GpuSample, Unavailable
 
 
@@ -17,42 +19,34 @@ def _text(value: Any) -> str:
 
 
 class NvmlSampler:
-    def __init__(self, device: str) -> None:
-        self.device = device
-        self.index = -1
+    def __init__(self) -> None:
         self._nvml: Any = None
-        self._handle: Any = None
+        self._handles: list[Any] = []
 
     def open(self) -> None:
         try:
             import pynvml
         except ImportError as e:  # nvidia-ml-py is a dependency; an odd install still runs
-            raise Unavailable(f"no GPU figures: pynvml cannot be imported ({e})") from e
+            raise Unavailable(f"no NVIDIA figures: pynvml cannot be imported ({e})") from e
         try:
             pynvml.nvmlInit()
         except pynvml.NVMLError as e:
-            raise Unavailable(f"no GPU: NVML says {_text(e)!r} (no NVIDIA driver on this "
-                              "machine?)") from e
+            raise Unavailable(f"no NVIDIA GPU: NVML says {_text(e)!r} (no NVIDIA driver on "
+                              "this machine?)") from e
         try:
-            self._handle, self.index = self._find_device(pynvml)
-        except (pynvml.NVMLError, ValueError) as e:
-            raise Unavailable(f"no GPU: device {self.device!r} not found ({_text(e)})") from e
+            count = int(pynvml.nvmlDeviceGetCount())
+            self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+        except pynvml.NVMLError as e:
+            raise Unavailable(f"no NVIDIA GPU: NVML lists none ({_text(e)})") from e
+        if not self._handles:
+            raise Unavailable("no NVIDIA GPU: NVML lists none")
         self._nvml = pynvml
 
-    def _find_device(self, pynvml: Any) -> tuple[Any, int]:
-        d = self.device.strip()
-        if d.isdigit():
-            index = int(d)
-            return pynvml.nvmlDeviceGetHandleByIndex(index), index
-        if d.upper().startswith(("GPU-", "MIG-")):
-            handle = pynvml.nvmlDeviceGetHandleByUUID(d.encode())
-        else:
-            handle = pynvml.nvmlDeviceGetHandleByPciBusId(d.encode())
-        return handle, int(pynvml.nvmlDeviceGetIndex(handle))
+    def sample(self, monotonic: float, wall: float, pids: Collection[int]) -> list[GpuSample]:
+        return [self._one(i, h, monotonic, wall) for i, h in enumerate(self._handles)]
 
-    def sample(self, monotonic: float, wall: float) -> GpuSample:
+    def _one(self, index: int, h: Any, monotonic: float, wall: float) -> GpuSample:
         nv = self._nvml
-        h = self._handle
         mem = nv.nvmlDeviceGetMemoryInfo(h)
         processes: dict[int, int] = {}
         try:
@@ -61,12 +55,13 @@ class NvmlSampler:
                 processes[int(p.pid)] = int(used) if used is not None else 0
         except nv.NVMLError:
             pass  # per-process figures are not available everywhere (MIG, containers)
+        bus_id = _text(nv.nvmlDeviceGetPciInfo(h).busId)
         return GpuSample(
             monotonic=monotonic,
             wall=wall,
-            index=self.index,
+            index=index,
             name=_text(nv.nvmlDeviceGetName(h)),
-            pci_bus_id=_text(nv.nvmlDeviceGetPciInfo(h).busId),
+            pci_bus_id=normalize_pci(bus_id) or bus_id.lower(),
             uuid=_text(nv.nvmlDeviceGetUUID(h)),
             total_bytes=int(mem.total),
             free_bytes=int(mem.free),

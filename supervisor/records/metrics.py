@@ -7,7 +7,7 @@ children `gpu`/`cpu`, failure kinds from the fixed set.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -99,14 +99,19 @@ class Metrics:
             "spillway_model_reloads", "Router mode: loads of a model after its instance died, "
             "by the kind of the death.", ["child", "model", "reason"], registry=r)
         self.gpu_free = Gauge(
-            "spillway_gpu_memory_free_bytes", "Free memory of the GPU child's card (NVML).",
-            registry=r)
+            "spillway_gpu_memory_free_bytes", "Free memory of the GPU child's tightest card "
+            "(the one with the least free).", registry=r)
         self.gpu_used = Gauge(
-            "spillway_gpu_memory_used_bytes", "Used memory of the GPU child's card (NVML).",
+            "spillway_gpu_memory_used_bytes", "Used memory of the GPU child's tightest card.",
             registry=r)
         self.gpu_total = Gauge(
-            "spillway_gpu_memory_total_bytes", "Total memory of the GPU child's card (NVML).",
+            "spillway_gpu_memory_total_bytes", "Total memory of the GPU child's tightest card.",
             registry=r)
+        self.gpu_memory = Gauge(
+            "spillway_gpu_memory_bytes", "Every card's memory by PCI address, kind total, used "
+            "or free (NVML; amdgpu's sysfs; Intel's estimated from llama-server's listing).",
+            ["device", "kind"], registry=r)
+        self._gpu_devices: set[str] = set()
         self.reloads = Counter(
             "spillway_config_reloads", "Configuration reloads, by result (applied, invalid, "
             "unchanged).", ["result"], registry=r)
@@ -135,6 +140,18 @@ class Metrics:
     def set_state(self, child: str, state: ChildState) -> None:
         for s in ChildState:
             self.child_state.labels(child, str(s)).set(1 if s is state else 0)
+
+    def set_gpu_devices(self, cards: Iterable[tuple[str, int, int, int]]) -> None:
+        """Each card's (address, total, used, free); a card no longer seen loses its series."""
+        seen = set()
+        for device, total, used, free in cards:
+            seen.add(device)
+            for kind, value in (("total", total), ("used", used), ("free", free)):
+                self.gpu_memory.labels(device, kind).set(value)
+        for gone in self._gpu_devices - seen:
+            for kind in ("total", "used", "free"):
+                self.gpu_memory.remove(gone, kind)
+        self._gpu_devices = seen
 
     def set_model_state(self, child: str, model: str, state: ChildState) -> None:
         for s in ChildState:

@@ -4,10 +4,11 @@ The figures are Resources' (resources.py) with the model's own file, `/props?mod
 instance, and one rule more: a model that is not loaded may be loaded on demand only when the
 load would fit. On the GPU router that is the article's scenario prevented: a second model whose
 weights and KV cache (from its GGUF metadata, or the most it was seen using) plus the headroom do
-not fit the free VRAM is not loaded on the card; its work goes to the CPU router or waits. Without
-an NVML reading (no NVIDIA driver) the VRAM check is skipped, as the headroom rule is in
-single-model mode. A router's `--models-max` is kept too: at the limit, an idle loaded model is
-unloaded first (the least recently used); when all are busy, nothing more is loaded there.
+not fit the free VRAM of every card the GPU router uses is not loaded there; its work goes to
+the CPU router or waits. Without figures for any card the VRAM check is skipped, as the
+headroom rule is in single-model mode. A router's `--models-max` is kept too: at the limit, an
+idle loaded model is unloaded first (the least recently used); when all are busy, nothing more
+is loaded there.
 """
 
 from __future__ import annotations
@@ -74,14 +75,13 @@ class ModelResources(Resources):
         return None
 
     def _vram_short(self) -> str | None:
-        free = self.vram_free_mib()
-        if free is None:
-            return None  # no NVML reading: the check does not apply
-        need = self.gpu_need_bytes() / MIB
-        if free >= need:
-            return None
-        return (f"loading it needs about {need:.0f} MiB of VRAM (weights, KV cache, headroom); "
-                f"{free:.0f} MiB free")
+        short = self.gpu_shortage()
+        if short is None:
+            return None  # it fits on every card, or there are no figures: no check
+        room, part = short
+        on = f" on {room.label}" if len(self.monitor.rooms()) > 1 else ""
+        return (f"loading it needs about {part / MIB:.0f} MiB of VRAM{on} (weights, KV cache, "
+                f"headroom); {room.free_bytes / MIB:.0f} MiB free")
 
     def _running_elsewhere(self, name: str) -> int:
         return sum(1 for u in self.neighbours(name)

@@ -30,6 +30,8 @@ from ..upstreams.children import Child
 from .agent_port import AgentServer
 from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
+from ..gpu.placement import Placement
+from ..policy.devices import HIDE_ALL_GPUS, parse_listing
 from ..records.idempotency import IdempotencyStore
 from .modes import Mode, RouterMode, SingleModel
 from .operator import Operator
@@ -123,8 +125,12 @@ class Daemon:
         self.on_ready = on_ready
         self.started = time.monotonic()
         self.boot = f"{int(time.time()):x}"
-        self.monitor = GpuMonitor(config.gpu_settings.device, config.monitor.sample_interval_s)
+        self.monitor = GpuMonitor(config.monitor.sample_interval_s)
         self.monitor.owners = self._gpu_owners
+        # Which cards the GPU child uses: asked by the monitor at every sample.
+        self.placement = Placement(config.gpu_settings,
+                                   lambda: self._gpu_owners().get(self.config.gpu_child))
+        self.monitor.chooser = self.placement.choose
         self.children: dict[str, Child] = {}
         self.gpu_devices: list[str] = []
         self.config_error: str | None = None
@@ -175,13 +181,8 @@ class Daemon:
     # --- wiring -----------------------------------------------------------------------------------
 
     def _gpu_env(self) -> dict[str, str]:
-        """The GPU child sees only the watched card; device order as NVML numbers them."""
-        env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-        if self.monitor.latest is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.monitor.latest.uuid
-        elif (device := self.config.gpu_settings.device) is not None and device.isdigit():
-            env["CUDA_VISIBLE_DEVICES"] = device
-        return env
+        """The GPU child's: the NVIDIA cards gpu.device names, numbered as NVML does."""
+        return self.placement.env(self.monitor.devices)
 
     def _gpu_owners(self) -> dict[str, list[int] | None]:
         """Each child's processes, for the GPU chart: in router mode its models' instances
@@ -196,8 +197,9 @@ class Daemon:
 
     def _make_child(self, name: str) -> Child:
         cfg = self.config.child(name)
-        # A child without the GPU must not touch it at all: even a CUDA context costs VRAM.
-        extra = self._gpu_env() if cfg.on_gpu else {"CUDA_VISIBLE_DEVICES": ""}
+        # A child without the GPU must not touch any: even a CUDA context costs VRAM on every
+        # card it sees, so every vendor's cards are hidden from it.
+        extra = self._gpu_env() if cfg.on_gpu else dict(HIDE_ALL_GPUS)
         child = Child(
             cfg, self.config.restart,
             drain_timeout_s=self.config.failover.drain_timeout_s,
@@ -207,6 +209,8 @@ class Daemon:
             extra_env=extra,
         )
         child.listeners.append(self._child_changed)
+        if cfg.on_gpu:
+            child.line_listeners.append(self.placement.on_line)  # its `using device` lines
         return child
 
     def _child_changed(self, child: Child, old: ChildState, new: ChildState,
@@ -214,9 +218,11 @@ class Daemon:
         self.timeline.append({"time": time.time(), "child": child.name, "state": str(new),
                               "reason": reason})
         self.metrics.set_state(child.name, new)
+        if child.cfg.on_gpu and new is ChildState.STARTING:
+            self.placement.on_start()  # a new process: its load log names its cards anew
         if child.cfg.on_gpu and new is ChildState.FATAL:
-            sample = self.monitor.latest
-            self._gpu_free_at_fatal = sample.free_bytes if sample is not None else None
+            rooms = self.monitor.rooms()
+            self._gpu_free_at_fatal = sum(r.free_bytes for r in rooms) if rooms else None
         if old is ChildState.EXITED and child.last_exit is not None and \
                 child.last_exit.diagnosis is not None:  # EXITED -> BACKOFF: last_exit is set
             self.metrics.known_crashes.labels(child.name, child.last_exit.diagnosis.name).inc()
@@ -279,6 +285,8 @@ class Daemon:
             self.metrics.gpu_free.set(sample.free_bytes)
             self.metrics.gpu_used.set(sample.used_bytes)
             self.metrics.gpu_total.set(sample.total_bytes)
+        self.metrics.set_gpu_devices([(s.pci_bus_id, s.total_bytes, s.used_bytes, s.free_bytes)
+                                      for s in self.monitor.devices])
         self.metrics.waiting.set(len(self.pool.line) if self.pool else 0)
 
     def _freed_bytes(self) -> int:
@@ -292,16 +300,18 @@ class Daemon:
         needed: free memory alone, if the estimate of the need is low, would restart it on
         every tick into the same failure."""
         gpu = self.children[self.config.gpu_child]
-        sample = self.monitor.latest
-        if sample is None or gpu.state is not ChildState.FATAL or self.gpu_paused:
+        rooms = self.monitor.rooms()
+        if not rooms or gpu.state is not ChildState.FATAL or self.gpu_paused:
             return
         need = self.res.gpu_need_bytes()
+        free = sum(r.free_bytes for r in rooms)
         before = self._gpu_free_at_fatal
-        freed = None if before is None else sample.free_bytes - before
-        if sample.free_bytes >= need and (freed is None or freed >= self._freed_bytes()):
+        freed = None if before is None else free - before
+        if self.res.gpu_shortage() is None and (freed is None or freed >= self._freed_bytes()):
             since = f"; {freed // MIB} MiB freed since it went FATAL" if freed else ""
-            gpu.restart(f"the GPU has {sample.free_bytes // MIB} MiB free again (needs "
-                        f"about {need // MIB} MiB{since})")
+            where = "the GPU has" if len(rooms) == 1 else f"its {len(rooms)} cards have"
+            gpu.restart(f"{where} {free // MIB} MiB free again (needs about "
+                        f"{need // MIB} MiB{since})")
 
     # --- systemd --------------------------------------------------------------------------------
 
@@ -364,6 +374,7 @@ class Daemon:
             lambda new: self.streams.configure(**_stream_limits(new)),
             lambda new: self.incidents.configure(*_incident_limits(new)),
             lambda new: self.monitor.configure(new.monitor.sample_interval_s),
+            lambda new: self.placement.configure(new.gpu_settings),
             lambda new: logging.getLogger().setLevel(new.server.log_level.upper()),
             self._apply_to_children,
         ]
@@ -419,6 +430,10 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
+        # Listing devices takes a moment (a CUDA build initialises the driver): it runs while
+        # Spillway sets up, and is awaited before the children start, since it says which
+        # vendors' cards the GPU child can use (gpu.device's index counts those).
+        listing = asyncio.create_task(self._list_gpu_devices())
         await self.monitor.start()
         self.children = {name: self._make_child(name) for name in self.config.order}
         self.resources = Resources(self.config, self.children, self.monitor)
@@ -479,9 +494,10 @@ class Daemon:
                 return 1
         log.info("spillway %s listening on %s", __version__, ", ".join(self.listening))
         log.info("incidents go to %s", self.incidents.path)
-        # Listing devices takes a moment (a CUDA build initialises the driver): do it while the
-        # children start; it only informs the status.
-        self._spawn(self._list_gpu_devices())
+        await listing
+        await self.monitor.sample_now()  # the cards it can use, now that the listing says
+        gpu_child = self.children[self.config.gpu_child]
+        gpu_child.extra_env.update(self._gpu_env())
         self._spawn(self._tick())
         self._spawn(self.notifier.watchdog())
         self._spawn(self._extend_start())
@@ -528,6 +544,8 @@ class Daemon:
         self.gpu_devices = await asyncio.to_thread(
             list_devices, self.config.gpu_settings.llama_server, 10.0, self._gpu_env())
         self.devices_listed = True
+        # Which vendors' cards it can use, and Intel's totals (drm.py): the listing says.
+        self.monitor.listed = self.placement.listed = parse_listing(self.gpu_devices)
         if not self.gpu_devices:
             log.warning("the GPU child's llama-server (%s) lists no GPU device: it runs "
                         "CPU-only", self.config.gpu_settings.llama_server)

@@ -86,6 +86,8 @@ def why_gpu_fatal(child: Child, fatal_retry_max_s: float, need_bytes: int) -> st
     last = child.last_exit
     cause = ("cannot load (out of memory)" if last is not None and
              last.kind is FailureKind.LOAD_OOM else
+             f"lost its GPU ({last.evidence})" if last is not None and
+             last.kind is FailureKind.GPU_FAULT else
              f"failed {child.quick_failures} times in a row" +
              (f" (last: {last.kind}: {last.evidence})" if last is not None else ""))
     return (f"the GPU child {cause}; serving from the CPU child. It is tried again in "
@@ -146,7 +148,6 @@ class OwnRoutes:
     # --- the status -------------------------------------------------------------------------
 
     def status(self) -> dict[str, Any]:
-        pids = {name: child.pid for name, child in self.children.items()}
         children = {name: self._child_status(name, child)
                     for name, child in self.children.items()}
         ready = [n for n, c in self.children.items() if c.state is ChildState.READY]
@@ -161,8 +162,9 @@ class OwnRoutes:
                 "no child is ready: " + "; ".join(
                     f"{n} is {c.state} ({c.reason})" for n, c in self.children.items())),
             "children": children,
-            "gpu": self.monitor.to_json(pids),
-            "gpu_note": self.monitor.note,
+            "gpu": self.monitor.to_json(self.monitor.owners()),
+            "gpu_note": self.monitor.note or (None if self.monitor.selection.pci_bus_ids
+                                              else self.monitor.selection.why),
             "gpu_child_on_cpu": (not self.host.gpu_devices) if self.host.devices_listed
             else None,
             "waiting": len(self.pool.line),

@@ -475,10 +475,12 @@ class Pool:
     def _failed(self, failure: AttemptFailure) -> None:
         if self.metrics is not None:
             self.metrics.failovers.labels(failure.child, str(failure.verdict.kind)).inc()
-        if failure.verdict.kind is FailureKind.OOM_SURVIVED:
-            # The upstream lives but its memory state is unknown: no new work, let its other
-            # requests finish, then restart it.
-            self.upstreams[failure.child].drain(f"OOM survived: {failure.verdict.evidence}")
+        kind = failure.verdict.kind
+        if kind is FailureKind.OOM_SURVIVED or kind is FailureKind.GPU_FAULT:
+            # The upstream lives but its memory state is unknown, or its device is gone: no
+            # new work, let its other requests finish, then restart it.
+            what = "OOM survived" if kind is FailureKind.OOM_SURVIVED else "GPU lost"
+            self.upstreams[failure.child].drain(f"{what}: {failure.verdict.evidence}")
 
     def _changed(self) -> None:
         if self.on_change is not None:

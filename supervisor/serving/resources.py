@@ -23,6 +23,7 @@ from ..config import gguf_meta, llama_args
 from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
 from ..policy import estimate
+from ..policy.devices import Room, short_of, tightest
 from ..policy.admission import ChildView
 from ..policy.lifecycle import ChildState
 from ..vocabulary import Upstream
@@ -116,7 +117,7 @@ class Resources:
     def sample(self) -> None:
         """RAM, and each child's own use (called on the monitor's interval)."""
         self.ram_available = psutil.virtual_memory().available
-        sample = self.monitor.latest
+        cards = self.monitor.child_devices
         for name, child in self.children.items():
             if child.state is not ChildState.READY or child.pid is None:
                 continue
@@ -125,8 +126,8 @@ class Resources:
                 with contextlib.suppress(psutil.Error):
                     rss = psutil.Process(child.pid).memory_info().rss
                     profile.peak_rss = max(profile.peak_rss, rss)
-            elif sample is not None:
-                used = sample.process_bytes.get(child.pid, 0)
+            elif cards:
+                used = sum(s.process_bytes.get(child.pid, 0) for s in cards)
                 profile.peak_vram = max(profile.peak_vram, used)
         self.refresh()
 
@@ -219,13 +220,27 @@ class Resources:
         return estimate.expected_seconds(self.throughput[name],
                                          estimate.prompt_tokens_bound(body_size), max_tokens)
 
+    def _fresh_rooms(self) -> list[Room]:
+        """The free memory of each card the GPU child uses; none when the figures are stale
+        (say nothing rather than something old) or there are none."""
+        taken = self.monitor.sampled_at()
+        if taken is None or time.monotonic() - taken > max(10.0, 10 * self.monitor.interval_s):
+            return []
+        return self.monitor.rooms()
+
     def vram_free_mib(self) -> float | None:
-        sample = self.monitor.latest
-        if sample is None:
-            return None
-        if time.monotonic() - sample.monotonic > max(10.0, 10 * self.monitor.interval_s):
-            return None  # stale: say nothing rather than something old
-        return sample.free_bytes / MIB
+        """The free memory of the tightest card the GPU child uses: the headroom rule holds on
+        every card when it holds there."""
+        room = tightest(self._fresh_rooms())
+        return None if room is None else room.free_bytes / MIB
+
+    def gpu_shortage(self) -> tuple[Room, int] | None:
+        """The first of the GPU child's cards that cannot take its part of the child's need
+        and keep the headroom, with that part (layers split by -ts, or by free memory as
+        llama.cpp does); None when all can, or without figures."""
+        headroom = self.config.child(self.config.gpu_child).vram_headroom_mib * MIB
+        return short_of(self._fresh_rooms(), self.gpu_need_bytes() - headroom, headroom,
+                        self.monitor.selection.shares)
 
     def vram_headroom_mib(self) -> float:
         return float(self.config.child(self.config.gpu_child).vram_headroom_mib)

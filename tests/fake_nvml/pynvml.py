@@ -6,6 +6,8 @@ named by FAKE_NVML_FILE on every call, so a test can change them while the daemo
     {"total_mib": 24576, "free_mib": 20000, "name": "Fake GPU",
      "pci_bus_id": "00000000:01:00.0", "processes": {"1234": 3858}}
 
+or several cards: `{"devices": [{...}, {...}]}`, each with those keys.
+
 `{"init_error": "LibraryNotFound"}` makes nvmlInit fail as the real library does without a
 driver. Only the calls Spillway makes exist.
 """
@@ -63,22 +65,24 @@ def nvmlShutdown() -> None:
     pass
 
 
+def _devices() -> list[dict[str, Any]]:
+    """The cards: `devices`, a list of the single card's keys; or the file itself, one card."""
+    f = _figures()
+    return list(f["devices"]) if "devices" in f else [f]
+
+
+def _card(handle: int) -> dict[str, Any]:
+    return _devices()[handle]
+
+
+def nvmlDeviceGetCount() -> int:
+    return len(_devices())
+
+
 def nvmlDeviceGetHandleByIndex(index: int) -> int:
-    if index != _figures().get("index", 0):
+    if not 0 <= index < len(_devices()):
         raise NVMLError_NotFound()
     return index
-
-
-def nvmlDeviceGetHandleByPciBusId(bus_id: bytes) -> int:
-    if bus_id.decode().lower() != _figures().get("pci_bus_id", "00000000:01:00.0").lower():
-        raise NVMLError_NotFound()
-    return int(_figures().get("index", 0))
-
-
-def nvmlDeviceGetHandleByUUID(uuid: bytes) -> int:
-    if uuid.decode() != _figures().get("uuid", "GPU-fake-0000"):
-        raise NVMLError_NotFound()
-    return int(_figures().get("index", 0))
 
 
 def nvmlDeviceGetIndex(handle: int) -> int:
@@ -86,25 +90,25 @@ def nvmlDeviceGetIndex(handle: int) -> int:
 
 
 def nvmlDeviceGetMemoryInfo(handle: int) -> SimpleNamespace:
-    f = _figures()
+    f = _card(handle)
     total = int(f.get("total_mib", 24576)) * MIB
     free = int(f.get("free_mib", 20000)) * MIB
     return SimpleNamespace(total=total, free=free, used=total - free)
 
 
 def nvmlDeviceGetComputeRunningProcesses(handle: int) -> list[SimpleNamespace]:
-    procs = _figures().get("processes", {})
+    procs = _card(handle).get("processes", {})
     return [SimpleNamespace(pid=int(pid), usedGpuMemory=int(mib) * MIB)
             for pid, mib in procs.items()]
 
 
 def nvmlDeviceGetName(handle: int) -> str:
-    return str(_figures().get("name", "Fake GPU"))
+    return str(_card(handle).get("name", "Fake GPU"))
 
 
 def nvmlDeviceGetPciInfo(handle: int) -> SimpleNamespace:
-    return SimpleNamespace(busId=_figures().get("pci_bus_id", "00000000:01:00.0"))
+    return SimpleNamespace(busId=_card(handle).get("pci_bus_id", f"00000000:0{handle + 1}:00.0"))
 
 
 def nvmlDeviceGetUUID(handle: int) -> str:
-    return str(_figures().get("uuid", "GPU-fake-0000"))
+    return str(_card(handle).get("uuid", f"GPU-fake-000{handle}"))

@@ -27,6 +27,7 @@ from ...upstreams.children import pick_port
 from ..remote import Target
 from ...config.schema import Config
 from ...gpu import MIB, GpuMonitor
+from ...gpu.placement import Placement
 
 PROMPTS = [
     ("Explain in one paragraph why a GPU runs out of memory with long prompts.", 64),
@@ -77,9 +78,9 @@ async def _measure(name: str, argv: list[str], env: dict[str, str],
         while not done.is_set():
             with contextlib.suppress(psutil.Error):
                 peak["rss"] = max(peak["rss"], psutil.Process(proc.pid).memory_info().rss)
-            s = await monitor.sample_now()
-            if s is not None:
-                peak["vram"] = max(peak["vram"], s.process_bytes.get(proc.pid, 0))
+            await monitor.sample_now()
+            peak["vram"] = max(peak["vram"], sum(s.process_bytes.get(proc.pid, 0)
+                                                 for s in monitor.devices))
             await asyncio.sleep(0.2)
 
     sampler = asyncio.create_task(sample())
@@ -138,7 +139,9 @@ async def run(cfg: Config, target: Target | None) -> dict[str, Any]:
         layers = gguf_meta.model_shape(cfg.model.path).n_layer
     except (OSError, gguf_meta.GgufError):
         layers = 16
-    monitor = GpuMonitor(cfg.gpu.device, 0.2)
+    monitor = GpuMonitor(0.2)
+    placement = Placement(cfg.gpu, lambda: None)
+    monitor.chooser = placement.choose
     await monitor.start()
     has_gpu = monitor.available
     paused = False
@@ -153,9 +156,7 @@ async def run(cfg: Config, target: Target | None) -> dict[str, Any]:
         group = llama_args.find_flag(base, flag)
         if group is not None:
             del base[group.index:group.index + len(group.tokens)]
-    env = {**os.environ, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-    if monitor.latest is not None:
-        env["CUDA_VISIBLE_DEVICES"] = monitor.latest.uuid
+    env = {**os.environ, **placement.env(monitor.devices)}
     head = [cfg.gpu.llama_server, "-m", cfg.model.path]
     profiles = [
         ("GPU-resident (all layers)", [*head, *base, "-ngl", "999"]),
