@@ -113,3 +113,14 @@ def test_a_card_that_is_not_there_is_said_plainly(
     assert "gpu.device names '3': no such card here (cards: 0000:01:00.0)" in \
         status["gpu_note"]
     assert status["children"]["gpu"]["state"] == "READY"
+
+
+def test_a_split_over_cards_the_child_cannot_see_is_said(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    figures = tmp_path / "nvml.json"
+    write_json(figures, devices=TWO_CARDS)
+    cfg = fake_config(fake_server, tiny_model, gpu={"args": ["-ts", "3,1"]})  # device = 0
+    s = spillway(cfg, fake_nvml=figures)
+    assert s.status()["gpu"]["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0"]
+    assert ("gpu.args split the layers over 2 devices (-dev/-ts) but gpu.device = '0' gives "
+            "the GPU child 1 card(s)") in s.log_path.read_text()

@@ -561,7 +561,8 @@ def _check_type(kind: str, value: Any) -> str | None:
         return None if ok else "expected a number"
     if kind == "int_or_str":
         ok = isinstance(value, (int, str)) and not isinstance(value, bool)
-        return None if ok else "expected a device index or a PCI bus id / UUID string"
+        return None if ok else ("expected a device index, a PCI address or UUID string, a "
+                                "comma-separated list of them, or \"all\"")
     if kind == "str_or_list":
         ok = isinstance(value, (str, list))
         return None if ok else "expected an address string or a list of them"

@@ -30,7 +30,7 @@ from ..upstreams.children import Child
 from .agent_port import AgentServer
 from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
-from ..gpu.placement import Placement
+from ..gpu.placement import Placement, child_args
 from ..policy.devices import HIDE_ALL_GPUS, parse_listing
 from ..records.idempotency import IdempotencyStore
 from .modes import Mode, RouterMode, SingleModel
@@ -498,6 +498,7 @@ class Daemon:
         await self.monitor.sample_now()  # the cards it can use, now that the listing says
         gpu_child = self.children[self.config.gpu_child]
         gpu_child.extra_env.update(self._gpu_env())
+        self._warn_if_split_over_hidden_cards()
         self._spawn(self._tick())
         self._spawn(self.notifier.watchdog())
         self._spawn(self._extend_start())
@@ -551,6 +552,17 @@ class Daemon:
                         "CPU-only", self.config.gpu_settings.llama_server)
         else:
             log.info("the GPU child's llama-server sees %s", "; ".join(self.gpu_devices))
+
+    def _warn_if_split_over_hidden_cards(self) -> None:
+        """Args that split the layers over several devices while gpu.device gives the child
+        fewer cards: it would load on what it sees, not as asked."""
+        wanted = child_args(self.config.gpu_settings).splits_across()
+        cards = [s.card for s in self.monitor.devices]
+        given = self.placement.candidates(cards)
+        if cards and wanted > len(given):
+            log.warning("gpu.args split the layers over %d devices (-dev/-ts) but gpu.device = "
+                        "%r gives the GPU child %d card(s): set gpu.device = \"all\" or list "
+                        "the cards", wanted, self.config.gpu_settings.device, len(given))
 
     async def _shutdown(self) -> None:
         self.notifier.stopping()
