@@ -124,3 +124,18 @@ def test_a_split_over_cards_the_child_cannot_see_is_said(
     assert s.status()["gpu"]["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0"]
     assert ("gpu.args split the layers over 2 devices (-dev/-ts) but gpu.device = '0' gives "
             "the GPU child 1 card(s)") in s.log_path.read_text()
+
+
+def test_the_users_own_visible_devices_say_which_card_index_0_is(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    """`gpu.env.CUDA_VISIBLE_DEVICES = "1"` (as the docs once showed) with gpu.device left at 0:
+    the child sees the second card, so that is the card watched and weighed."""
+    figures = tmp_path / "nvml.json"
+    write_json(figures, devices=TWO_CARDS)
+    cfg = fake_config(fake_server, tiny_model, gpu={"env": {"CUDA_VISIBLE_DEVICES": "1"}})
+    s = spillway(cfg, fake_nvml=figures)
+    gpu = s.status()["gpu"]
+    assert gpu["gpu_child_devices"]["pci_bus_ids"] == ["0000:41:00.0"]
+    assert gpu["name"] == "Second card"
+    _, props = s.get("/props", {"X-Spillway-Child": "gpu"})
+    assert props["env"]["CUDA_VISIBLE_DEVICES"] == "1"  # the user's own, as given

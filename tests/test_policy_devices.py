@@ -156,3 +156,17 @@ def test_the_cpu_child_is_hidden_from_every_vendors_cards() -> None:
                                   "ROCR_VISIBLE_DEVICES", "GGML_VK_VISIBLE_DEVICES",
                                   "ONEAPI_DEVICE_SELECTOR"}
     assert HIDE_ALL_GPUS["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_the_visible_devices_variables_narrow_what_a_process_sees() -> None:
+    from supervisor.policy.devices import visible
+    cards = [N1, N2, A1, A2]
+    assert visible(cards, {}) == cards
+    assert visible(cards, {"CUDA_VISIBLE_DEVICES": "1"}) == [N2, A1, A2]
+    assert visible(cards, {"CUDA_VISIBLE_DEVICES": "GPU-bb"}) == [N2, A1, A2]  # a prefix
+    assert visible(cards, {"CUDA_VISIBLE_DEVICES": ""}) == [A1, A2]
+    assert visible(cards, {"CUDA_VISIBLE_DEVICES": "0,7,1"}) == [N1, A1, A2]  # ends at 7
+    assert visible(cards, {"ROCR_VISIBLE_DEVICES": "-1"}) == [N1, N2]
+    # ROCR first, then HIP numbers what ROCR left.
+    assert visible(cards, {"ROCR_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": "0"}) == [
+        N1, N2, A2]

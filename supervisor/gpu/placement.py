@@ -5,13 +5,14 @@ policy/devices.py's; this gathers its inputs, and gives the GPU child its enviro
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 
 from ..config import llama_args
 from ..config.schema import ChildConfig
 from ..policy.devices import (
-    NVIDIA, Card, ChildArgs, Listed, Selection, devices_of_child, parse_using_device, pick,
-    usable_by_build,
+    NVIDIA, VISIBILITY, Card, ChildArgs, Listed, Selection, devices_of_child, parse_using_device,
+    pick, usable_by_build, visible,
 )
 from .sampler import GpuSample
 
@@ -48,9 +49,18 @@ class Placement:
         self.logged = []
 
     def candidates(self, cards: Sequence[Card]) -> list[Card]:
-        """The cards gpu.device picks among those its build can use."""
-        chosen, self.missing = pick(usable_by_build(cards, self.listed), self.settings.device)
+        """The cards gpu.device picks among those its build can use and its environment lets
+        it see (the visible-devices variables of Spillway's own environment, or of gpu.env,
+        which wins): an index counts the cards it sees."""
+        seen = visible(usable_by_build(cards, self.listed), self.visibility_env())
+        chosen, self.missing = pick(seen, self.settings.device)
         return chosen
+
+    def visibility_env(self) -> dict[str, str]:
+        names = {var for var, _ in VISIBILITY}
+        env = {k: v for k, v in os.environ.items() if k in names}
+        env.update({k: v for k, v in self.settings.env.items() if k in names})
+        return env
 
     def choose(self, samples: Sequence[GpuSample]) -> Selection:
         pids = list(self.pids() or ())

@@ -383,3 +383,41 @@ def short_of(rooms: Sequence[Room], need_bytes: int, headroom_bytes: int,
         if room.free_bytes < part:
             return room, part
     return None
+
+
+# --- what a process's environment lets it see --------------------------------------------------
+
+# The variables that narrow which cards a process sees, by vendor: ROCR's first, then HIP's
+# numbering what ROCR left (the ROCm documentation's order).
+VISIBILITY = (("CUDA_VISIBLE_DEVICES", NVIDIA), ("ROCR_VISIBLE_DEVICES", AMD),
+              ("HIP_VISIBLE_DEVICES", AMD))
+
+
+def visible(cards: Sequence[Card], env: Mapping[str, str]) -> list[Card]:
+    """The cards a process with this environment can see. Each variable lists indices (in PCI
+    order: CUDA's under CUDA_DEVICE_ORDER=PCI_BUS_ID; ROCm's assumed) or UUIDs (a prefix, as
+    CUDA allows); as CUDA does, the list ends at the first entry that names nothing, so "" and
+    "-1" hide every card of that vendor."""
+    out = list(cards)
+    for var, vendor in VISIBILITY:
+        value = env.get(var)
+        if value is not None:
+            out = _narrow(out, vendor, value)
+    return out
+
+
+def _narrow(cards: Sequence[Card], vendor: str, value: str) -> list[Card]:
+    own = [c for c in cards if c.vendor == vendor]
+    keep: list[Card] = []
+    for token in (t.strip() for t in value.split(",")):
+        found = None
+        if token.isdigit():
+            found = own[int(token)] if int(token) < len(own) else None
+        elif token.upper().startswith("GPU-") and len(token) > 4:
+            wanted = token[4:].lower()
+            found = next((c for c in own if c.uuid.lower().removeprefix("gpu-")
+                          .removeprefix("0x").startswith(wanted)), None)
+        if found is None:
+            break
+        keep.append(found)
+    return [c for c in cards if c.vendor != vendor or c in keep]

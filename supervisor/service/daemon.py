@@ -431,8 +431,8 @@ class Daemon:
             loop.add_signal_handler(sig, self.request_stop, sig.name)
         loop.add_signal_handler(signal.SIGHUP, self._on_sighup)
         # Listing devices takes a moment (a CUDA build initialises the driver): it runs while
-        # Spillway sets up, and is awaited before the children start, since it says which
-        # vendors' cards the GPU child can use (gpu.device's index counts those).
+        # Spillway sets up, and is awaited before it listens and the children start, since it
+        # says which vendors' cards the GPU child can use (gpu.device's index counts those).
         listing = asyncio.create_task(self._list_gpu_devices())
         await self.monitor.start()
         self.children = {name: self._make_child(name) for name in self.config.order}
@@ -473,6 +473,10 @@ class Daemon:
                                      shutdown_timeout=2.0,
                                      keepalive_timeout=self.config.server.idle_timeout_s)
         await self._runner.setup()
+        await listing
+        await self.monitor.sample_now()  # the cards it can use, now that the listing says
+        self.children[self.config.gpu_child].extra_env.update(self._gpu_env())
+        self._warn_if_split_over_hidden_cards()
         try:
             for addr in self.config.server.listen:
                 site = web.TCPSite(self._runner, addr.host, addr.port, reuse_address=True)
@@ -494,11 +498,6 @@ class Daemon:
                 return 1
         log.info("spillway %s listening on %s", __version__, ", ".join(self.listening))
         log.info("incidents go to %s", self.incidents.path)
-        await listing
-        await self.monitor.sample_now()  # the cards it can use, now that the listing says
-        gpu_child = self.children[self.config.gpu_child]
-        gpu_child.extra_env.update(self._gpu_env())
-        self._warn_if_split_over_hidden_cards()
         self._spawn(self._tick())
         self._spawn(self.notifier.watchdog())
         self._spawn(self._extend_start())
