@@ -31,6 +31,7 @@ from test_own_routes import make_routes
 from conftest import SpillwayFactory
 from supervisor.gpu import MIB, GpuSample
 from supervisor.gpu.history import GpuHistory, MemoryPoint
+from supervisor.policy.devices import Selection
 from supervisor.proxy.app import build_app
 from supervisor.proxy.auth import AuthSettings
 from supervisor.service.status_page import StatusPage, content_security_policy
@@ -333,6 +334,116 @@ async def test_a_button_asks_first_then_does_what_it_says(
         assert s.child("gpu")["paused"] is False
         await page.wait_for(f"{card('gpu')}.state === 'READY'", timeout=20)
         assert page.problems == []
+
+
+GIB = 1024 * MIB
+NVIDIA = "0000:01:00.0"
+INTEL = "0000:03:00.0"
+GPU_PID = 4242
+
+
+class TwoCards:
+    """A source of figures (gpu/sampler.py's Sampler) with two cards: an NVIDIA card the GPU
+    child's process is on, and an Intel card whose figures are an estimate. Each sample the
+    NVIDIA card has 1 GiB more in use."""
+
+    def __init__(self) -> None:
+        self.nvidia_used = 16 * GIB
+
+    def open(self) -> None:
+        pass
+
+    def sample(self, monotonic: float, wall: float, pids: object) -> list[GpuSample]:
+        self.nvidia_used = min(self.nvidia_used + GIB, 20 * GIB)
+        return [
+            GpuSample(monotonic=monotonic, wall=wall, index=0, name="NVIDIA GeForce RTX 4090",
+                      pci_bus_id=NVIDIA, uuid="GPU-1", total_bytes=24 * GIB,
+                      free_bytes=24 * GIB - self.nvidia_used, used_bytes=self.nvidia_used,
+                      process_bytes={GPU_PID: self.nvidia_used - GIB}),
+            GpuSample(monotonic=monotonic, wall=wall, index=1, name="Intel Arc A770",
+                      pci_bus_id=INTEL, uuid="", total_bytes=16 * GIB, free_bytes=15 * GIB,
+                      used_bytes=GIB, vendor="intel", estimated=True,
+                      source="estimate: SYCL0's listing by llama-server, and the children's "
+                             "fdinfo"),
+        ]
+
+    def close(self) -> None:
+        pass
+
+
+DEVICES = ("(() => Object.fromEntries([...document.querySelectorAll('#chart path[data-device]')]"
+           ".map(p => [p.dataset.device, Number(p.dataset.points)])))()")
+
+
+async def test_with_two_cards_the_chart_draws_a_line_for_each_and_the_page_names_both(
+        tmp_path: Path, chromium: Path) -> None:
+    """The daemon's own routes with a monitor of two cards (no children started): the chart
+    has a line per card, from the points' `devices`, the legend and the line under the title
+    name both, the GPU child's marked, the estimate and the assumption said."""
+    routes, _ = make_routes(tmp_path)
+    monitor = routes.monitor
+    monitor.samplers = [TwoCards()]
+    assumed = "the backend numbers its devices in its own order, so every card it may use counts"
+    monitor.chooser = lambda samples: Selection((NVIDIA,), "config (assumed)", assumed)
+    monitor.owners = lambda: {"gpu": [GPU_PID], "cpu": None}
+    monitor.chart = GpuHistory(span_s=600.0, max_points=60_000)  # a point per sample
+    await monitor.start()
+    try:
+        for _ in range(3):
+            await monitor.sample_now()
+        status_gpu = routes.status()["gpu"]
+        assert [d["pci_bus_id"] for d in status_gpu["devices"]] == [NVIDIA, INTEL]
+
+        async def proxy(request: web.Request) -> web.StreamResponse:
+            return web.Response(status=404)
+
+        app = build_app(cast(Any, proxy), AuthSettings(api_key=None), routes.table())
+        async with TestServer(app) as server, Browser.launch(chromium, tmp_path) as page:
+            await page.set_viewport(1280, 900)
+            await page.navigate(str(server.make_url("/spillway/")))
+            lines = await page.wait_for(
+                f"(() => {{ const d = {DEVICES}; return Object.keys(d).length === 2 && "
+                "Object.values(d).every(n => n >= 4) && d; })()")
+            assert set(lines) == {NVIDIA, INTEL}, lines
+            series = await page.evaluate(SERIES)
+            assert set(series) == {"free", "used", "child:gpu", "child:cpu",
+                                   f"device:{NVIDIA}", f"device:{INTEL}"}, series
+            assert series["used"] >= 4 and series["child:gpu"] >= 4 and series["child:cpu"] == 0
+            # Two lines, not one drawn twice: the NVIDIA card's climbs, the Intel card's is flat.
+            paths = await page.evaluate(
+                "Object.fromEntries([...document.querySelectorAll('#chart path[data-device]')]"
+                ".map(p => [p.dataset.device, p.getAttribute('d')]))")
+            assert paths[NVIDIA] != paths[INTEL]
+            assert len({y for y in re.findall(r"[ML][\d.]+ ([\d.]+)", paths[INTEL])}) == 1
+            assert len({y for y in re.findall(r"[ML][\d.]+ ([\d.]+)", paths[NVIDIA])}) > 1
+            legend = await page.evaluate(
+                "Object.fromEntries([...document.querySelectorAll('#legend li[data-device]')]"
+                ".map(li => [li.dataset.device, li.textContent]))")
+            assert set(legend) == {NVIDIA, INTEL}, legend
+            assert legend[NVIDIA].startswith(f"NVIDIA GeForce RTX 4090 · {NVIDIA} · GPU child ")
+            assert legend[INTEL].startswith(f"Intel Arc A770 · {INTEL} ") and \
+                legend[INTEL].endswith(" 1 GiB"), legend
+            assert "GPU child" not in legend[INTEL]
+            # With several cards, free and used say which cards they sum.
+            used = await page.evaluate(
+                "document.querySelector('#legend li[data-series=used]').textContent")
+            assert used.startswith("used (the GPU child's card) "), used
+            # The line under the title: every card, the GPU child's marked, the estimate said,
+            # and why its cards are assumed.
+            cards = await page.evaluate(
+                "[...document.querySelectorAll('#gpu-card p')].map(p => "
+                "[p.dataset.device || p.dataset.role, p.dataset.gpuChild, p.textContent])")
+            assert cards[0][:2] == [NVIDIA, "true"] and cards[1][:2] == [INTEL, "false"], cards
+            assert cards[0][2] == (f"NVIDIA GeForce RTX 4090 · {NVIDIA} · nvidia · 24 GiB in all"
+                                   " · 4 GiB free · nvml · used by the GPU child"), cards
+            assert cards[1][2].startswith(f"Intel Arc A770 · {INTEL} · intel · 16 GiB in all · "
+                                          "15 GiB free · estimate: SYCL0's listing"), cards
+            assert cards[1][2].endswith(" · estimate") and "GPU child" not in cards[1][2]
+            assert cards[2] == ["gpu-child-devices", None,
+                                f"The GPU child's cards are assumed: {assumed}"], cards
+            assert page.problems == []
+    finally:
+        await monitor.close()
 
 
 def raw_status(url: str, headers: Mapping[str, str] | None = None, method: str = "GET") -> int:

@@ -231,8 +231,47 @@ def _remote(args: argparse.Namespace, method: str, path: str) -> tuple[int, obje
         return EXIT_FAIL, None
 
 
-def _mib(value: object) -> str:
-    return f"{value} MiB" if value is not None else "-"
+def _gib(value: object) -> str:
+    return f"{value / 1073741824:.1f} GiB" if isinstance(value, int | float) else "-"
+
+
+def _format_card(card: dict[str, Any]) -> str:
+    """`GPU 0000:01:00.0 NVIDIA RTX 4090 (nvidia, nvml): 2.1 GiB free of 24.0 GiB; GPU child
+    uses 18.3 GiB`: the GPU child's use on its own cards, "not the GPU child's" on the others."""
+    memory = " VRAM+GTT" if card.get("memory") == "vram+gtt" else ""
+    line = (f"GPU {card.get('pci_bus_id')} {card.get('name')} ({card.get('vendor')}, "
+            f"{card.get('source')}): {_gib(card.get('free_bytes'))} free of "
+            f"{_gib(card.get('total_bytes'))}{memory}")
+    if card.get("estimated"):
+        line += " (estimate)"
+    if not card.get("used_by_gpu_child"):
+        return line + "; not the GPU child's"
+    used = (card.get("children_used_bytes") or {}).get("gpu")
+    return line + ("; GPU child uses " + _gib(used) if used is not None else
+                   "; the GPU child's, no process of it running")
+
+
+def format_gpu(status: dict[str, Any]) -> list[str]:
+    """A line per card, and how the GPU child's cards are known when that is assumed or when it
+    uses none; `GPU: none (why)` without figures."""
+    gpu = status.get("gpu")
+    if not gpu:
+        return [f"GPU: none ({status.get('gpu_note')})"]
+    cards = gpu.get("devices")
+    if cards is None and gpu.get("pci_bus_id"):  # an older daemon: its one card at the top
+        cards = [{**gpu, "used_by_gpu_child": True}]
+    out = [_format_card(card) for card in cards or []]
+    chosen = gpu.get("gpu_child_devices") or {}
+    why = chosen.get("why")
+    if chosen and not chosen.get("pci_bus_ids"):
+        out.append(f"GPU child's cards: none ({why})")
+    elif chosen.get("how") == "config (assumed)":
+        out.append(f"GPU child's cards: {', '.join(chosen['pci_bus_ids'])}, by config "
+                   f"(assumed): {why}")
+    note = status.get("gpu_note")
+    if note and note != why:
+        out.append(f"GPU note: {note}")
+    return out
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -258,14 +297,7 @@ def format_status(status: dict[str, Any]) -> str:
             out.append(f"  runs on: {c['runs_on']}")
     if status.get("router"):
         out += ["", _format_models(status), ""]
-    gpu = status.get("gpu")
-    if gpu:
-        used = gpu.get("children_used_bytes", {}).get("gpu")
-        out.append(f"GPU {gpu['index']} {gpu['name']} ({gpu['pci_bus_id']}): "
-                   f"{_mib(gpu['free_mib'])} free of {_mib(gpu['total_mib'])}; GPU child uses "
-                   f"{_mib(used // 1048576 if used else None)}")
-    else:
-        out.append(f"GPU: none ({status.get('gpu_note')})")
+    out += format_gpu(status)
     out.append(f"waiting: {status.get('waiting', 0)}")
     streams = status.get("streams") or {}
     if streams.get("live") or streams.get("finished"):

@@ -1,0 +1,86 @@
+"""`spillway status` as text: a line per card (the GPU child's use on its own cards, the
+others marked as not its own, estimates and an APU's VRAM+GTT said), how the GPU child's cards
+are known when that is assumed or none, and `GPU: none (why)` without figures. The statuses are
+built by the GPU monitor itself (GpuMonitor.to_json), so that they have the daemon's shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from supervisor.commands.cli import format_status
+from supervisor.gpu import MIB, GpuSample
+from supervisor.gpu.monitor import GpuMonitor
+from supervisor.policy.devices import Selection
+
+GIB = 1024 * MIB
+PID = 4242
+APU = "0000:c4:00.0"
+ARC = "0000:03:00.0"
+ASSUMED = "the backend numbers its devices in its own order, so every card it may use counts"
+
+
+def card(pci: str, name: str, total: int, used: int, **more: Any) -> GpuSample:
+    return GpuSample(monotonic=0.0, wall=0.0, index=0, name=name, pci_bus_id=pci, uuid="",
+                     total_bytes=total, free_bytes=total - used, used_bytes=used, **more)
+
+
+def status(cards: list[GpuSample], selection: Selection,
+           gpu_note: str | None = None) -> dict[str, Any]:
+    monitor = GpuMonitor(1.0, samplers=[])
+    monitor.devices = cards
+    monitor.selection = selection
+    return {"version": "0", "uptime_s": 1.0, "listen": ["127.0.0.1:8080"], "serving": True,
+            "children": {"gpu": {"state": "READY", "pid": PID}},
+            "gpu": monitor.to_json({"gpu": [PID], "cpu": None}), "gpu_note": gpu_note}
+
+
+def gpu_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("GPU")]
+
+
+TWO = [  # in PCI order, as the monitor keeps them
+    card(ARC, "Intel Arc A770", 16 * GIB, GIB, vendor="intel", estimated=True,
+         source="estimate: SYCL0's listing by llama-server, and the children's fdinfo"),
+    card(APU, "AMD Radeon 780M", 32 * GIB, 20 * GIB, vendor="amd", memory="vram+gtt",
+         source="amdgpu sysfs (VRAM and GTT: an APU)", process_bytes={PID: 18 * GIB}),
+]
+
+
+def test_two_cards_a_line_each_the_gpu_childs_use_on_its_own_and_why_it_is_assumed() -> None:
+    assert gpu_lines(format_status(status(TWO, Selection((APU,), "config (assumed)",
+                                                         ASSUMED)))) == [
+        f"GPU {ARC} Intel Arc A770 (intel, estimate: SYCL0's listing by llama-server, and the "
+        "children's fdinfo): 15.0 GiB free of 16.0 GiB (estimate); not the GPU child's",
+        f"GPU {APU} AMD Radeon 780M (amd, amdgpu sysfs (VRAM and GTT: an APU)): 12.0 GiB free "
+        "of 32.0 GiB VRAM+GTT; GPU child uses 18.0 GiB",
+        f"GPU child's cards: {APU}, by config (assumed): {ASSUMED}",
+    ]
+
+
+def test_one_card_known_from_the_load_log_is_one_line() -> None:
+    rtx = card("0000:01:00.0", "NVIDIA RTX 4090", 24 * GIB, 22 * GIB - 102 * MIB,
+               process_bytes={PID: 18 * GIB + 300 * MIB})
+    assert gpu_lines(format_status(status([rtx], Selection(
+        ("0000:01:00.0",), "load log", "named by its load log")))) == [
+        "GPU 0000:01:00.0 NVIDIA RTX 4090 (nvidia, nvml): 2.1 GiB free of 24.0 GiB; GPU child "
+        "uses 18.3 GiB"]
+
+
+def test_a_gpu_child_on_no_card_says_why_once() -> None:
+    why = "--device none: it uses no GPU"
+    text = format_status(status(TWO, Selection((), "none", why), gpu_note=why))
+    lines = gpu_lines(text)
+    assert [line.split(" ")[1] for line in lines[:2]] == [ARC, APU]
+    assert all(line.endswith("; not the GPU child's") for line in lines[:2]), lines
+    assert lines[2:] == [f"GPU child's cards: none ({why})"]
+    # gpu.device names no card here: the note says so, besides the cards there are.
+    note = "gpu.device names '7': no such card here"
+    lines = gpu_lines(format_status(status(TWO, Selection((), "none", note + " (cards: …)"),
+                                           gpu_note=note)))
+    assert lines[-1] == f"GPU note: {note}", lines
+
+
+def test_no_figures_at_all_is_one_line_with_the_note() -> None:
+    text = format_status({"children": {}, "gpu": None, "gpu_note": "NVML Shared Library Not Found",
+                          "serving": True})
+    assert gpu_lines(text) == ["GPU: none (NVML Shared Library Not Found)"]
