@@ -21,6 +21,7 @@ lines are written and the process dies with SIGABRT, taking the real server with
   FAULT_MODE=survive    answer HTTP 500 "Compute error." and log a Vulkan OOM line; stay alive
   FAULT_LINES=full      the whole CUDA out-of-memory message before the abort (default)
   FAULT_LINES=terse     only `ggml-cuda.cu:109: CUDA error`, as seen on a real H200
+  FAULT_LINES=vulkan_lost  a Vulkan build's lost device (vk::DeviceLostError), then SIGABRT
   FAULT_EVERY_S=S       abort S seconds after the real server became ready (answered
                         /health), whatever it is doing: only a READY child dies (chaos: the
                         restarted child dies again S seconds after it is back)
@@ -52,6 +53,9 @@ CUDA_FULL = [
 ]
 CUDA_TERSE = ["llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:109: CUDA error"]
 VULKAN_OOM = "ggml_vulkan: vk::Device::allocateMemory: ErrorOutOfDeviceMemory"
+# A Vulkan build whose device was lost (llama.cpp#17334, verbatim): std::terminate, SIGABRT.
+VULKAN_LOST = ["terminate called after throwing an instance of 'vk::DeviceLostError'",
+               "  what():  vk::Queue::submit: ErrorDeviceLost"]
 GENERATION = ("/completion", "/completions", "/v1/completions", "/chat/completions",
               "/v1/chat/completions", "/v1/responses", "/responses", "/v1/messages", "/infill",
               "/embedding", "/embeddings", "/v1/embeddings")
@@ -121,7 +125,8 @@ def die() -> None:
         real.send_signal(signal.SIGABRT)
         real.wait(10)
         state.output_done.wait(5)
-    lines = CUDA_TERSE if ENV.get("FAULT_LINES") == "terse" else CUDA_FULL
+    lines = {"terse": CUDA_TERSE, "vulkan_lost": VULKAN_LOST}.get(
+        ENV.get("FAULT_LINES", "full"), CUDA_FULL)
     for line in lines:
         write(line)
     signal.signal(signal.SIGABRT, signal.SIG_DFL)

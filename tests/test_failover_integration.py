@@ -282,6 +282,24 @@ def test_the_terse_h200_abort_is_runtime_oom_with_a_low_gpu_sample_else_cuda_err
     assert last["kind"] == kind and last["code"] == -6
 
 
+def test_a_lost_device_is_gpu_fault_replayed_and_restarted_as_an_oom_is(
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path) -> None:
+    cfg = failover_config(llama_server, tiny_model, injector,
+                          {"FAULT_MARKER": MARKER, "FAULT_LINES": "vulkan_lost"})
+    s = spillway(cfg)
+    answer = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0).chat \
+        .completions.with_raw_response.create(model="m", messages=[
+            {"role": "user", "content": MARKER}], max_tokens=4)
+    assert answer.headers["X-Spillway-Failover"] == "gpu_fault"
+    assert answer.headers["X-Spillway-Child"] == "cpu"
+    assert answer.parse().choices[0].message.content is not None
+    [record] = s.wait_incidents(1)
+    assert record["kind"] == "gpu_fault" and "ErrorDeviceLost" in record["evidence"]
+    assert record["decision"] == "replayed"
+    last = s.wait_state(("gpu",), ("READY",), timeout=30)["children"]["gpu"]["last_exit"]
+    assert last["kind"] == "gpu_fault" and last["code"] == -6
+
+
 def test_an_agent_loop_crashed_between_tool_call_and_model_call_runs_each_tool_once(
         spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path,
         tmp_path: Path) -> None:

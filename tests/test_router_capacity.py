@@ -35,11 +35,11 @@ class FakeMonitor(GpuMonitor):
     def set_free(self, *free_mib: float) -> None:
         """Each card's free MiB (the first's for the rest when fewer are given)."""
         frees = list(free_mib) + [free_mib[0]] * (self.cards - len(free_mib))
-        self.devices = [GpuSample(time.monotonic(), time.time(), i, "Fake GPU",
-                                  f"0000:0{i + 1}:00.0", f"GPU-{i}", 24576 * MIB,
-                                  int(free * MIB), int((24576 - free) * MIB))
-                        for i, free in enumerate(frees)]
-        self.selection = Selection(tuple(d.pci_bus_id for d in self.devices), "config")
+        devices = [GpuSample(time.monotonic(), time.time(), i, "Fake GPU",
+                             f"0000:0{i + 1}:00.0", f"GPU-{i}", 24576 * MIB,
+                             int(free * MIB), int((24576 - free) * MIB))
+                   for i, free in enumerate(frees)]
+        self._keep(devices, Selection(tuple(d.pci_bus_id for d in devices), "config"))
 
 
 def config(models_max: int = 2, headroom: int = 1024) -> config_module.Config:

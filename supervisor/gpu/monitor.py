@@ -50,6 +50,9 @@ class GpuMonitor:
         self._open: list[Sampler] = []
         self.devices: list[GpuSample] = []  # the latest figures of every card, in PCI order
         self.selection = Selection((), "none", "not sampled yet")
+        self._mine: list[GpuSample] = []  # kept with the sample: asked on every request
+        self._tightest: GpuSample | None = None
+        self._rooms: list[Room] = []
         self.chooser: Chooser = _every_card  # set by the daemon once it knows the child
         # A short history, so the evidence of a death is the sample from just *before* it
         # (after the death the child's own memory is free again and the figure says nothing).
@@ -83,15 +86,13 @@ class GpuMonitor:
     @property
     def child_devices(self) -> list[GpuSample]:
         """The latest figures of the cards the GPU child uses."""
-        chosen = set(self.selection.pci_bus_ids)
-        return [s for s in self.devices if s.pci_bus_id in chosen]
+        return self._mine
 
     @property
     def latest(self) -> GpuSample | None:
         """The tightest card the GPU child uses (the least free): where its headroom runs
         out first."""
-        cards = self.child_devices
-        return min(cards, key=lambda s: s.free_bytes) if cards else None
+        return self._tightest
 
     @property
     def index(self) -> int | None:
@@ -99,8 +100,18 @@ class GpuMonitor:
         return latest.index if latest is not None else None
 
     def rooms(self) -> list[Room]:
-        return [Room(s.pci_bus_id, s.label, s.free_bytes, s.total_bytes)
-                for s in self.child_devices]
+        """Each of the GPU child's cards' free memory (kept from the last sample: admission
+        asks on every request)."""
+        return self._rooms
+
+    def _keep(self, samples: list[GpuSample], selection: Selection) -> None:
+        chosen = set(selection.pci_bus_ids)
+        self.devices = samples
+        self.selection = selection
+        self._mine = [s for s in samples if s.pci_bus_id in chosen]
+        self._tightest = min(self._mine, key=lambda s: s.free_bytes) if self._mine else None
+        self._rooms = [Room(s.pci_bus_id, s.label, s.free_bytes, s.total_bytes)
+                       for s in self._mine]
 
     def sampled_at(self) -> float | None:
         return self.devices[0].monotonic if self.devices else None
@@ -130,8 +141,7 @@ class GpuMonitor:
             self.note = f"GPU sampling failed: {e}"
             log.warning("%s", self.note)
             return self.latest
-        self.devices = samples
-        self.selection = self.chooser(samples)
+        self._keep(samples, self.chooser(samples))
         self.history.append(tuple(samples))
         if samples:
             self.chart.add(self._point(samples, owners))
