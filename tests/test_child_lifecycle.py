@@ -322,7 +322,7 @@ async def test_a_hung_child_is_killed_after_the_hang_timeout() -> None:
         assert rig.procs[0].signals == [(t0 + 40.0, SIGTERM), (t0 + 41.0, SIGKILL)]
         assert rig.procs[0].probes == 6  # the one that found it ready, 2 answered, 3 not
         record = rig.child.last_exit
-        assert record is not None and record.kind == "crash" and not record.planned
+        assert record is not None and record.kind == "hang" and not record.planned
         assert record.evidence == "/health unanswered for 30 s (killed by SIGKILL)"
         assert rig.path()[:3] == ["STOPPED -> STARTING", "STARTING -> READY", "READY -> EXITED"]
 

@@ -128,7 +128,7 @@ def test_a_frozen_child_is_killed_after_the_hang_timeout_and_restarted(
             break
         time.sleep(0.2)
     assert last is not None
-    assert "/health unanswered" in last["evidence"]
+    assert "/health unanswered" in last["evidence"] and last["kind"] == "hang"
 
 
 def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(

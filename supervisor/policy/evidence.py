@@ -25,6 +25,8 @@ class FailureKind(enum.StrEnum):
     OOM_SURVIVED = "oom_survived"
     CUDA_ERROR = "cuda_error"  # a GPU backend's error (CUDA, ROCm, MUSA, SYCL, ...), not memory
     GPU_FAULT = "gpu_fault"  # the device was lost or reset under the child
+    HANG = "hang"  # alive but making no progress: /health unanswered, or stalled with work
+    SICK = "sick"  # answers /health but fails request after request with a 5xx
     CRASH = "crash"
     CONTEXT_EXCEEDED = "context_exceeded"
     NOT_READY = "not_ready"
@@ -35,7 +37,8 @@ class FailureKind(enum.StrEnum):
 # Kinds after which the child did not complete the request (replay may be allowed).
 CHILD_FAILED = frozenset({
     FailureKind.RUNTIME_OOM, FailureKind.OOM_SURVIVED, FailureKind.CUDA_ERROR,
-    FailureKind.GPU_FAULT, FailureKind.CRASH, FailureKind.LOAD_OOM, FailureKind.NOT_READY,
+    FailureKind.GPU_FAULT, FailureKind.HANG, FailureKind.CRASH, FailureKind.LOAD_OOM,
+    FailureKind.NOT_READY,
 })
 
 # Out-of-memory lines from the GPU backends, as llama.cpp and the drivers print them. ggml-cuda

@@ -306,11 +306,14 @@ class Ready:
 
 @dataclass(frozen=True)
 class Unresponsive:
-    """A child that did not get ready in time, or stopped answering /health: end it."""
+    """A child that did not get ready in time, stopped answering /health, stalled with work in
+    flight, or turned out unfit (no layers on the GPU): end it, its record saying `kind`
+    (None: `crash`)."""
 
     generation: int
     note: str
     grace_s: float | None = None
+    kind: str | None = None  # a FailureKind's value
 
 
 @dataclass(frozen=True)
@@ -404,6 +407,7 @@ class Terminate:
     planned: bool
     grace_s: float | None = None
     note: str = ""
+    kind: str | None = None  # what an unplanned end with a note is recorded as (a FailureKind)
 
 
 @dataclass(frozen=True)
@@ -583,7 +587,8 @@ def _ready(t: _Turn, e: Ready) -> None:
 def _unresponsive(t: _Turn, e: Unresponsive) -> None:
     if e.generation == t.life.generation and t.life.running and \
             t.life.state in (S.STARTING, S.READY):
-        t.actions.append(Terminate(planned=False, grace_s=e.grace_s, note=e.note))
+        t.actions.append(Terminate(planned=False, grace_s=e.grace_s, note=e.note,
+                                   kind=e.kind))
 
 
 def _ended(t: _Turn, e: Ended) -> None:

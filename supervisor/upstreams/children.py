@@ -185,7 +185,7 @@ class Child(LifeReader):
         self._process: Process | None = None
         self._waiter: asyncio.Task[int] | None = None
         self._run: asyncio.Task[None] | None = None
-        self._ending: tuple[bool, str] | None = None
+        self._ending: tuple[bool, str, str | None] | None = None
         self._probe_wake = asyncio.Event()  # the probes stop: it left STARTING|READY
         self._unkillable = asyncio.Event()  # SIGKILL did not end it: reaped as it is
         self._exits: dict[int, asyncio.Future[ExitRecord]] = {}
@@ -372,7 +372,7 @@ class Child(LifeReader):
         if proc is None or waiter is None or waiter.done() or proc.returncode is not None \
                 or self._ending is not None:
             return  # gone already (its end is on its way), or being ended
-        self._ending = (action.planned, action.note)
+        self._ending = (action.planned, action.note, action.kind)
         self._probe_wake.set()
         grace = self.cfg.stop_grace_s if action.grace_s is None else action.grace_s
         self._spawn(self._terminate(proc, waiter, grace))
@@ -444,8 +444,8 @@ class Child(LifeReader):
         finally:
             given_up.cancel()
             await self._reap(proc, waiter, reader)
-        planned, note = self._ending or (False, "")
-        record = self._exit_record(generation, proc, spawned, planned, note,
+        planned, note, kind = self._ending or (False, "", None)
+        record = self._exit_record(generation, proc, spawned, planned, note, kind,
                                    served=self.tasks_started > tasks_before)
         self.pid = None
         self._process = None
@@ -490,7 +490,7 @@ class Child(LifeReader):
             elif self.hang_timeout_s > 0 and self._clock.now() - last_ok > self.hang_timeout_s:
                 self.engine.post(lifecycle.Unresponsive(
                     generation, f"/health unanswered for {self.hang_timeout_s:.0f} s",
-                    HUNG_GRACE_S))
+                    HUNG_GRACE_S, kind=FailureKind.HANG))
                 return
 
     async def _reap(self, proc: Process, waiter: asyncio.Task[int],
@@ -505,14 +505,15 @@ class Child(LifeReader):
         reader.cancel()
 
     def _exit_record(self, generation: int, proc: Process, spawned: float, planned: bool,
-                     note: str, served: bool) -> ExitRecord:
+                     note: str, noted_kind: str | None, served: bool) -> ExitRecord:
         returncode = proc.returncode if proc.returncode is not None else -9
         died = time.monotonic()
         vram = self.vram_probe(died) if self.vram_probe is not None else None
         verdict = classify_exit(returncode, list(self.stderr_tail), vram,
                                 vram_short_mib=self.vram_short_mib)
         evidence = f"{note} ({describe_exit(returncode)})" if note else verdict.evidence
-        kind = FailureKind.CRASH if note else verdict.kind
+        kind = (FailureKind(noted_kind) if noted_kind else FailureKind.CRASH) if note \
+            else verdict.kind
         diagnosis = None
         if not planned and not note:  # a death of its own, not one Spillway dealt
             diagnosis = signatures.diagnose(signatures.CrashFacts(
