@@ -20,13 +20,23 @@ from .policy.lifecycle import ChildState
 # (a lease taken, a lease closed); nothing else does. The child reads it: a draining child waits
 # for `idle`, and its status shows the count.
 class Load:
-    __slots__ = ("generation", "other", "idle")
+    __slots__ = ("generation", "other", "idle", "progress", "last_byte")
 
     def __init__(self) -> None:
         self.generation = 0  # generation requests: what the admission caps count
         self.other = 0  # routes outside the caps (/props, /slots, ...)
         self.idle = asyncio.Event()  # set while nothing is in flight
         self.idle.set()
+        # The stall rule's clock (policy/progress.py), monotonic: the last progress of its
+        # generation work (a byte of an answer, a change in /slots), or when that work began.
+        self.progress = 0.0
+        self.last_byte: float | None = None  # its last byte of a generation answer
+
+    def moved(self, now: float, byte: bool = True) -> None:
+        """Its generation work made progress now (a byte of an answer, or its slots)."""
+        self.progress = now
+        if byte:
+            self.last_byte = now
 
     @property
     def in_flight(self) -> int:
@@ -34,6 +44,8 @@ class Load:
 
     def take(self, generation: bool) -> None:
         if generation:
+            if self.generation == 0:  # idle until now: the stall clock starts with this work
+                self.progress = time.monotonic()
             self.generation += 1
         else:
             self.other += 1
@@ -165,3 +177,6 @@ class AttemptEnd:
     failure: AttemptFailure | None = None  # the upstream failed, before or after bytes
     timed: bool = True  # its timings count: not a failure before any byte reached the client
     ok: bool = False  # a whole answer, status 200
+    status: int | None = None  # an answer's status (None: no answer of the child's)
+    error_line: str = ""  # a 5xx answer's first line
+    body_digest: int = 0  # the request's body, hashed: different requests differ

@@ -15,6 +15,11 @@ Switches come from environment variables (a child's `env` table in the Spillway 
   FAKE_CRASH_AFTER=N       abort (SIGABRT) during the Nth generation request, before answering
   FAKE_CRASH_LINES=terse|full|none  what to print before that abort (default: full CUDA lines)
   FAKE_HANG_AFTER=N        generation requests after the Nth never answer
+  FAKE_STALL_AFTER_EVENTS=K  a stream stops after K events and never goes on (/health answers)
+  FAKE_NO_SLOTS=1          /slots answers 501, as with llama-server --no-slots
+  FAKE_SICK_FILE=PATH      while PATH exists, every generation request gets a 500 server_error
+                           that names no cause, /health still 200; with FAKE_SICK_OOM_LINE=1
+                           the captured load-time CUDA OOM line is logged once first
   FAKE_IGNORE_SIGTERM=1    ignore SIGTERM (only SIGKILL stops it)
   FAKE_FREEZE_AFTER_S=S    after S seconds, stop answering anything (/health included)
   FAKE_TOKEN_DELAY_S=S     delay between streamed tokens (default 0.01)
@@ -172,11 +177,25 @@ async def generation_faults() -> None:
         await asyncio.sleep(3600)
 
 
+def sick() -> web.Response | None:
+    """FAKE_SICK_FILE: alive and failing every request, as after an OOM at start-up."""
+    path = ENV.get("FAKE_SICK_FILE")
+    if not path or not os.path.exists(path):
+        return None
+    if ENV.get("FAKE_SICK_OOM_LINE") == "1" and not state.get("sick_logged"):
+        state["sick_logged"] = 1
+        log("0.00.153.679 E ggml_backend_cuda_buffer_type_alloc_buffer: allocating 4096.00 MiB "
+            "on device 0: cudaMalloc failed: out of memory")
+    return error(500, "failed to process the request", "server_error")
+
+
 async def chat(request: web.Request) -> web.StreamResponse:
     try:
         body = await request.json()
     except ValueError:
         return error(400, "invalid JSON", "invalid_request_error")
+    if (failing := sick()) is not None:
+        return failing
     if not isinstance(body.get("messages"), list):
         return error(400, "Expected 'messages' to be an array", "invalid_request_error")
     stream = bool(body.get("stream"))
@@ -202,7 +221,13 @@ async def chat(request: web.Request) -> web.StreamResponse:
     await asyncio.sleep(float(ENV.get("FAKE_PROMPT_DELAY_S", "0")))  # prompt processing
     await generation_faults()
     delay = float(ENV.get("FAKE_TOKEN_DELAY_S", "0.01"))
+    stall_at = int(ENV.get("FAKE_STALL_AFTER_EVENTS", "0"))
     for i in range(count):
+        if stall_at and i == stall_at:
+            # Stuck mid-stream as a hung inference loop is: no more bytes, while /health
+            # (and the rest of the HTTP side) still answers.
+            log("0.00.000.000 W fake: the inference loop is stuck")
+            await asyncio.sleep(3600)
         chunk = {"choices": [{"finish_reason": None, "index": 0,
                               "delta": {"content": f"tok{i} "}}],
                  "object": "chat.completion.chunk", "model": "fake",
@@ -233,6 +258,8 @@ async def props(request: web.Request) -> web.Response:
 
 
 async def slots(request: web.Request) -> web.Response:
+    if ENV.get("FAKE_NO_SLOTS") == "1":  # as llama-server --no-slots answers
+        return error(501, "This server does not support slots endpoint.", "not_supported_error")
     return web.json_response([{"id": i, "is_processing": False}
                               for i in range(int(ENV.get("FAKE_SLOTS", "2")))])
 

@@ -85,7 +85,7 @@ def parse_value(key: KeyPath, text: str) -> Any:
             return text
         return value
     except tomllib.TOMLDecodeError:
-        if key.kind in ("str", "int_or_str", "str_or_list"):
+        if key.kind in ("str", "int_or_str", "str_or_list", "number_or_auto"):
             return text
         example = {"int": "7", "number": "2.5", "bool": "true", "str_list": '["-c", "8192"]',
                    "str_table": '{ NAME = "value" }'}.get(key.kind, '"text"')

@@ -85,7 +85,8 @@ DERIVED = "spillway.derived"  # field metadata: `build` works the value out itse
 class Key:
     """One TOML key: what `_read_sections` accepts, and how `_make` turns it into its field."""
 
-    # "str", "int", "number", "bool", "str_list", "str_table", "str_or_list", "int_or_str"
+    # "str", "int", "number", "bool", "str_list", "str_table", "str_or_list", "int_or_str",
+    # "number_or_auto" ("auto" becomes None)
     kind: str
     default: Any = None
     required: bool = False
@@ -185,7 +186,7 @@ def _args(value: Any, base_dir: Path) -> tuple[str, ...]:
 
 _BY_KIND: dict[str, Callable[[Any], Any]] = {
     "number": float, "int": int, "bool": bool, "str_list": tuple, "str_table": dict,
-    "int_or_str": str,
+    "int_or_str": str, "number_or_auto": lambda v: None if v == "auto" else float(v),
 }
 
 
@@ -347,6 +348,12 @@ class RestartConfig:
     quick_failure_s: float = field(metadata=key("number", 10.0, check=_non_negative))
     max_quick_failures: int = field(metadata=key("int", 5, check=_positive))
     hang_timeout_s: float = field(metadata=key("number", 120.0, check=_non_negative))
+    # No progress (no byte, no change in /slots) with work in flight for this long: stalled.
+    # None ("auto"): from the child's own measured speeds (policy/progress.py); 0: off.
+    stall_timeout_s: float | None = field(metadata=key("number_or_auto", "auto"))
+    # This many 5xx answers in a row, to different requests, from a child that answers /health:
+    # sick, drained and restarted (policy/sickness.py); 0: off.
+    sick_after_errors: int = field(metadata=key("int", 3, check=_non_negative))
     fatal_retry_max_s: float = field(metadata=key("number", 300.0, check=_at_least_one))
 
 
@@ -563,6 +570,10 @@ def _check_type(kind: str, value: Any) -> str | None:
         ok = isinstance(value, (int, str)) and not isinstance(value, bool)
         return None if ok else ("expected a device index, a PCI address or UUID string, a "
                                 "comma-separated list of them, or \"all\"")
+    if kind == "number_or_auto":
+        ok = value == "auto" or (isinstance(value, (int, float)) and not isinstance(value, bool)
+                                 and value >= 0)
+        return None if ok else "expected \"auto\", or a number of seconds (0: off)"
     if kind == "str_or_list":
         ok = isinstance(value, (str, list))
         return None if ok else "expected an address string or a list of them"

@@ -291,7 +291,9 @@ class Forwarder:
         attempt.first_byte_s = time.monotonic() - ctx.received
         ctx.captured(body)
         return Answered(web.Response(status=upstream.status, body=body,
-                                     headers=downstream_headers(upstream.headers, own_headers)))
+                                     headers=downstream_headers(upstream.headers, own_headers)),
+                        server_error=_first_line(upstream.status, body)
+                        if upstream.status >= 500 else "")
 
     async def _pipe(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
                     upstream: UpstreamResponse,
@@ -374,6 +376,7 @@ class Forwarder:
                 chunk = b""
             if not chunk:
                 return await self._stream_broke(ctx, child, generation, resp, anthropic)
+            child.load.moved(time.monotonic())  # progress, for the stall rule
             buffer += chunk
         return _Held(buffer, found[0], resp)
 
@@ -407,6 +410,7 @@ class Forwarder:
                 return await self._stream_broke(ctx, child, generation, resp, anthropic)
             if not chunk:
                 break
+            child.load.moved(time.monotonic())  # progress, for the stall rule
             whole, pending = sse.split_complete(pending + chunk)
         if pending and router_evidence.stream_tail_is_proxy_error(pending):
             # Router mode: the instance died mid-stream, and the router ended the stream with
@@ -518,6 +522,11 @@ class Forwarder:
         if isinstance(result, AttemptFailure):
             return await self.end_broken(ctx, resp, result, interrupted.anthropic)
         return result
+
+
+def _first_line(status: int, body: bytes) -> str:
+    first = body[:300].decode("utf-8", "replace").strip().splitlines()
+    return f"HTTP {status}: {first[0]}" if first else f"HTTP {status}"
 
 
 def _follow(transcript: continuation.Transcript, whole: bytes) -> None:

@@ -447,7 +447,7 @@ class ProxyHandler:
             result = await self.forwarder.attempt(request, ctx, attempt, child, own)
             return result
         finally:
-            lease.close(attempt, ending(result))
+            lease.close(attempt, ending(result, ctx.body))
 
     async def _after_failure(self, request: web.Request, ctx: RequestCtx,
                              failure: AttemptFailure,

@@ -16,6 +16,9 @@ from ..vocabulary import AttemptEnd, AttemptFailure
 @dataclass(frozen=True)
 class Answered:
     response: web.StreamResponse
+    # A 5xx the child answered while alive: its first line ("HTTP 500: ..."), for the
+    # sick-child rule (policy/sickness.py); "" otherwise.
+    server_error: str = ""
 
 
 @dataclass(frozen=True)
@@ -42,12 +45,15 @@ class Interrupted:
 AttemptResult = Answered | Broken | Interrupted | AttemptFailure
 
 
-def ending(result: AttemptResult | None) -> AttemptEnd | None:
-    """What the pool learns from an attempt's outcome (None: cancelled, the client left)."""
+def ending(result: AttemptResult | None, body: bytes = b"") -> AttemptEnd | None:
+    """What the pool learns from an attempt's outcome (None: cancelled, the client left); a
+    5xx answer's request `body`, hashed, tells requests apart for the sick-child rule."""
     if result is None:
         return None
     if isinstance(result, AttemptFailure):
         return AttemptEnd(failure=result, timed=False)
     if isinstance(result, (Broken, Interrupted)):
         return AttemptEnd(failure=result.failure)
-    return AttemptEnd(ok=result.response.status == 200)
+    return AttemptEnd(ok=result.response.status == 200, status=result.response.status,
+                      error_line=result.server_error,
+                      body_digest=hash(body) if result.server_error else 0)

@@ -93,6 +93,7 @@ class RouterModels:
         resources.paused = self.paused
         pool = Pool(resources, upstreams, cfg.queue.max_waiting, cfg.queue.max_wait_s,
                     metrics=self.metrics, boot=f"{self.boot}-{model}")
+        pool.sick_after = cfg.restart.sick_after_errors
         for name, upstream in upstreams.items():
             upstream.listeners.append(self._changed)
             if self.metrics is not None:

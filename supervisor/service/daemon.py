@@ -51,6 +51,9 @@ from ..proxy.forward import Forwarder, ForwardSettings
 from ..proxy.handler import ProxyHandler, ProxySettings
 from .reload import Reloader
 from ..serving.resources import Resources
+from ..serving.watchdog import StallWatchdog
+from ..policy.progress import DEFAULT_BATCH, stall_timeout
+from ..config import llama_args
 from ..router.models import RouterModels
 from ..router.upstream import ModelUpstream
 from .systemd import Notifier
@@ -139,6 +142,7 @@ class Daemon:
         self.idempotency = IdempotencyStore(**_idempotency_limits(config))
         self.streams = StreamSessions(**_stream_limits(config))
         self.resources: Resources | None = None
+        self.watchdog: StallWatchdog | None = None
         self.pool: Pool | None = None
         self.mode: Mode | None = None  # single model or router (modes.py), built once
         self.proxy: ProxyHandler | None = None
@@ -288,6 +292,14 @@ class Daemon:
         self.metrics.set_gpu_devices([(s.pci_bus_id, s.total_bytes, s.used_bytes, s.free_bytes)
                                       for s in self.monitor.devices])
         self.metrics.waiting.set(len(self.pool.line) if self.pool else 0)
+
+    def _stall_timeout(self, name: str) -> float:
+        """The child's stall timeout now: restart.stall_timeout_s, or from its own speeds."""
+        speeds = self.res.throughput[name]
+        batch = llama_args.flag_value(self.config.child(name).args, "-b")
+        return stall_timeout(self.config.restart.stall_timeout_s, speeds.prompt_tps,
+                             speeds.gen_tps, int(batch) if batch and batch.isdigit()
+                             else DEFAULT_BATCH)
 
     def _freed_bytes(self) -> int:
         """How much more free memory counts as "freed by another process": the headroom, and
@@ -441,6 +453,7 @@ class Daemon:
         self.res.sample()
         self.pool = Pool(self.res, self.children, self.config.queue.max_waiting,
                          self.config.queue.max_wait_s, metrics=self.metrics, boot=self.boot)
+        self.pool.sick_after = self.config.restart.sick_after_errors
         # The proxy's own keep-alive connections to the children (proxy/connections.py).
         self._upstream = UpstreamClient(keepalive_s=UPSTREAM_KEEPALIVE_S)
         # aiohttp's client, for Spillway's own questions to a child (/props, token counts).
@@ -458,6 +471,8 @@ class Daemon:
         self.metrics.track_streams(self.streams)
         self.operator = Operator(self.children[self.config.gpu_child], self.res.paused,
                                  self.models)
+        if self.models is None:  # single-model mode: a router's instances die on their own
+            self.watchdog = StallWatchdog(self.children, self._stall_timeout, self._http)
         self.routes = routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
@@ -499,6 +514,8 @@ class Daemon:
         log.info("spillway %s listening on %s", __version__, ", ".join(self.listening))
         log.info("incidents go to %s", self.incidents.path)
         self._spawn(self._tick())
+        if self.watchdog is not None:
+            self._spawn(self.watchdog.run())
         self._spawn(self.notifier.watchdog())
         self._spawn(self._extend_start())
         if self.config.path is not None:

@@ -31,13 +31,14 @@ from typing import Any, Protocol
 
 from ..config.schema import Config
 from ..records.metrics import Metrics
-from ..policy import admission, replay, waitline
+from ..policy import admission, replay, sickness, waitline
 from ..policy.admission import Action, Capacity, ChildView, Decision, Request
 from ..policy.evidence import FailureKind
 from ..policy.lifecycle import ChildState
 from ..vocabulary import Attempt, AttemptEnd, AttemptFailure, Upstream
 
 log = logging.getLogger("spillway.pool")
+NO_STREAK = sickness.Streak()
 
 
 class CapacitySource(Protocol):
@@ -120,6 +121,9 @@ class Pool:
         self.on_change = on_change  # the waiting line changed (the status line)
         now = time.monotonic()
         self.last_used = {name: now for name in self.upstreams}  # a lease closed on it
+        # Each upstream's streak of 5xx answers, and how long a streak makes it sick.
+        self._streaks: dict[str, sickness.Streak] = {}
+        self.sick_after = sickness.DEFAULT_SICK_AFTER
         self._waiters: dict[int, _Waiter] = {}
         self._replays: deque[tuple[str, asyncio.Future[None]]] = deque()
         # When the first request was let through while none had been timed (a lower bound of
@@ -150,6 +154,7 @@ class Pool:
         """A reload: the waiting line's new bounds (a shorter line keeps who is in it)."""
         self.max_wait_s = config.queue.max_wait_s
         self.line.max_waiting = config.queue.max_waiting
+        self.sick_after = config.restart.sick_after_errors
 
     def first_ready(self) -> Upstream | None:
         """The upstream a question outside the caps (a token count) goes to."""
@@ -463,6 +468,8 @@ class Pool:
         end = end or AttemptEnd()
         if end.failure is not None:
             self._failed(end.failure)
+        elif lease.counted and end.status is not None:
+            self._answered(name, end)
         if attempt is not None and attempt.timings and end.timed:
             self.source.observe_timings(name, attempt.timings)
         if lease.counted and attempt is not None and end.ok:
@@ -471,6 +478,24 @@ class Pool:
         self.upstreams[name].load.give_back(generation=lease.counted)
         if lease.counted:
             self.dispatch()
+
+    def _answered(self, name: str, end: AttemptEnd) -> None:
+        """The sick-child rule (policy/sickness.py): a streak of 5xx answers to different
+        requests drains and restarts the child."""
+        assert end.status is not None
+        streak = sickness.after(self._streaks.get(name, NO_STREAK), end.status, end.error_line,
+                                end.body_digest)
+        self._streaks[name] = streak
+        if not sickness.is_sick(streak, self.sick_after):
+            return
+        self._streaks[name] = NO_STREAK
+        upstream = self.upstreams[name]
+        verdict = sickness.verdict(streak, list(upstream.stderr_tail)[-50:])
+        log.warning("[%s] sick (%s): %s; draining and restarting it", name, verdict.kind,
+                    verdict.evidence)
+        if self.metrics is not None:
+            self.metrics.failovers.labels(name, str(verdict.kind)).inc()
+        upstream.drain(f"sick ({verdict.kind}): {verdict.evidence}")
 
     def _failed(self, failure: AttemptFailure) -> None:
         if self.metrics is not None:

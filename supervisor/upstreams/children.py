@@ -281,6 +281,13 @@ class Child(LifeReader):
         """No new work; in-flight work finishes (up to the drain timeout); then restart."""
         self.engine.post(lifecycle.Drain(reason))
 
+    def end_stalled(self, evidence: str) -> None:
+        """Stalled with work in flight (serving/watchdog.py): end the current process now
+        (SIGTERM, then SIGKILL: a stopped process takes only that), recorded as a hang with
+        the evidence; its requests fail over as after any death, and it restarts."""
+        self.engine.post(lifecycle.Unresponsive(self.engine.life.generation, evidence,
+                                                HUNG_GRACE_S, kind=FailureKind.HANG))
+
     async def stop(self, reason: str = "stop asked for", grace_s: float | None = None) -> None:
         """Stop the process and wait until it is gone; the child stays STOPPED (unless it is
         started again meanwhile)."""
