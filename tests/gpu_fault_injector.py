@@ -22,6 +22,11 @@ lines are written and the process dies with SIGABRT, taking the real server with
   FAULT_LINES=full      the whole CUDA out-of-memory message before the abort (default)
   FAULT_LINES=terse     only `ggml-cuda.cu:109: CUDA error`, as seen on a real H200
   FAULT_LINES=vulkan_lost  a Vulkan build's lost device (vk::DeviceLostError), then SIGABRT
+  FAULT_EVERY_MODE=abort|stall|alternate  what FAULT_EVERY_S does: abort (default); stall:
+                        the real server is stopped (SIGSTOP: no byte, no /slots) while this
+                        process still answers /health 200, as llama-server's HTTP thread does
+                        while its inference loop is stuck; alternate: stall, abort, stall, ...
+                        (counted in FAULT_COUNT_FILE=PATH across restarts)
   FAULT_EVERY_S=S       abort S seconds after the real server became ready (answered
                         /health), whatever it is doing: only a READY child dies (chaos: the
                         restarted child dies again S seconds after it is back)
@@ -30,6 +35,7 @@ lines are written and the process dies with SIGABRT, taking the real server with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import ctypes.util
 import os
@@ -73,6 +79,7 @@ class State:
         self.real_port = 0
         self.output_done = threading.Event()
         self.dying = False
+        self.stalled = False  # the real server stopped, /health still answered here
 
 
 state = State()
@@ -134,6 +141,8 @@ def die() -> None:
 
 
 async def proxy(request: web.Request) -> web.StreamResponse:
+    if state.stalled and request.path == "/health":
+        return web.json_response({"status": "ok"})  # the HTTP thread, alive while stuck
     body = await request.read()
     fire = should_fire(request.path, body)
     mode = ENV.get("FAULT_MODE", "abort")
@@ -206,7 +215,27 @@ def die_after_ready(port: int, seconds: float) -> None:
             pass
         time.sleep(0.05)
     time.sleep(seconds)
+    if every_mode() == "stall":
+        state.stalled = True
+        write("fault injector: the inference loop is stuck (SIGSTOP to the real server)")
+        if state.real is not None:
+            state.real.send_signal(signal.SIGSTOP)
+        return
     die()
+
+
+def every_mode() -> str:
+    """What this process's FAULT_EVERY_S does (alternate: by the count of faults so far)."""
+    mode = ENV.get("FAULT_EVERY_MODE", "abort")
+    if mode != "alternate":
+        return mode
+    path = ENV.get("FAULT_COUNT_FILE")
+    count = 0
+    if path:
+        with contextlib.suppress(OSError, ValueError):
+            count = int(Path(path).read_text() or "0")
+        Path(path).write_text(str(count + 1))
+    return "stall" if count % 2 == 0 else "abort"
 
 
 def free_port() -> int:

@@ -1,6 +1,8 @@
 """Chaos: many requests, a third of them streamed, against real llama-server children while the
-GPU child is aborted (the terse CUDA line of a real H200, then SIGABRT) every few seconds of
-being READY. Every client sends a deadline (X-Spillway-Deadline).
+GPU child fails every few seconds of being READY, by turns stalled (its server stopped with
+SIGSTOP while /health still answers, as a stuck inference loop: the stall watchdog must end it)
+and aborted (the terse CUDA line of a real H200, then SIGABRT). Every client sends a deadline
+(X-Spillway-Deadline).
 
 Every request must end in a complete 200 or a controlled error (a 503/502/504 JSON from
 Spillway, or a stream ended by one error event): none lost, none hung past its deadline, none
@@ -39,6 +41,8 @@ REQUESTS = int(os.environ.get("CHAOS_REQUESTS", "400"))
 CONCURRENCY = int(os.environ.get("CHAOS_CONCURRENCY", "32"))
 STREAMED = 0.3
 ABORT_EVERY_S = float(os.environ.get("CHAOS_ABORT_EVERY_S", "3"))
+FAULTS = os.environ.get("CHAOS_FAULTS", "alternate")  # abort | stall | alternate
+STALL_S = 2.0  # restart.stall_timeout_s
 DEADLINE_S = 120.0
 # Smaller than the clients at once, so that some are refused with a 503 and come back.
 QUEUE = int(os.environ.get("CHAOS_QUEUE", "20"))
@@ -124,13 +128,16 @@ def classify(status: int, stream: bool, body: bytes) -> str:
 
 @pytest.mark.asyncio
 async def test_no_request_is_lost_while_the_gpu_child_keeps_dying(
-        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path) -> None:
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path,
+        tmp_path: Path) -> None:
     cfg = real_config(llama_server, tiny_model,
                       queue={"max_waiting": QUEUE, "max_wait_s": 60},
-                      restart={"backoff_initial_s": 0.2, "backoff_max_s": 1.0})
+                      restart={"backoff_initial_s": 0.2, "backoff_max_s": 1.0,
+                               "stall_timeout_s": STALL_S})
     cfg["gpu"] = {**cfg["gpu"], "llama_server": str(injector),
                   "env": {"REAL_LLAMA_SERVER": str(llama_server), "FAULT_LINES": "terse",
-                          "FAULT_EVERY_S": str(ABORT_EVERY_S)}}
+                          "FAULT_EVERY_S": str(ABORT_EVERY_S), "FAULT_EVERY_MODE": FAULTS,
+                          "FAULT_COUNT_FILE": str(tmp_path / "faults")}}
     s = spillway(cfg)
     assert s.proc is not None
     daemon = psutil.Process(s.proc.pid)
@@ -210,7 +217,9 @@ async def test_no_request_is_lost_while_the_gpu_child_keeps_dying(
         await asyncio.gather(*(worker(http) for _ in range(CONCURRENCY)))
     took = time.monotonic() - began
     records = settled(s.incidents)
-    deaths = s.log_text().count("[gpu] READY -> EXITED")
+    log_text = s.log_text()
+    deaths = log_text.count("[gpu] READY -> EXITED")
+    stalls = log_text.count("[gpu] stalled: ")
     replays = sum(1 for r in records if r["decision"] == "replayed")
     rss_end = daemon.memory_info().rss
     metrics = s.get("/spillway/metrics")[1]
@@ -232,8 +241,10 @@ async def test_no_request_is_lost_while_the_gpu_child_keeps_dying(
         if pairs:
             print("\n".join(wait_table(pairs)))
     print(f"\nchaos: {sent} requests, concurrency {CONCURRENCY}, {int(STREAMED * 100)}% "
-          f"streamed, GPU child aborted every {ABORT_EVERY_S:.0f} s: {took:.1f} s, "
-          f"{deaths} GPU deaths, {len(records)} incidents, {replays} replays; outcomes "
+          f"streamed, GPU child failing ({FAULTS}) every {ABORT_EVERY_S:.0f} s: {took:.1f} s, "
+          f"{deaths} GPU deaths ({stalls} of them stalls ended by the watchdog), "
+          f"{len(records)} incidents ({dict(Counter(r['kind'] for r in records))}), "
+          f"{replays} replays; outcomes "
           f"{dict(outcomes)}; attempts {dict(attempts)}; slowest {slowest:.1f} s; "
           f"Spillway RSS {rss_start / 2**20:.0f} -> {rss_end / 2**20:.0f} MiB")
     assert outcomes["lost"] == 0 and outcomes["hung"] == 0, (outcomes, lost)
@@ -248,6 +259,11 @@ async def test_no_request_is_lost_while_the_gpu_child_keeps_dying(
     assert len(seen_ids) == sent + sum(came_back.values())
     assert set(attempts) <= {0, 1, 2}  # at most one replay each
     assert deaths >= 2
+    # No continuation asked the other child for a negative number of tokens (the relayed
+    # text, counted by its tokenizer, may fill the limit).
+    assert not [r for r in records if "must be between" in r["evidence"]], records
+    if FAULTS != "abort":
+        assert stalls >= 1 and any(r["kind"] == "hang" for r in records)
     assert all(r["request_id"].startswith("chaos-") for r in records)
     assert rss_end < rss_start + 64 * 2**20, "Spillway's memory grew"
     after = s.wait_state(("gpu", "cpu"), ("READY", "STARTING", "BACKOFF"), timeout=30)

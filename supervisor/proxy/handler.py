@@ -519,6 +519,18 @@ class ProxyHandler:
                                               so_far.text, ctx.payload.get("model"))
             if counted is not None:
                 so_far.tokens = max(so_far.tokens, counted)
+        limit = continuation.token_limit(so_far.kind, ctx.payload)
+        if limit is not None and limit - so_far.tokens <= 0:
+            # Counted by the tokenizer, the relayed text already fills the limit (events
+            # undercount, a re-tokenized text can count more): nothing is left to ask for.
+            lease.close(None, None)
+            self.metrics.continuations.labels("refused").inc()
+            reason = (f"its token limit is used up ({so_far.tokens} of {limit} tokens, as the "
+                      f"{other} child counts the text)")
+            episodes.append(_Episode(failure, "passed_on",
+                                     f"the stream had started; not continued: {reason}"))
+            return await self.forwarder.end_broken(ctx, cut.response, failure, cut.anthropic,
+                                                   f"; not continued: {reason}")
         kind = str(failure.verdict.kind)
         ctx.failover_kind = kind
         log.warning("rid=%s %s child failed mid-stream (%s: %s) after %d tokens; continuing "

@@ -121,7 +121,7 @@ class Pool:
         self.on_change = on_change  # the waiting line changed (the status line)
         now = time.monotonic()
         self.last_used = {name: now for name in self.upstreams}  # a lease closed on it
-        # Each upstream's streak of 5xx answers, and how long a streak makes it sick.
+        # The upstreams' streaks of 5xx answers (none: no streak), and how long makes it sick.
         self._streaks: dict[str, sickness.Streak] = {}
         self.sick_after = sickness.DEFAULT_SICK_AFTER
         self._waiters: dict[int, _Waiter] = {}
@@ -483,12 +483,15 @@ class Pool:
         """The sick-child rule (policy/sickness.py): a streak of 5xx answers to different
         requests drains and restarts the child."""
         assert end.status is not None
+        if not sickness.counts(end.status):
+            self._streaks.pop(name, None)  # the common case: no streak, nothing made
+            return
         streak = sickness.after(self._streaks.get(name, NO_STREAK), end.status, end.error_line,
                                 end.body_digest)
         self._streaks[name] = streak
         if not sickness.is_sick(streak, self.sick_after):
             return
-        self._streaks[name] = NO_STREAK
+        del self._streaks[name]
         upstream = self.upstreams[name]
         verdict = sickness.verdict(streak, list(upstream.stderr_tail)[-50:])
         log.warning("[%s] sick (%s): %s; draining and restarting it", name, verdict.kind,

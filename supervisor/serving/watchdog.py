@@ -43,6 +43,7 @@ class StallWatchdog:
         self.clock = clock
         self._slots: dict[str, SlotsView] = {}  # the last reading of each child's /slots
         self._answer: dict[str, str] = {}  # how the last read went
+        self._ended: dict[str, int] = {}  # the process generation each was last ended in
         self.stalls = 0  # children ended as stalled, since the start
 
     async def run(self) -> None:
@@ -57,11 +58,12 @@ class StallWatchdog:
     async def _check(self, name: str, child: Child) -> None:
         load = child.load
         timeout = self.timeout_of(name)
-        if child.state is not ChildState.READY or load.generation == 0 or timeout <= 0:
+        generation = child.generation
+        if child.state is not ChildState.READY or load.generation == 0 or timeout <= 0 or \
+                self._ended.get(name) == generation:  # being ended: its exit is on its way
             self._slots.pop(name, None)
             self._answer.pop(name, None)
             return
-        generation = child.generation
         if self.clock() - load.progress >= min(QUIET_S, timeout / 4):
             view, answer = await self._read_slots(child, timeout)
             self._answer[name] = answer
@@ -80,6 +82,7 @@ class StallWatchdog:
             log.warning("[%s] stalled: %s; ending it (its requests fail over)", name, line)
             self.stalls += 1
             self._slots.pop(name, None)
+            self._ended[name] = generation
             child.end_stalled(line)
 
     async def _read_slots(self, child: Child, timeout: float) -> tuple[SlotsView | None, str]:
