@@ -148,8 +148,11 @@ def test_require_offload_fails_the_start_and_the_cpu_child_answers(
                                "max_quick_failures": 2, "fatal_retry_max_s": 600})
     s = spillway(cfg, fake_nvml=nvml, wait_ready=False)
     s.wait_state(("cpu",), ("READY",))
-    # Two failed starts in a row: the crash-loop back-off takes it to FATAL.
+    # Ended as it loads (llama-server's first line says it has no GPU), twice in a row: the
+    # crash-loop back-off takes it to FATAL, and it never served.
     status = s.wait_state(("gpu",), ("FATAL",), timeout=60)
+    assert "-> READY" not in "\n".join(line for line in s.log_text().splitlines()
+                                       if "[gpu] " in line)
     gpu = status["children"]["gpu"]
     assert gpu["last_exit"]["kind"] == "no_offload"
     assert "not on the GPU as asked" in gpu["last_exit"]["evidence"]

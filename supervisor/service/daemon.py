@@ -220,7 +220,7 @@ class Daemon:
         child.listeners.append(self._child_changed)
         if cfg.on_gpu:
             child.line_listeners.append(self.placement.on_line)  # its `using device` lines
-            child.line_listeners.append(self.offload_log.feed)  # its offload, as it loads
+            child.line_listeners.append(self._offload_line)  # its offload, as it loads
         return child
 
     def _child_changed(self, child: Child, old: ChildState, new: ChildState,
@@ -244,6 +244,8 @@ class Daemon:
             self.metrics.restarts.labels(child.name, cause).inc()
         if new is ChildState.READY and self.mode is not None:
             self.mode.child_ready(child)
+        if child.cfg.on_gpu and new is ChildState.READY:
+            self._judge_offload()  # at once when its log says, or no sample is awaited
         self._maybe_ready()
         self.notifier.status(self.status_line())
 
@@ -344,19 +346,30 @@ class Daemon:
         return status_line(self.children, len(self.pool.line) if self.pool else 0,
                            self.incidents.recent, self.config_error)
 
+    def _offload_line(self, line: str) -> None:
+        had = self.offload_log.no_gpu
+        self.offload_log.feed(line)
+        if had is None and self.offload_log.no_gpu is not None:
+            self._judge_offload()  # conclusive while it loads: judged (and ended) at once
+
     def _judge_offload(self) -> None:
         """How much of the GPU child is on the GPU (policy/offload.py), once per process: from
-        its load log and, where the monitor has figures, a sample taken after it was ready.
-        Unknown is judged again at the next tick. Fewer layers than asked is told (log and
-        incident log); under gpu.require_offload it is a failed start: the child is ended, its
-        exit recorded as no_offload, and backs off (the CPU child serves meanwhile). Single
-        model only: a router's instances hold its memory."""
+        its load log and, where the monitor has figures, a sample taken after it was ready;
+        while it loads already when llama-server says it has no GPU at all (conclusive, and
+        an end then is a quick failure that served nothing). Unknown is judged again at the
+        next tick. Fewer layers than asked is told (log and incident log); under
+        gpu.require_offload it is a failed start: the child is ended, its exit recorded as
+        no_offload, and backs off (the CPU child serves meanwhile). Single model only: a
+        router's instances hold its memory."""
         gpu = self.children[self.config.gpu_child]
-        if self.config.router or gpu.state is not ChildState.READY or gpu.pid is None or \
-                gpu.ready_at is None or self._offload_judged == gpu.generation:
+        early = gpu.state is ChildState.STARTING and self.offload_log.no_gpu is not None
+        ready = gpu.state is ChildState.READY and gpu.ready_at is not None
+        if self.config.router or gpu.pid is None or not (early or ready) or \
+                self._offload_judged == gpu.generation:
             return
         sampled = self.monitor.sampled_at()
-        if self.monitor.available and (sampled is None or sampled < gpu.ready_at):
+        if not early and self.monitor.available and gpu.ready_at is not None and \
+                (sampled is None or sampled < gpu.ready_at):
             return
         args = gpu.cfg.args
         wanted = offload.asked(
