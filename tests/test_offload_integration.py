@@ -62,9 +62,9 @@ def test_a_cpu_build_with_ngl_99_is_told_none_with_its_own_line(
     # Told, and only told: it serves on.
     assert s.child("gpu")["state"] == "READY"
     assert f"  on the GPU: none: 0 of {total} layers on the GPU" in format_status(s.status())
-    [record] = s.wait_incidents(1)
-    assert record["kind"] == "no_offload" and record["child"] == "gpu"
-    assert record["decision"] == "kept" and "no usable GPU found" in record["evidence"]
+    assert "[gpu] not on the GPU as asked: 0 of" in s.log_text()
+    # No incident record: nothing was done (the tests' own GPU child is this CPU build too).
+    assert s.incidents() == []
     # The CPU child is not judged.
     assert "offload" not in s.child("cpu")
 
@@ -148,11 +148,10 @@ def test_require_offload_fails_the_start_and_the_cpu_child_answers(
                                "max_quick_failures": 2, "fatal_retry_max_s": 600})
     s = spillway(cfg, fake_nvml=nvml, wait_ready=False)
     s.wait_state(("cpu",), ("READY",))
-    # Ended as it loads (llama-server's first line says it has no GPU), twice in a row: the
-    # crash-loop back-off takes it to FATAL, and it never served.
+    # Ended as it loads (llama-server's first line says it has no GPU; the tiny model may be
+    # ready by the time the end reaches it), twice in a row: quick failures, so the crash-loop
+    # back-off takes it to FATAL.
     status = s.wait_state(("gpu",), ("FATAL",), timeout=60)
-    assert "-> READY" not in "\n".join(line for line in s.log_text().splitlines()
-                                       if "[gpu] " in line)
     gpu = status["children"]["gpu"]
     assert gpu["last_exit"]["kind"] == "no_offload"
     assert "not on the GPU as asked" in gpu["last_exit"]["evidence"]
@@ -163,6 +162,8 @@ def test_require_offload_fails_the_start_and_the_cpu_child_answers(
     records = s.incidents()
     assert len(records) == 2 and {r["decision"] for r in records} == {"ended"}
     assert {r["kind"] for r in records} == {"no_offload"}
+    assert all("no usable GPU found" in r["evidence"] and r["request_id"] == ""
+               for r in records)
     # Meanwhile the CPU child serves.
     req = urllib.request.Request(
         s.url + "/v1/chat/completions", method="POST",

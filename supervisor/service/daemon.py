@@ -357,8 +357,8 @@ class Daemon:
         its load log and, where the monitor has figures, a sample taken after it was ready;
         while it loads already when llama-server says it has no GPU at all (conclusive, and
         an end then is a quick failure that served nothing). Unknown is judged again at the
-        next tick. Fewer layers than asked is told (log and incident log); under
-        gpu.require_offload it is a failed start: the child is ended, its exit recorded as
+        next tick. Fewer layers than asked is told (status, log); under gpu.require_offload it
+        is a failed start: an incident record, and the child is ended, its exit recorded as
         no_offload, and backs off (the CPU child serves meanwhile). Single model only: a
         router's instances hold its memory."""
         gpu = self.children[self.config.gpu_child]
@@ -394,21 +394,22 @@ class Daemon:
         if not verdict.short or verdict.kind is None:
             log.info("[%s] offload: %s: %s", gpu.name, verdict.state, verdict.why)
             return
-        require = self.config.gpu_settings.require_offload
-        log.warning("[%s] not on the GPU as asked: %s%s", gpu.name, verdict.why,
-                    "; gpu.require_offload: ending it as a failed start" if require else "")
+        if not self.config.gpu_settings.require_offload:
+            log.warning("[%s] not on the GPU as asked: %s (told only: gpu.require_offload is "
+                        "false)", gpu.name, verdict.why)
+            return
+        log.warning("[%s] not on the GPU as asked: %s; gpu.require_offload: ending it as a "
+                    "failed start", gpu.name, verdict.why)
+        # An episode of the child's with no request in it: the record says what was done.
         self.incidents.write(Incident(
             id=new_incident_id(), episode=new_incident_id(), time=rfc3339(time.time()),
             request_id="", child=gpu.name, kind=verdict.kind, evidence=verdict.why,
-            decision="ended" if require else "kept",
-            reason="gpu.require_offload = true: a failed start; it backs off and the CPU "
-                   "child serves" if require else "gpu.require_offload = false: told; it "
-                   "serves on, at the speed of what is on the GPU",
+            decision="ended", reason="gpu.require_offload: a failed start; it backs off and "
+                                     "the CPU child serves",
             cpu_start_s=0.0, status=0, tokens=0, latency_s=0.0, client_connected=False))
-        if require:
-            gpu.engine.post(lifecycle.Unresponsive(
-                gpu.generation, f"not on the GPU as asked: {verdict.why} (gpu.require_offload)",
-                kind=FailureKind.NO_OFFLOAD))
+        gpu.engine.post(lifecycle.Unresponsive(
+            gpu.generation, f"not on the GPU as asked: {verdict.why} (gpu.require_offload)",
+            kind=FailureKind.NO_OFFLOAD))
 
     def offload_json(self) -> dict[str, Any] | None:
         """The GPU child's offload, for its status; None in router mode."""
