@@ -324,3 +324,16 @@ def test_no_sequence_of_events_breaks_the_lifecycle(manner: lc.Manner, events: l
         # A start after the stop is pending only while something is being stopped.
         assert life.then is None or life.state in (S.DRAINING, S.STOPPING)
         assert sum(isinstance(a, lc.Launch) for a in actions) <= 1
+
+
+
+def test_an_unfit_start_is_a_quick_failure_however_long_it_ran() -> None:
+    """gpu.require_offload ends a start without its layers on the GPU: a long load, or a
+    request served before the verdict, still counts towards FATAL (it would otherwise reload
+    the model for ever); the same long run that is not unfit clears the count."""
+    two_quick = replace(READY_CHILD, loop=lc.CrashLoop(2, 0))
+    unfit, _ = run(two_quick, [death(run_s=100.0, served=True, unfit=True,
+                                     what="no_offload: 0 of 31 layers on the GPU")], lc.CHILD)
+    assert unfit.state is S.FATAL and unfit.loop.quick_failures == 3
+    fit, _ = run(two_quick, [death(run_s=100.0, served=True)], lc.CHILD)
+    assert fit.state is S.BACKOFF and fit.loop.quick_failures == 0

@@ -295,6 +295,9 @@ def format_status(status: dict[str, Any]) -> str:
                     f"  fix: {known['remedy']}", f"  see: {known['upstream']}"]
         if c.get("runs_on"):
             out.append(f"  runs on: {c['runs_on']}")
+        told = c.get("offload")  # the GPU child's: how much of it is on the GPU
+        if told:
+            out.append(f"  on the GPU: {told['state']}: {told['why']}")
     if status.get("router"):
         out += ["", _format_models(status), ""]
     out += format_gpu(status)

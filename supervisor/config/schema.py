@@ -274,6 +274,8 @@ class ChildConfig:
     device: str | None = field(default=None, metadata=key("int_or_str", 0, only=GPU_CHILD))
     vram_headroom_mib: int = field(default=0, metadata=key("int", 1024, check=_non_negative,
                                                            only=GPU_CHILD))
+    # With fewer of its layers on the GPU than asked (none, or some), it failed its start
+    require_offload: bool = field(default=False, metadata=key("bool", False, only=GPU_CHILD))
     # cpu only
     mode: str = field(default="hot", metadata=key("str", "hot", check=_one_of(*CPU_MODES),
                                                   only=CPU_CHILD))

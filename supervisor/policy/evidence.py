@@ -27,6 +27,8 @@ class FailureKind(enum.StrEnum):
     GPU_FAULT = "gpu_fault"  # the device was lost or reset under the child
     HANG = "hang"  # alive but making no progress: /health unanswered, or stalled with work
     SICK = "sick"  # answers /health but fails request after request with a 5xx
+    NO_OFFLOAD = "no_offload"  # the GPU child loaded with fewer layers on the GPU than asked
+    # (none or some: offload.py), ended as a failed start under gpu.require_offload
     CRASH = "crash"
     CONTEXT_EXCEEDED = "context_exceeded"
     NOT_READY = "not_ready"
@@ -38,7 +40,7 @@ class FailureKind(enum.StrEnum):
 CHILD_FAILED = frozenset({
     FailureKind.RUNTIME_OOM, FailureKind.OOM_SURVIVED, FailureKind.CUDA_ERROR,
     FailureKind.GPU_FAULT, FailureKind.HANG, FailureKind.CRASH, FailureKind.LOAD_OOM,
-    FailureKind.NOT_READY,
+    FailureKind.NOT_READY, FailureKind.NO_OFFLOAD,
 })
 
 # Out-of-memory lines from the GPU backends, as llama.cpp and the drivers print them. ggml-cuda

@@ -329,6 +329,10 @@ class Ended:
     # one twice in a row is FATAL
     known_crash: str | None = None  # its verdict and remedy, in a sentence
     record: object = None  # the upstream's own record of the end (exit_of's answer)
+    # Ended by Spillway for an unfit start (no layers on the GPU under gpu.require_offload):
+    # a quick failure however long it loaded or served, so that it reaches FATAL and stops
+    # reloading a model that will not fit the GPU.
+    unfit: bool = False
 
 
 @dataclass(frozen=True)
@@ -603,8 +607,9 @@ def _ended(t: _Turn, e: Ended) -> None:
     then, stopping = t.life.then, t.life.state is S.STOPPING
     t.set(then=None, signatures=(*t.life.signatures, e.signature)[-SIGNATURES_KEPT:])
     repeats = signatures.repeats(t.life.signatures)
-    decision = after_exit(t.ctx.policy, t.life.loop.quick_failures, e.run_s, t.ctx.jitter(),
-                          served=e.served, known_crash_repeats=repeats)
+    decision = after_exit(t.ctx.policy, t.life.loop.quick_failures,
+                          0.0 if e.unfit else e.run_s, t.ctx.jitter(),
+                          served=e.served and not e.unfit, known_crash_repeats=repeats)
     # A good run (or a death while serving) ends the crash loop: its FATAL tries too.
     count = decision.quick_failures
     t.set(loop=CrashLoop(count, t.life.loop.fatal_tries if count else 0))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from aiohttp import web
@@ -110,7 +110,8 @@ class OwnRoutes:
                  metrics: Metrics, timeline: Iterable[dict[str, Any]],
                  models: RouterModels | None = None, operator: Operator | None = None,
                  streams: StreamSessions | None = None,
-                 drill: DrillWindow | None = None) -> None:
+                 drill: DrillWindow | None = None,
+                 offload: Callable[[], dict[str, Any] | None] | None = None) -> None:
         self.host = host
         self.models = models  # router mode: every model on both routers
         self.started = started  # time.monotonic() when the daemon began
@@ -125,6 +126,7 @@ class OwnRoutes:
                                              models)
         self.streams = streams  # resumable streams' replay buffers
         self.drill = drill or DrillWindow()  # arming answers only while a drill runs
+        self.offload = offload  # how much of the GPU child is on the GPU (the daemon's)
 
     def table(self) -> dict[tuple[str, str], OwnRoute]:
         """(method, path) -> handler, for `build_app`."""
@@ -225,6 +227,9 @@ class OwnRoutes:
                                "CPU: this llama-server lists no GPU device "
                                f"(--list-devices), so the {cfg.label} runs CPU-only")
             info["paused"] = name in self.pool.paused
+            told = self.offload() if self.offload is not None else None
+            if told is not None:
+                info["offload"] = told  # {state, layers, why}: policy/offload.py
             if fatal:
                 info["why"] = why_gpu_fatal(child, self.host.config.restart.fatal_retry_max_s,
                                             self.res.gpu_need_bytes())

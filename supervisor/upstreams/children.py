@@ -594,4 +594,5 @@ def _ended(record: ExitRecord) -> lifecycle.Ended:
         else f"{record.kind}: {record.evidence}",
         run_s=record.run_s, served=record.served,
         signature=record.signature,
-        known_crash=record.known_crash or None, record=record)
+        known_crash=record.known_crash or None, record=record,
+        unfit=record.kind is FailureKind.NO_OFFLOAD and not record.planned)
