@@ -35,13 +35,11 @@ from ..gpu.placement import Placement, child_args
 from ..policy.devices import HIDE_ALL_GPUS, parse_listing
 from ..records.idempotency import IdempotencyStore
 from .modes import Mode, RouterMode, SingleModel
+from .offload_watch import OffloadWatch
 from .operator import Operator
 from ..records.stream_sessions import StreamSessions
-from ..records.incidents import Incident, IncidentLog, default_path, new_incident_id
-from ..records.timefmt import rfc3339
+from ..records.incidents import IncidentLog, default_path
 from ..records.metrics import Metrics
-from ..policy import lifecycle, offload
-from ..policy.evidence import FailureKind
 from ..policy.lifecycle import ChildState
 from .own_routes import OwnRoutes, status_line
 from ..policy.balancer import agent_reply
@@ -170,11 +168,9 @@ class Daemon:
         # The card's free memory when the GPU child went FATAL: memory freed since then (by a
         # game or another model quitting) is a reason to try it again at once.
         self._gpu_free_at_fatal: int | None = None
-        # How much of the GPU child is on the GPU (policy/offload.py): its process's load log,
-        # and the verdict, final once it is not unknown (per process: its generation).
-        self.offload_log = offload.LoadLog()
-        self.offload = offload.pending("not judged yet: the GPU child has not started")
-        self._offload_judged: int | None = None
+        # How much of the GPU child is on the GPU (offload_watch.py, policy/offload.py).
+        self.offload = OffloadWatch(lambda: self.config, lambda: self.children, self.monitor,
+                                    lambda: self.res, self.incidents, self._gpu_owners)
 
     @property
     def res(self) -> Resources:
@@ -223,7 +219,7 @@ class Daemon:
         child.listeners.append(self._child_changed)
         if cfg.on_gpu:
             child.line_listeners.append(self.placement.on_line)  # its `using device` lines
-            child.line_listeners.append(self._offload_line)  # its offload, as it loads
+            child.line_listeners.append(self.offload.on_line)  # its offload, as it loads
         return child
 
     def _child_changed(self, child: Child, old: ChildState, new: ChildState,
@@ -233,8 +229,7 @@ class Daemon:
         self.metrics.set_state(child.name, new)
         if child.cfg.on_gpu and new is ChildState.STARTING:
             self.placement.on_start()  # a new process: its load log names its cards anew
-            self.offload_log.reset()
-            self.offload = offload.pending("not judged yet: the GPU child is loading")
+            self.offload.on_start()
         if child.cfg.on_gpu and new is ChildState.FATAL:
             rooms = self.monitor.rooms()
             self._gpu_free_at_fatal = sum(r.free_bytes for r in rooms) if rooms else None
@@ -248,7 +243,7 @@ class Daemon:
         if new is ChildState.READY and self.mode is not None:
             self.mode.child_ready(child)
         if child.cfg.on_gpu and new is ChildState.READY:
-            self._judge_offload()  # at once when its log says, or no sample is awaited
+            self.offload.judge()  # at once when its log says, or no sample is awaited
         self._maybe_ready()
         self.notifier.status(self.status_line())
 
@@ -287,7 +282,7 @@ class Daemon:
             await asyncio.sleep(self.config.monitor.sample_interval_s)
             self.res.sample()
             self._recover_gpu()
-            self._judge_offload()
+            self.offload.judge()
             if self.mode is not None:
                 self.mode.tick()  # idle CPU work stopped; router mode: each model's too
             if self.routes is not None:
@@ -356,75 +351,6 @@ class Daemon:
         """systemd's STATUS=: one line."""
         return status_line(self.children, len(self.pool.line) if self.pool else 0,
                            self.incidents.recent, self.config_error)
-
-    def _offload_line(self, line: str) -> None:
-        had = self.offload_log.no_gpu
-        self.offload_log.feed(line)
-        if had is None and self.offload_log.no_gpu is not None:
-            self._judge_offload()  # conclusive while it loads: judged (and ended) at once
-
-    def _judge_offload(self) -> None:
-        """How much of the GPU child is on the GPU (policy/offload.py), once per process: from
-        its load log and, where the monitor has figures, a sample taken after it was ready;
-        while it loads already when llama-server says it has no GPU at all (conclusive, and
-        an end then is a quick failure that served nothing). Unknown is judged again at the
-        next tick. Fewer layers than asked is told (status, log); under gpu.require_offload it
-        is a failed start: an incident record, and the child is ended, its exit recorded as
-        no_offload, and backs off (the CPU child serves meanwhile). Single model only: a
-        router's instances hold its memory."""
-        gpu = self.children[self.config.gpu_child]
-        early = gpu.state is ChildState.STARTING and self.offload_log.no_gpu is not None
-        ready = gpu.state is ChildState.READY and gpu.ready_at is not None
-        if self.config.router or gpu.pid is None or not (early or ready) or \
-                self._offload_judged == gpu.generation:
-            return
-        sampled = self.monitor.sampled_at()
-        if not early and self.monitor.available and gpu.ready_at is not None and \
-                (sampled is None or sampled < gpu.ready_at):
-            return
-        args = gpu.cfg.args
-        wanted = offload.asked(
-            llama_args.flag_value(args, "-ngl") or gpu.cfg.env.get("LLAMA_ARG_N_GPU_LAYERS"),
-            llama_args.flag_value(args, "-fit"), llama_args.flag_value(args, "-dev"),
-            overrides=any(llama_args.find_flag(args, f) is not None
-                          for f in ("-ot", "-cmoe", "-ncmoe")))
-        cards = self.monitor.child_devices
-        ours = {pid for pids in self._gpu_owners().values() for pid in pids or ()}
-        figures = any(s.process_bytes for s in cards)
-        memory = offload.Memory(
-            sum(s.process_bytes.get(gpu.pid, 0) for s in cards) if figures else None,
-            self.res.model_size or None,
-            max((b for s in cards for p, b in s.process_bytes.items() if p not in ours),
-                default=0))
-        shape = self.res.model_shape
-        self.offload = verdict = offload.judge(self.offload_log, wanted, memory,
-                                               shape.n_layer if shape is not None else None)
-        if verdict.state == offload.UNKNOWN:
-            return
-        self._offload_judged = gpu.generation
-        if not verdict.short or verdict.kind is None:
-            log.info("[%s] offload: %s: %s", gpu.name, verdict.state, verdict.why)
-            return
-        if not self.config.gpu_settings.require_offload:
-            log.warning("[%s] not on the GPU as asked: %s (told only: gpu.require_offload is "
-                        "false)", gpu.name, verdict.why)
-            return
-        log.warning("[%s] not on the GPU as asked: %s; gpu.require_offload: ending it as a "
-                    "failed start", gpu.name, verdict.why)
-        # An episode of the child's with no request in it: the record says what was done.
-        self.incidents.write(Incident(
-            id=new_incident_id(), episode=new_incident_id(), time=rfc3339(time.time()),
-            request_id="", child=gpu.name, kind=verdict.kind, evidence=verdict.why,
-            decision="ended", reason="gpu.require_offload: a failed start; it backs off and "
-                                     "the CPU child serves",
-            cpu_start_s=0.0, status=0, tokens=0, latency_s=0.0, client_connected=False))
-        gpu.engine.post(lifecycle.Unresponsive(
-            gpu.generation, f"not on the GPU as asked: {verdict.why} (gpu.require_offload)",
-            kind=FailureKind.NO_OFFLOAD))
-
-    def offload_json(self) -> dict[str, Any] | None:
-        """The GPU child's offload, for its status; None in router mode."""
-        return None if self.config.router else self.offload.to_json()
 
     async def _extend_start(self) -> None:
         """While the children load (a first model load can take minutes), ask systemd for
@@ -560,7 +486,7 @@ class Daemon:
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
                            models=self.models, operator=self.operator, streams=self.streams,
-                           offload=self.offload_json)
+                           offload=self.offload.to_json)
         app = build_app(self.proxy, self.auth, routes.table(),
                         StreamRoutes(self.streams, self.metrics, time.time).table(),
                         on_refused=lambda reason: self.metrics.rejections.labels(reason).inc())
