@@ -350,13 +350,14 @@ class RestartConfig:
     quick_failure_s: float = field(metadata=key("number", 10.0, check=_non_negative))
     max_quick_failures: int = field(metadata=key("int", 5, check=_positive))
     hang_timeout_s: float = field(metadata=key("number", 120.0, check=_non_negative))
+    fatal_retry_max_s: float = field(metadata=key("number", 300.0, check=_at_least_one))
     # No progress (no byte, no change in /slots) with work in flight for this long: stalled.
     # None ("auto"): from the child's own measured speeds (policy/progress.py); 0: off.
-    stall_timeout_s: float | None = field(metadata=key("number_or_auto", "auto"))
+    stall_timeout_s: float | None = field(default=None,
+                                          metadata=key("number_or_auto", "auto"))
     # This many 5xx answers in a row, to different requests, from a child that answers /health:
     # sick, drained and restarted (policy/sickness.py); 0: off.
-    sick_after_errors: int = field(metadata=key("int", 3, check=_non_negative))
-    fatal_retry_max_s: float = field(metadata=key("number", 300.0, check=_at_least_one))
+    sick_after_errors: int = field(default=3, metadata=key("int", 3, check=_non_negative))
 
 
 @dataclass(frozen=True)
