@@ -148,7 +148,9 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     mode = ENV.get("FAULT_MODE", "abort")
     when = ENV.get("FAULT_WHEN", "launch")
     if fire and mode == "survive":
-        write(VULKAN_OOM)
+        for line in (VULKAN_LOST if ENV.get("FAULT_LINES") == "vulkan_lost" else [VULKAN_OOM]):
+            write(line)
+        await asyncio.sleep(0.1)  # the lines reach Spillway before the answer does
         return web.json_response({"error": {"code": 500, "message": "Compute error.",
                                              "type": "server_error"}}, status=500)
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP}

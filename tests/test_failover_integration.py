@@ -373,6 +373,27 @@ async def test_an_oom_the_child_survived_drains_it_while_its_other_request_compl
 
 
 @pytest.mark.asyncio
+async def test_a_live_child_that_lost_its_device_is_gpu_fault_and_drained(
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path) -> None:
+    """`Compute error.` from a child that lives on: its last lines say which (a lost device
+    here, not an OOM); it is replayed and the child drained and restarted all the same."""
+    s = spillway(failover_config(llama_server, tiny_model, injector,
+                                 {"FAULT_MARKER": MARKER, "FAULT_MODE": "survive",
+                                  "FAULT_LINES": "vulkan_lost"}))
+    gpu_pid = s.child("gpu")["pid"]
+    async with aiohttp.ClientSession() as http:
+        status, headers, _ = await post(http, s, chat(MARKER))
+    assert status == 200
+    assert headers["X-Spillway-Failover"] == "gpu_fault"
+    assert headers["X-Spillway-Child"] == "cpu"
+    [record] = s.wait_incidents(1)
+    assert record["kind"] == "gpu_fault" and "ErrorDeviceLost" in record["evidence"]
+    after = s.wait_state(("gpu",), ("READY",), timeout=30)["children"]["gpu"]
+    assert after["pid"] != gpu_pid
+    assert "READY -> DRAINING" in transitions(s.log_text(), "gpu")
+
+
+@pytest.mark.asyncio
 async def test_a_client_that_leaves_during_a_replay_cancels_it(
         spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path) -> None:
     cfg = failover_config(llama_server, tiny_model, injector, {"FAULT_MARKER": MARKER},

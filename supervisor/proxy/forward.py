@@ -281,7 +281,8 @@ class Forwarder:
             # evidence.
             return await self._failure(child, generation, closed=True)
         if upstream.status >= 400:
-            verdict = ev.classify_response(upstream.status, body.decode("utf-8", "replace"))
+            verdict = ev.classify_response(upstream.status, body.decode("utf-8", "replace"),
+                                           _tail(child, upstream.status))
             if verdict.child_failed:
                 return AttemptFailure(child.name, generation, verdict, status=upstream.status,
                                       body=body)
@@ -335,8 +336,8 @@ class Forwarder:
         error = sse.error_of(held.first_event)
         if error is not None and held.resp is None:
             code = error.get("code")
-            verdict = ev.classify_response(code if isinstance(code, int) else 500,
-                                           json.dumps(error))
+            status = code if isinstance(code, int) else 500
+            verdict = ev.classify_response(status, json.dumps(error), _tail(child, status))
             if verdict.child_failed:
                 return AttemptFailure(child.name, generation, verdict, status=200,
                                       body=held.first_event, stream_started=True)
@@ -507,7 +508,8 @@ class Forwarder:
                 if sent.status != 200 or not _is_sse(sent):
                     text = (await sent.read()).decode("utf-8", "replace")
                     failure = AttemptFailure(child.name, generation,
-                                             ev.classify_response(sent.status, text),
+                                             ev.classify_response(sent.status, text,
+                                                                  _tail(child, sent.status)),
                                              status=sent.status, after_bytes=True)
                     return await self.end_broken(ctx, resp, failure, interrupted.anthropic,
                                                  "; its continuation was refused")
@@ -522,6 +524,12 @@ class Forwarder:
         if isinstance(result, AttemptFailure):
             return await self.end_broken(ctx, resp, result, interrupted.anthropic)
         return result
+
+
+def _tail(child: Upstream, status: int) -> list[str]:
+    """The child's last lines, for a 5xx it answered alive: they tell a `Compute error.` after
+    a lost device from one after an OOM (none needed for other answers)."""
+    return list(child.stderr_tail)[-50:] if status >= 500 else []
 
 
 def _first_line(status: int, body: bytes) -> str:
