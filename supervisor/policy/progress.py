@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from typing import Any
 
 # The timeout derived from the child's own speeds: this many of its slowest steps (one prompt
-# batch, or a few tokens), bounded; before it has any measured speed, the /health rule's 120 s.
+# batch, or a few tokens), bounded. Before it has any measured speed, the ceiling: a first
+# prompt batch of 2,048 tokens on a large model on a CPU can take minutes, with /slots silent
+# all along (the loop that answers it is inside llama_decode), and must not look like a stall.
 STEPS = 4.0
 MIN_STALL_S = 15.0
 MAX_STALL_S = 300.0
-UNMEASURED_STALL_S = 120.0
+UNMEASURED_STALL_S = MAX_STALL_S
 DEFAULT_BATCH = 2048  # llama-server's -b
 TOKENS_PER_STEP = 16  # a handful of tokens: a slow child's decode step, with room
 
