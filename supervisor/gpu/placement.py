@@ -29,10 +29,11 @@ class Placement:
     """The GPU child's cards. The daemon feeds it the listing and the child's output lines,
     and the monitor asks it at every sample (`choose`)."""
 
-    def __init__(self, settings: ChildConfig, pids: Callable[[], Iterable[int] | None]) -> None:
+    def __init__(self, settings: ChildConfig, pids: Callable[[], Iterable[int] | None],
+                 listed: Callable[[], Sequence[Listed]] = lambda: ()) -> None:
         self.settings = settings
         self.pids = pids  # the GPU child's processes (a router's instances among them)
-        self.listed: list[Listed] = []  # its build's --list-devices
+        self.listed = listed  # its build's --list-devices (the monitor keeps it)
         self.logged: list[Listed] = []  # `using device` lines of its current process
         self.missing = ""  # what gpu.device names that is not there
 
@@ -52,7 +53,7 @@ class Placement:
         """The cards gpu.device picks among those its build can use and its environment lets
         it see (the visible-devices variables of Spillway's own environment, or of gpu.env,
         which wins): an index counts the cards it sees."""
-        seen = visible(usable_by_build(cards, self.listed), self.visibility_env())
+        seen = visible(usable_by_build(cards, self.listed()), self.visibility_env())
         chosen, self.missing = pick(seen, self.settings.device)
         return chosen
 

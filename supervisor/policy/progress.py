@@ -17,7 +17,6 @@ Pure: the caller reads the clock, the slots and the child's speeds.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -130,6 +129,3 @@ def evidence(w: Watch, timeout_s: float) -> str:
     return (f"no progress for {w.since_progress_s:.1f} s (stall_timeout_s {timeout_s:.0f}) "
             f"with {w.busy} request(s) in flight; {byte}; {slots}")
 
-
-def any_moved(readings: Sequence[SlotsView | None]) -> bool:
-    return any(moved(a, b) for a, b in zip(readings, readings[1:], strict=False))

@@ -133,7 +133,8 @@ class Daemon:
         self.monitor.owners = self._gpu_owners
         # Which cards the GPU child uses: asked by the monitor at every sample.
         self.placement = Placement(config.gpu_settings,
-                                   lambda: self._gpu_owners().get(self.config.gpu_child))
+                                   lambda: self._gpu_owners().get(self.config.gpu_child),
+                                   lambda: self.monitor.listed)
         self.monitor.chooser = self.placement.choose
         self.children: dict[str, Child] = {}
         self.gpu_devices: list[str] = []
@@ -572,7 +573,7 @@ class Daemon:
             list_devices, self.config.gpu_settings.llama_server, 10.0, self._gpu_env())
         self.devices_listed = True
         # Which vendors' cards it can use, and Intel's totals (drm.py): the listing says.
-        self.monitor.listed = self.placement.listed = parse_listing(self.gpu_devices)
+        self.monitor.listed = parse_listing(self.gpu_devices)
         if not self.gpu_devices:
             log.warning("the GPU child's llama-server (%s) lists no GPU device: it runs "
                         "CPU-only", self.config.gpu_settings.llama_server)
