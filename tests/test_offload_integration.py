@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
 from cdp import Browser
-from harness import Spillway, real_config, write_json
+from harness import Spillway, eventually, real_config, write_json
 
 from conftest import SpillwayFactory
 from supervisor.commands.cli import format_status
@@ -33,13 +32,14 @@ CARD = {"total_mib": 24576, "free_mib": 20000, "name": "Fake RTX", "uuid": "GPU-
 def wait_offload(s: Spillway, states: tuple[str, ...], timeout: float = 20.0
                  ) -> dict[str, Any]:
     """The GPU child's offload once judged (not "not judged yet") and in one of `states`."""
-    deadline = time.monotonic() + timeout
-    while True:
+    def judged() -> dict[str, Any] | None:
         told = s.child("gpu").get("offload") or {}
-        if told.get("state") in states and "not judged yet" not in told.get("why", ""):
-            return told
-        assert time.monotonic() < deadline, (told, s.log_tail())
-        time.sleep(0.1)
+        ok = told.get("state") in states and "not judged yet" not in told.get("why", "")
+        return told if ok else None
+
+    told = eventually(judged, timeout)
+    assert told, (s.child("gpu").get("offload"), s.log_tail())
+    return dict(told)
 
 
 def layers_of(model: Path) -> int:
@@ -134,7 +134,7 @@ def test_a_card_where_the_childs_pid_holds_the_model_says_full(
     assert s.incidents() == []
     # Judged once for this process: the figures changing later do not change it.
     write_json(nvml, **CARD, processes={})
-    time.sleep(0.5)
+    assert eventually(lambda: s.status()["gpu"]["children_used_bytes"]["gpu"] == 0)  # sampled
     assert s.child("gpu")["offload"]["state"] == "full"
 
 

@@ -4,11 +4,10 @@ client repeating one bad request does not (fake llama-server children, sick on d
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
-from harness import fake_config
+from harness import eventually, fake_config
 
 from conftest import SpillwayFactory
 
@@ -52,10 +51,7 @@ def test_a_child_failing_every_request_is_drained_and_restarted(
     flag.unlink()  # the restart heals it
     status, answer = s.post("/v1/chat/completions", body)
     assert status == 200
-    deadline = time.monotonic() + 30
-    while s.child("gpu")["restarts"] < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    assert eventually(lambda: s.child("gpu")["restarts"] >= 1, timeout=30)
     assert f"[gpu] sick ({kind})" in s.log_text()
     _, timeline = s.get("/spillway/timeline")
     drained = [t for t in timeline["events"] if t["child"] == "gpu" and t["state"] == "DRAINING"]
