@@ -9,7 +9,7 @@ import pytest
 from supervisor.policy.devices import (
     AMD, GIB, HIDE_ALL_GPUS, INTEL, MIB, NVIDIA, Card, ChildArgs, Listed, Room,
     devices_of_child, is_apu, normalize_pci, parse_listing, parse_using_device, pick,
-    short_of, tightest, usable_by_build,
+    short_of, tightest, usable_by_build, visible,
 )
 
 N1 = Card(NVIDIA, "0000:01:00.0", "GPU-aaa", "RTX 3090")
@@ -159,7 +159,6 @@ def test_the_cpu_child_is_hidden_from_every_vendors_cards() -> None:
 
 
 def test_the_visible_devices_variables_narrow_what_a_process_sees() -> None:
-    from supervisor.policy.devices import visible
     cards = [N1, N2, A1, A2]
     assert visible(cards, {}) == cards
     assert visible(cards, {"CUDA_VISIBLE_DEVICES": "1"}) == [N2, A1, A2]
