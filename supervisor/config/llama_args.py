@@ -162,6 +162,12 @@ def merge_args(shared: list[str] | tuple[str, ...], own: list[str] | tuple[str, 
     return merged
 
 
+def without(args: list[str] | tuple[str, ...], flags: tuple[str, ...]) -> list[str]:
+    """The args without any of `flags` (any alias) and their values."""
+    dropped = {canonical(f) for f in flags}
+    return [t for g in group_args(args) if g.flag not in dropped for t in g.tokens]
+
+
 def find_flag(args: list[str] | tuple[str, ...], flag: str) -> FlagGroup | None:
     """The last group for `flag` (any alias), as llama-server takes the last value given."""
     wanted = canonical(flag)

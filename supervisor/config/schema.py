@@ -40,17 +40,32 @@ if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 # The children, by their sections' names, in the order of preference: the first serves; a
-# request that fails on one is taken over by the next (policy/replay.takeover). The first is
-# given the GPU (its card's figures, the VRAM headroom rule, -fit off); the other runs without
-# one. Said here once: elsewhere the order and what each child is come from the config.
+# request that fails on one is taken over by the next that serves the same model
+# (policy/replay.takeover). The first is given the GPU (its card's figures, the VRAM headroom
+# rule, -fit off); the last runs without one. Between them, when [small] names a model, the
+# small child: a smaller model on the GPU's cards, for the requests that accept another model
+# (X-Spillway-Fallback: smaller). Said here once: elsewhere the order and what each child is
+# come from the config (Config.order).
 GPU_CHILD = "gpu"
+SMALL_CHILD = "small"
 CPU_CHILD = "cpu"
-CHILDREN = (GPU_CHILD, CPU_CHILD)
-LABELS = {GPU_CHILD: "GPU child", CPU_CHILD: "CPU child"}  # as people are told
+CHILDREN = (GPU_CHILD, SMALL_CHILD, CPU_CHILD)  # every child section, in the order of preference
+ROUTERS = (GPU_CHILD, CPU_CHILD)  # router mode's two children (the small child is not one)
+LABELS = {GPU_CHILD: "GPU child", SMALL_CHILD: "small child", CPU_CHILD: "CPU child"}
 
 # Changes a reload cannot apply: noted in status, they take effect when spillway restarts.
 RESTART_KEYS = ("server.listen", "gpu.device", "balancer.agent_listen")
 CPU_MODES = ("hot", "on-demand")
+# resident: always loaded beside the GPU child (its VRAM is taken from what the GPU child has);
+# on-demand: started into the VRAM a death of the GPU child freed, drained before it starts again
+SMALL_MODES = ("resident", "on-demand")
+# who the small child serves: requests that say X-Spillway-Fallback: smaller, or every request
+# that may change model (for a server whose users accepted it)
+SMALL_REQUESTS = ("opt-in", "all")
+# Flags of model.args that name the large model's own files or name: the small child, serving
+# another model, does not take them (llama-server answers with its alias as the "model").
+LARGE_MODEL_ONLY = ("-a", "--mmproj", "--lora", "--lora-scaled", "-md", "--chat-template",
+                    "--chat-template-file")
 
 
 @dataclass(frozen=True)
@@ -93,7 +108,7 @@ class Key:
     check: Check | None = None
     name: str | None = None  # the TOML name, when it is not the field's name
     convert: Convert | None = None  # by default by kind: float, int, bool, tuple, dict, str
-    only: str | None = None  # a child field: the one child section ("gpu", "cpu") with this key
+    only: str | None = None  # a child field: the one child section ("gpu", ...) with this key
 
 
 def key(kind: str, default: Any = None, *, required: bool = False, check: Check | None = None,
@@ -255,17 +270,19 @@ class ModelConfig:
 class ChildConfig:
     """Everything one child needs; `args` are already merged with `model.args`.
 
-    One class for the [gpu] and [cpu] sections: a key with `only` is in that section alone,
-    and the other child gets the field's default.
+    One class for the [gpu], [small] and [cpu] sections: a key with `only` is in that section
+    alone, and the other children get the field's default.
     """
 
-    name: str = field(metadata=derived())  # its section's: "gpu" or "cpu"
+    name: str = field(metadata=derived())  # its section's: "gpu", "small" or "cpu"
     # model.args, then this child's own (a flag here replaces the same flag there)
     args: tuple[str, ...] = field(metadata=derived(
         Key("str_list", ["-ngl", "99"], only=GPU_CHILD),
+        Key("str_list", ["-ngl", "99"], only=SMALL_CHILD),
         Key("str_list", ["--device", "none", "-ngl", "0"], only=CPU_CHILD)))
     llama_server: str = field(metadata=derived(Key("str")))  # else model.llama_server
-    model_path: str = field(metadata=derived())  # model.path; empty in router mode
+    # model.path (empty in router mode); the small child's is small.path (empty: no small child)
+    model_path: str = field(metadata=derived(Key("str", "", name="path", only=SMALL_CHILD)))
     env: Mapping[str, str] = field(metadata=key("str_table", {}))
     start_timeout_s: float = field(metadata=key("number", 300.0, check=_positive))
     stop_grace_s: float = field(metadata=key("number", 10.0, check=_non_negative))
@@ -276,11 +293,16 @@ class ChildConfig:
                                                            only=GPU_CHILD))
     # With fewer of its layers on the GPU than asked (none, or some), it failed its start
     require_offload: bool = field(default=False, metadata=key("bool", False, only=GPU_CHILD))
+    # cpu and small
+    mode: str = field(default="hot", metadata={KEYS: (
+        Key("str", "hot", check=_one_of(*CPU_MODES), only=CPU_CHILD),
+        Key("str", "resident", check=_one_of(*SMALL_MODES), only=SMALL_CHILD))})
     # cpu only
-    mode: str = field(default="hot", metadata=key("str", "hot", check=_one_of(*CPU_MODES),
-                                                  only=CPU_CHILD))
     idle_stop_s: float = field(default=600.0, metadata=key("number", 600.0, check=_positive,
                                                            only=CPU_CHILD))
+    # small only
+    requests: str = field(default="opt-in", metadata=key(
+        "str", "opt-in", check=_one_of(*SMALL_REQUESTS), only=SMALL_CHILD))
 
     @property
     def on_gpu(self) -> bool:
@@ -289,13 +311,27 @@ class ChildConfig:
         return self.name == GPU_CHILD
 
     @property
+    def smaller(self) -> bool:
+        """Serves a smaller model than the others: only requests that accept another model
+        go to it, and a stream is never continued on it (or from it on another)."""
+        return self.name == SMALL_CHILD
+
+    @property
+    def uses_gpu(self) -> bool:
+        """Runs on the GPU's cards (the GPU child's, and the small child beside it): it sees
+        the cards the GPU child sees, and its memory there is counted as the children's."""
+        return self.on_gpu or self.smaller
+
+    @property
     def label(self) -> str:
         """What people are told it is: "GPU child", "CPU child"."""
         return LABELS.get(self.name, f"{self.name} child")
 
     @property
     def on_demand(self) -> bool:
-        """Started when a request needs it, stopped when idle (cpu.mode = "on-demand")."""
+        """Started when needed, not at boot (cpu.mode or small.mode = "on-demand"): the CPU
+        child for a request, stopped when idle; the small child when the GPU child dies,
+        drained before the GPU child starts again."""
         return self.mode == "on-demand"
 
     def command(self, port: int, api_key: str) -> list[str]:
@@ -435,6 +471,7 @@ class Config:
     server: ServerConfig
     model: ModelConfig
     gpu: ChildConfig
+    small: ChildConfig  # a child only when small.path names a model (see `order`)
     cpu: ChildConfig
     restart: RestartConfig
     failover: FailoverConfig
@@ -446,17 +483,24 @@ class Config:
     balancer: BalancerConfig
 
     def child(self, name: str) -> ChildConfig:
-        return self.gpu if name == GPU_CHILD else self.cpu
+        child: ChildConfig = getattr(self, name)
+        return child
 
     @property
     def children(self) -> tuple[ChildConfig, ...]:
-        """Every child, in the order of preference (CHILDREN)."""
-        return tuple(self.child(name) for name in CHILDREN)
+        """Every child, in the order of preference (`order`)."""
+        return tuple(self.child(name) for name in self.order)
 
     @property
     def order(self) -> tuple[str, ...]:
-        """The children's names, in the order of preference."""
-        return CHILDREN
+        """The children's names, in the order of preference: the small child's only when
+        small.path names its model."""
+        return tuple(n for n in CHILDREN if n != SMALL_CHILD or self.small.model_path)
+
+    @property
+    def small_child(self) -> str | None:
+        """The child serving a smaller model, when there is one."""
+        return next((c.name for c in self.children if c.smaller), None)
 
     @property
     def gpu_child(self) -> str:
@@ -740,6 +784,16 @@ def _check_across(values: Mapping[str, Mapping[str, Any]], problems: list[Proble
         args = values[section]["args"]
         if all(isinstance(a, str) for a in args):
             _check_child_args(section, args, problems)
+    small = values[SMALL_CHILD]
+    if not small["path"]:
+        defaults = SCHEMA[SMALL_CHILD]
+        given = [k for k in ("args", "mode", "requests") if small[k] != defaults[k].default]
+        if given:
+            problems.append(Problem(f"{SMALL_CHILD}.path", f"is required for small.{given[0]}: "
+                                    "the smaller model's GGUF file"))
+    elif not values["model"]["path"]:
+        problems.append(Problem(f"{SMALL_CHILD}.path", "a small child is for single-model mode "
+                                "(model.path); router mode has no third child"))
     r = values["restart"]
     if r["backoff_max_s"] < r["backoff_initial_s"]:
         problems.append(Problem("restart.backoff_max_s", "must be at least "
@@ -758,8 +812,13 @@ def _build_child(name: str, v: Mapping[str, Any], model: ModelConfig,
     """Special: a child's args are merged with model.args (and the GPU child's get -fit off; a
     router's get --no-models-autoload), its binary falls back to model.llama_server, and its
     model is model.path."""
-    merged = llama_args.merge_args(list(model.args), _arg_paths(v["args"], base_dir))
-    if name == GPU_CHILD and llama_args.find_flag(merged, "-fit") is None:
+    shared = list(model.args)
+    model_path = model.path
+    if name == SMALL_CHILD:
+        shared = llama_args.without(shared, LARGE_MODEL_ONLY)
+        model_path = _file(v["path"], base_dir) if v["path"] else ""
+    merged = llama_args.merge_args(shared, _arg_paths(v["args"], base_dir))
+    if name in (GPU_CHILD, SMALL_CHILD) and llama_args.find_flag(merged, "-fit") is None:
         # With fit on, llama-server quietly shrinks the load to the free VRAM, turning a clean
         # load-time OOM into a slow partial offload.
         merged += ["-fit", "off"]
@@ -774,7 +833,7 @@ def _build_child(name: str, v: Mapping[str, Any], model: ModelConfig,
     server = v["llama_server"] or model.llama_server
     return _make(ChildConfig, name, v, base_dir, name=name, args=tuple(merged),
                  llama_server=_expand(server, base_dir, must_have_sep=True),
-                 model_path=model.path)
+                 model_path=model_path)
 
 
 def _flag_key(values: Mapping[str, Mapping[str, Any]], child: str, flag: str) -> str:
@@ -799,7 +858,7 @@ def _check_router(values: Mapping[str, Mapping[str, Any]],
     """Router mode against single-model mode, the router flags' values, and the one set of
     models both routers must serve."""
     model_path = values["model"]["path"]
-    for section in ("model", *CHILDREN):
+    for section in ("model", *ROUTERS):
         args = values[section]["args"]
         if not all(isinstance(a, str) for a in args):
             continue
@@ -821,13 +880,13 @@ def _check_router(values: Mapping[str, Mapping[str, Any]],
     if model_path:
         return
     for flag in llama_args.ROUTER_SOURCES:
-        ours = [llama_args.flag_value(children[n].args, flag) or None for n in CHILDREN]
+        ours = [llama_args.flag_value(children[n].args, flag) or None for n in ROUTERS]
         if len(set(ours)) > 1:
-            own = [n for n in CHILDREN if llama_args.find_flag(values[n]["args"], flag)]
+            own = [n for n in ROUTERS if llama_args.find_flag(values[n]["args"], flag)]
             said = " and ".join(f"{v or 'not given'} for the {children[n].label}"
-                                for n, v in zip(CHILDREN, ours))
+                                for n, v in zip(ROUTERS, ours))
             problems.append(Problem(
-                _flag_key(values, (own or list(CHILDREN))[0], flag),
+                _flag_key(values, (own or list(ROUTERS))[0], flag),
                 f"both routers serve the same models, but {flag} is {said}; give it once in "
                 "model.args"))
 
@@ -839,6 +898,10 @@ def _path_problems(values: Mapping[str, Mapping[str, Any]], model: ModelConfig,
     problems = []
     if model.path and not Path(model.path).is_file():
         problems.append(Problem("model.path", f"no such file: {model.path}"))
+    small = children[SMALL_CHILD]
+    if small.model_path and not Path(small.model_path).is_file():
+        problems.append(Problem(f"{SMALL_CHILD}.path", f"no such file: {small.model_path}"))
+    children = {n: c for n, c in children.items() if n != SMALL_CHILD or c.model_path}
     for name, child in children.items():
         if child.models_dir and not Path(child.models_dir).is_dir():
             problems.append(Problem(_flag_key(values, name, llama_args.MODELS_DIR),
@@ -885,7 +948,7 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
     server = _make(ServerConfig, "server", values["server"], base_dir, listen=tuple(listen),
                    api_key=api_key)
     return Config(path=None, server=server, model=model, gpu=children[GPU_CHILD],
-                  cpu=children[CPU_CHILD], **sections)
+                  small=children[SMALL_CHILD], cpu=children[CPU_CHILD], **sections)
 
 
 def _dedupe(problems: list[Problem]) -> list[Problem]:
