@@ -6,12 +6,17 @@ Pure. The design's order, numbered the same way in the code:
 2. Bad input is rejected with a 4xx before any child sees it (the handler checks the body).
 3. A prompt over the GPU child's context per slot goes to a child with room, else 400.
 4. GPU child ready, under its concurrency cap, VRAM headroom kept: forward to it.
+   (4c) A request that accepts another model (X-Spillway-Fallback: smaller, or
+   small.requests = "all"), when a small child serves a smaller model on the GPU: forward to
+   it, ready with room (or on-demand and startable): its answer comes at GPU speed, where the
+   CPU child's would take minutes or miss the deadline.
 5. Replay-safe, CPU child ready or startable (RAM available), expected CPU time within the
    client's deadline: forward to the CPU child.
 
 The children come in the config's order (`Capacity.children`): the first is the GPU child (the
 preferred, given the GPU: the headroom rule is its), the last the CPU child (the one a request
-that may move goes to); their names and labels are the config's.
+that may move goes to), and between them the small child when one is configured (`smaller`:
+only the requests that accept another model go to it); their names and labels are the config's.
 6. Room in the waiting line and the wait fits the deadline: wait, in FIFO order.
 7. Else 503 with Retry-After, x-should-retry, queue position and the estimated wait.
 
@@ -51,6 +56,7 @@ class ChildView:
     # None when it is not coming back by itself (FATAL, stopped, paused) or nothing is known.
     back_in_s: float | None = None
     label: str = ""  # as people are told ("GPU child"); by default from its name
+    smaller: bool = False  # serves a smaller model: only requests that accept one go to it
 
     @property
     def shown(self) -> str:
@@ -79,6 +85,9 @@ class Request:
     # Counted and checked as the child counts and checks (policy/prompts.py): Spillway may then
     # refuse a prompt over every context itself, in the child's words.
     exact_count: bool = True
+    # It accepts an answer from a smaller model (X-Spillway-Fallback: smaller, or the config's
+    # small.requests = "all"): the small child may take it.
+    smaller_ok: bool = False
 
 
 @dataclass(frozen=True)
@@ -100,6 +109,11 @@ class Capacity:
     def cpu(self) -> ChildView:
         """The last child: where a request that may move goes when the first cannot take it."""
         return self.children[-1]
+
+    @property
+    def small(self) -> ChildView | None:
+        """The child serving a smaller model, when one is configured."""
+        return next((c for c in self.children if c.smaller), None)
 
     def child(self, name: str) -> ChildView:
         return next(c for c in self.children if c.name == name)
@@ -144,6 +158,40 @@ def _retry_after(cap: Capacity) -> float:
     return 30.0
 
 
+def _to_smaller(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:
+    """Branch 4c: for a request that accepts a smaller model, the small child (if there is
+    one), ready with room or startable, when the prompt fits it."""
+    small = cap.small
+    if not req.smaller_ok or small is None or not small.fits(req.prompt_tokens) or not (
+            small.has_room or small.startable):
+        return None
+    return Decision(Action.FORWARD, 4, f"rerouted to the smaller model on the {small.shown}: "
+                                       f"{_gpu_cannot(cap, gpu_fits)}", child=small.name,
+                    start_child=not small.has_room)
+
+
+def _coming(req: Request, cap: Capacity, gpu_fits: bool, cpu_fits: bool) -> bool:
+    """Whether a child that could take the request serves (or may start) before long."""
+    gpu, cpu, small = cap.gpu, cap.cpu, cap.small
+    return (gpu_fits and (_may_serve(gpu) or gpu.startable)) or (
+        req.cpu_allowed and cpu_fits and (_may_serve(cpu) or cpu.startable)) or (
+        req.smaller_ok and small is not None and small.fits(req.prompt_tokens)
+        and _may_serve(small))
+
+
+def _gpu_cannot(cap: Capacity, gpu_fits: bool) -> str:
+    """Why the GPU child cannot take a request now, in a few words."""
+    gpu = cap.gpu
+    if not gpu_fits:
+        return f"the prompt exceeds the {gpu.shown}'s context"
+    if not gpu.ready:
+        return f"the {gpu.shown} is {gpu.state}"
+    if gpu.busy >= gpu.cap:
+        return f"the {gpu.shown} is full ({gpu.busy}/{gpu.cap})"
+    return (f"the GPU has {cap.vram_free_mib:.0f} MiB free, under the "
+            f"{cap.vram_headroom_mib:.0f} MiB headroom")
+
+
 def _why(cap: Capacity) -> str:
     parts = []
     for c in cap.children:
@@ -167,9 +215,12 @@ def loading(states: Mapping[str, ChildState], pin: str | None = None) -> bool:
     return ChildState.READY not in chosen and ChildState.STARTING in chosen
 
 
-def passthrough(states: Mapping[str, ChildState], pin: str | None) -> Decision:
+def passthrough(states: Mapping[str, ChildState], pin: str | None,
+                smaller: frozenset[str] = frozenset()) -> Decision:
     """Routes outside generation: outside the caps, never replayed. `states`: each upstream's,
-    in the order of preference (the config's)."""
+    in the order of preference (the config's). An upstream serving a smaller model (`smaller`)
+    answers them only when pinned: /props, /tokenize and the rest speak of the model the
+    others serve."""
     if pin is not None and pin in states:
         if states[pin] == ChildState.READY:
             return Decision(Action.FORWARD, 4, "pinned by X-Spillway-Child", child=pin)
@@ -177,7 +228,7 @@ def passthrough(states: Mapping[str, ChildState], pin: str | None) -> Decision:
                                           f"{states[pin]}", retry_after_s=5.0,
                         cause="no_child")
     for name, state in states.items():
-        if state == ChildState.READY:
+        if state == ChildState.READY and name not in smaller:
             return Decision(Action.FORWARD, 4, f"{name} child ready", child=name)
     return Decision(Action.REJECT, 7, "no child is ready (" + ", ".join(
         f"{n} is {s}" for n, s in states.items()) + ")", retry_after_s=5.0, cause="no_child")
@@ -208,6 +259,9 @@ def decide(req: Request, cap: Capacity) -> Decision:
     # 4. The GPU child: ready, under its cap, VRAM headroom kept.
     if gpu_fits and gpu.has_room and _headroom_kept(cap):
         return Decision(Action.FORWARD, 4, f"{gpu.shown} has room", child=gpu.name)
+    # 4c. A smaller model on the GPU, for a request that accepts one.
+    if (to_small := _to_smaller(req, cap, gpu_fits)) is not None:
+        return to_small
     cpu_in_time = (req.deadline_s is None or cpu.expected_s is None
                    or cpu.expected_s <= req.deadline_s)
     # 4b. Router mode: the model is not loaded on the GPU router, and loading it would fit
@@ -230,9 +284,7 @@ def decide(req: Request, cap: Capacity) -> Decision:
             return Decision(Action.FORWARD, 5, f"{cpu.shown} started on demand",
                             child=cpu.name, start_child=True)
     # 6. Wait in line, if there is room, the wait fits, and capacity can come back at all.
-    coming = (gpu_fits and (_may_serve(gpu) or gpu.startable)) or (
-        req.cpu_allowed and cpu_fits and (_may_serve(cpu) or cpu.startable))
-    if not coming:
+    if not _coming(req, cap, gpu_fits, cpu_fits):
         return Decision(Action.REJECT, 7, f"no child can take it: {_why(cap)}",
                         retry_after_s=_retry_after(cap), cause="no_child")
     allowed = cap.max_wait_s if req.deadline_s is None else min(cap.max_wait_s, req.deadline_s)
@@ -241,6 +293,12 @@ def decide(req: Request, cap: Capacity) -> Decision:
         return Decision(Action.WAIT, 6, f"waiting: {_why(cap)}", queue_position=position,
                         retry_after_s=cap.wait_s)
     # 7. Reject, saying when to come back.
+    return _reject(req, cap, allowed, cpu_in_time)
+
+
+def _reject(req: Request, cap: Capacity, allowed: float, cpu_in_time: bool) -> Decision:
+    """Branch 7: the line is full, or the wait is longer than the client will wait."""
+    cpu = cap.cpu
     cause = "queue_full" if cap.waiting >= cap.max_waiting else "wait_too_long"
     if cap.waiting >= cap.max_waiting:
         reason = f"the waiting line is full ({cap.max_waiting} waiting): {_why(cap)}"
@@ -251,7 +309,7 @@ def decide(req: Request, cap: Capacity) -> Decision:
         reason += (f"; the {cpu.shown} would need about {cpu.expected_s:.0f} s, the deadline "
                    f"is {req.deadline_s:.0f} s")
     return Decision(Action.REJECT, 7, reason, retry_after_s=_retry_after(cap),
-                    queue_position=position, cause=cause)
+                    queue_position=cap.waiting + 1, cause=cause)
 
 
 def can_serve_now(req: Request, cap: Capacity) -> Decision | None:

@@ -253,9 +253,12 @@ class Restart:
 
 @dataclass(frozen=True)
 class Drain:
-    """READY only: no new work; when its requests are done (or the drain timeout), stop it."""
+    """READY only: no new work; when its requests are done (or the drain timeout), stop it;
+    then start it again, unless `stop` (it stays stopped: the small child, making way for the
+    GPU child)."""
 
     reason: str
+    stop: bool = False
 
 
 @dataclass(frozen=True)
@@ -541,7 +544,10 @@ def _restart(t: _Turn, e: Restart) -> None:
 def _drain(t: _Turn, e: Drain) -> None:
     if t.life.state is S.READY:
         t.enter(S.DRAINING, e.reason)
-        t.set(then=t.ctx.manner.after_drain)
+        if e.stop:
+            t.set(wanted=False, then=None)
+        else:
+            t.set(then=t.ctx.manner.after_drain)
         t.actions.append(WaitIdle(t.ctx.drain_timeout_s))
 
 

@@ -16,7 +16,7 @@ When one fails, the reason says which, and the client gets a controlled error in
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from .evidence import Verdict
@@ -35,12 +35,22 @@ class Refusal(enum.StrEnum):
     NO_TARGET = "no other child can take it"
 
 
-def takeover(order: Sequence[str], failed: str) -> str | None:
-    """Who takes over a request that failed on `failed`: the next upstream in the config's
-    order, from the last back to the first (today gpu -> cpu, cpu -> gpu); None alone."""
-    if failed not in order or len(order) < 2:
-        return None
-    return order[(order.index(failed) + 1) % len(order)]
+def successors(order: Sequence[str], failed: str,
+               skip: Collection[str] = ()) -> list[str]:
+    """Who may take over a request that failed on `failed`, first choice first: the upstreams
+    after it in the config's order, from the last back to the first (gpu -> small -> cpu,
+    cpu -> gpu), less those in `skip` (a smaller model's, for a request that did not accept
+    one)."""
+    if failed not in order:
+        return []
+    at = order.index(failed)
+    after = [order[(at + step) % len(order)] for step in range(1, len(order))]
+    return [name for name in after if name not in skip]
+
+
+def takeover(order: Sequence[str], failed: str, skip: Collection[str] = ()) -> str | None:
+    """The first of `successors`; None alone."""
+    return next(iter(successors(order, failed, skip)), None)
 
 
 @dataclass(frozen=True)

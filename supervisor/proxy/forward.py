@@ -86,6 +86,7 @@ class RequestCtx:
     capture: bytearray | None = None  # the bytes sent, when an Idempotency-Key wants them
     capture_limit: int = 0
     model: str | None = None  # router mode: the model it names, as the routers list it
+    smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
     # A stream that may be continued on the other child: what the client has of it so far.
     follow: continuation.Transcript | None = None
     continued: bool = False  # it was continued once (never twice)

@@ -111,6 +111,9 @@ class ProxySettings:
     no_prefill: frozenset[str] = frozenset()
     body_timeout_s: float = 30.0
     access_log: bool = True
+    # small.requests = "all": every generation request accepts the small child's smaller
+    # model unless it says X-Spillway-Fallback: none.
+    smaller_for_all: bool = False
 
 
 @dataclass
@@ -202,6 +205,14 @@ class ProxyHandler:
             # A stream that may go on from the other child if its own dies after bytes: what
             # the client receives of it is followed.
             ctx.follow = continuation.Transcript(continuation.route_kind(ctx.path) or "chat")
+        fallback = request.headers.get("X-Spillway-Fallback", "").strip().lower()
+        if fallback not in FALLBACKS:
+            return self._early(ctx, request, rid, "bad_request", errors.invalid_request(
+                400, "X-Spillway-Fallback must be \"smaller\" (a smaller model may answer "
+                     "when the GPU child cannot) or \"none\"", rid,
+                param="X-Spillway-Fallback"))
+        ctx.smaller_ok = route is RouteClass.GENERATION and payload is not None and (
+            fallback == "smaller" or (fallback == "" and self.settings.smaller_for_all))
         conversation = request.headers.get("X-Conversation-Id") if ctx.stream else None
         if conversation is not None:
             if not 0 < len(conversation) <= MAX_CONVERSATION_ID:
@@ -377,7 +388,8 @@ class ProxyHandler:
             got = await pool.lease(admission.Request(
                 route=ctx.route, prompt_tokens=count.largest,
                 cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx),
-                exact_count=count.exact), len(ctx.body), estimate.requested_tokens(ctx.payload))
+                exact_count=count.exact, smaller_ok=ctx.smaller_ok),
+                len(ctx.body), estimate.requested_tokens(ctx.payload))
         if isinstance(got, admission.Decision):
             loading = admission.loading(pool.states(), pin)
             return Answered(self._refusal(ctx, got, count, loading))
@@ -463,12 +475,14 @@ class ProxyHandler:
             attempts=len(ctx.attempts),
             deadline_left_s=self._deadline_left(ctx),
             body_size=len(ctx.body),
-            max_tokens=estimate.requested_tokens(ctx.payload)))
+            max_tokens=estimate.requested_tokens(ctx.payload),
+            smaller_ok=ctx.smaller_ok))
         if isinstance(nxt, GiveUp):
             episodes.append(_Episode(failure, "rejected", nxt.reason))
             return Answered(self._controlled_error(ctx, failure, nxt))
         other = nxt.lease.name
-        episodes.append(_Episode(failure, "replayed", nxt.reason, nxt.lease.start_s, other))
+        episodes.append(_Episode(failure, "rerouted" if nxt.smaller else "replayed",
+                                 nxt.reason, nxt.lease.start_s, other))
         ctx.follow = None  # a replay is the second attempt: it is not continued in turn
         ctx.failover_kind = str(failure.verdict.kind)
         log.warning("rid=%s %s child failed (%s: %s); replaying on the %s child",
@@ -674,6 +688,11 @@ def _outcome(ctx: RequestCtx, status: int, broken: bool) -> str:
     if not ctx.attempts:
         return "rejected"
     return "client_error" if status < 500 else "failed"
+
+
+# X-Spillway-Fallback's values: "smaller" accepts a smaller model's answer, "none" refuses
+# one even where small.requests = "all", "" (not given) is the config's choice.
+FALLBACKS = ("", "smaller", "none")
 
 
 def _opted_out(ctx: RequestCtx) -> bool:

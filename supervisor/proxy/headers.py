@@ -17,6 +17,7 @@ HOP_BY_HOP = frozenset(h.lower() for h in (
 _NOT_UPSTREAM = HOP_BY_HOP | frozenset({
     "host", "content-length", "authorization", "x-api-key", "accept-encoding", "expect",
     "x-spillway-child", "x-spillway-replay", "x-spillway-deadline", "idempotency-key",
+    "x-spillway-fallback",
     # Spillway holds resumable streams itself (stream_sessions.py): a child that saw the id
     # would keep generating after Spillway stopped reading, until a DELETE it never gets.
     "x-conversation-id",

@@ -3,9 +3,10 @@
 An episode is one failure of a child (one death, one OOM the child survived); an incident is one
 request caught in it. A crash that hits 16 requests is one episode and 16 incidents. Fields:
 
-    id, episode, time (RFC 3339), request_id, child, kind, evidence, decision (replayed,
-    rejected, passed_on), reason, cpu_start_s (0 when the CPU child was already running),
-    status, tokens, latency_s, client_connected
+    id, episode, time (RFC 3339), request_id, child, kind, evidence, decision (replayed;
+    rerouted: replayed on the small child's smaller model; continued; rejected; passed_on),
+    reason, cpu_start_s (0 when the CPU child was already running), status, tokens, latency_s,
+    client_connected
 
 The file is rotated by size (`incidents.jsonl`, `.1`, `.2`, ...); the newest records are also
 kept in memory for the status.
@@ -38,7 +39,7 @@ class Incident:
     child: str
     kind: str
     evidence: str
-    decision: str  # replayed | rejected | passed_on
+    decision: str  # replayed | rerouted (to a smaller model) | rejected | passed_on | continued
     reason: str
     cpu_start_s: float
     status: int

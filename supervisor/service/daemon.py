@@ -42,6 +42,7 @@ from ..records.incidents import IncidentLog, default_path
 from ..records.metrics import Metrics
 from ..policy.lifecycle import ChildState
 from .own_routes import OwnRoutes, status_line
+from .small_tier import SmallTier
 from ..policy.balancer import agent_reply
 from ..policy.browser import BrowserRules
 from ..serving.pool import Pool
@@ -86,7 +87,9 @@ def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, Prox
                       continue_streams=f.continue_streams,
                       body_timeout_s=s.body_timeout_s, access_log=s.access_log,
                       no_prefill=frozenset(c.name for c in config.children
-                                           if not c.prefills_assistant)),
+                                           if not c.prefills_assistant),
+                      smaller_for_all=(config.small_child is not None
+                                       and config.small.requests == "all")),
     )
 
 
@@ -145,6 +148,7 @@ class Daemon:
         self.streams = StreamSessions(**_stream_limits(config))
         self.resources: Resources | None = None
         self.watchdog: StallWatchdog | None = None
+        self.small_tier: SmallTier | None = None  # the small child's starts and stops
         self.pool: Pool | None = None
         self.mode: Mode | None = None  # single model or router (modes.py), built once
         self.proxy: ProxyHandler | None = None
@@ -193,6 +197,13 @@ class Daemon:
         """The GPU child's: the NVIDIA cards gpu.device names, numbered as NVML does."""
         return self.placement.env(self.monitor.devices)
 
+    def _give_cards(self) -> None:
+        """The children on the GPU (the GPU child, the small child beside it) see the cards
+        gpu.device names, as the listing numbers them."""
+        for cfg in self.config.children:
+            if cfg.uses_gpu:
+                self.children[cfg.name].extra_env.update(self._gpu_env())
+
     def _gpu_owners(self) -> dict[str, list[int] | None]:
         """Each child's processes, for the GPU chart: in router mode its models' instances
         (where the VRAM is) count as the router's own."""
@@ -208,12 +219,13 @@ class Daemon:
         cfg = self.config.child(name)
         # A child without the GPU must not touch any: even a CUDA context costs VRAM on every
         # card it sees, so every vendor's cards are hidden from it.
-        extra = self._gpu_env() if cfg.on_gpu else dict(HIDE_ALL_GPUS)
+        # The small child shares the GPU child's cards, and sees what it sees.
+        extra = self._gpu_env() if cfg.uses_gpu else dict(HIDE_ALL_GPUS)
         child = Child(
             cfg, self.config.restart,
             drain_timeout_s=self.config.failover.drain_timeout_s,
             hang_timeout_s=self.config.restart.hang_timeout_s,
-            vram_probe=self.monitor.vram_before if cfg.on_gpu else None,
+            vram_probe=self.monitor.vram_before if cfg.uses_gpu else None,
             vram_short_mib=max(256.0, float(self.config.gpu_settings.vram_headroom_mib)),
             extra_env=extra,
         )
@@ -340,7 +352,8 @@ class Daemon:
     def can_serve(self) -> bool:
         """A child is ready, or one can start on demand (stopped, an on-demand child)."""
         return any(c.state is ChildState.READY or (
-            c.cfg.on_demand and c.state is ChildState.STOPPED) for c in self.children.values())
+            c.cfg.on_demand and not c.cfg.smaller and c.state is ChildState.STOPPED)
+            for c in self.children.values())
 
     def _maybe_ready(self) -> None:
         if not self.notifier.ready_sent and self.listening and self.can_serve():
@@ -419,6 +432,13 @@ class Daemon:
             log.warning("%s", note)
             self.restart_notes.append(note)
             return self.config
+        if new.order != self.config.order:
+            # The children are wired at start (the pool, the metrics, the small tier).
+            note = ("small.path was given or removed: the small child comes or goes when "
+                    "spillway restarts")
+            log.warning("%s", note)
+            self.restart_notes.append(note)
+            new = dataclasses.replace(new, small=self.config.small)
         for key in config_module.RESTART_KEYS:
             if key in changes:
                 note = f"{key} changed: it takes effect when spillway restarts"
@@ -462,7 +482,8 @@ class Daemon:
         await asyncio.to_thread(self.res.read_model)
         self.res.sample()
         self.pool = Pool(self.res, self.children, self.config.queue.max_waiting,
-                         self.config.queue.max_wait_s, metrics=self.metrics, boot=self.boot)
+                         self.config.queue.max_wait_s, metrics=self.metrics, boot=self.boot,
+                         smaller=[c.name for c in self.config.children if c.smaller])
         self.pool.sick_after = self.config.restart.sick_after_errors
         # The proxy's own keep-alive connections to the children (proxy/connections.py).
         self._upstream = UpstreamClient(keepalive_s=UPSTREAM_KEEPALIVE_S)
@@ -483,6 +504,7 @@ class Daemon:
                                  self.models)
         if self.models is None:  # single-model mode: a router's instances die on their own
             self.watchdog = StallWatchdog(self.children, self._stall_timeout, self._http)
+        self.small_tier = self._make_small_tier()
         self.routes = routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
@@ -501,7 +523,7 @@ class Daemon:
         await self._runner.setup()
         await listing
         await self.monitor.sample_now()  # the cards it can use, now that the listing says
-        self.children[self.config.gpu_child].extra_env.update(self._gpu_env())
+        self._give_cards()
         self._warn_if_split_over_hidden_cards()
         try:
             for addr in self.config.server.listen:
@@ -552,6 +574,14 @@ class Daemon:
                               self._http, metrics=self.metrics, boot=self.boot,
                               on_change=self._model_changed)
         return RouterMode(models, self.pool, lambda: self.config)
+
+    def _make_small_tier(self) -> SmallTier | None:
+        """The small child's starts and stops beside the GPU child, when there is one."""
+        small = self.config.small_child
+        if small is None:
+            return None
+        return SmallTier(self.children[self.config.gpu_child], self.children[small],
+                         lambda: self.config, self.res.paused)
 
     def _agent_line(self, routes: OwnRoutes) -> str:
         if self.stopping:

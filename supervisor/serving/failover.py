@@ -38,6 +38,7 @@ class Failed:
     deadline_left_s: float | None
     body_size: int
     max_tokens: int  # what the request asks for (the other upstream's expected time)
+    smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class Cut:
 class Replay:
     lease: Lease
     reason: str
+    smaller: bool = False  # on an upstream serving a smaller model: rerouted, not replayed
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,11 @@ class Failover:
         """A replay on the upstream that takes over, when the replay rule allows and it can
         take a place within the client's deadline; else why not."""
         pool, name = self.pool, failed.failure.child
-        target = pool.takeover(name)
+        # The first that can take it: a request that accepts a smaller model goes to the small
+        # child when it can (GPU speed), else to the CPU child as any other.
+        candidates = pool.takeovers(name, failed.smaller_ok)
+        target = next((c for c in candidates if pool.can_take_replay(c)),
+                      candidates[0] if candidates else None)
         decision = replay.decide(replay.ReplayCase(
             verdict=failed.failure.verdict,
             route=failed.route,
@@ -104,6 +110,9 @@ class Failover:
             refusal = replay.Refusal.NO_TARGET
             return GiveUp(f"{refusal}: the {target} child did not become ready in time",
                           refusal, pool.retry_after_s(name))
+        if target in pool.smaller:
+            return Replay(lease, f"rerouted to the smaller model on the {target} child (the "
+                                 f"request accepts one): {decision.reason}", smaller=True)
         return Replay(lease, decision.reason)
 
     async def after_cut(self, cut: Cut) -> GoOn | GiveUp:
@@ -111,7 +120,7 @@ class Failover:
         allows and it can take a place in time; else why not (the stream ends with its error
         event)."""
         pool, name = self.pool, cut.failure.child
-        target = pool.takeover(name)
+        target = pool.takeover(name, after_bytes=True)  # never onto, or from, another model
         limit = continuation.token_limit(cut.so_far.kind, cut.payload)
         remaining = (max(limit - cut.so_far.tokens, 0) if limit is not None
                      else cut.requested_tokens)
@@ -121,6 +130,9 @@ class Failover:
                                if target is not None else None) or 0.0,
             target_available=target is not None and pool.can_take_replay(target),
             target_prefills=target not in cut.no_prefill)
+        if target is None and name in pool.smaller:
+            return GiveUp("a stream from the smaller model is not continued on another model",
+                          None, pool.retry_after_s(name))
         if not decision.allowed or target is None:
             return GiveUp(decision.reason, None, pool.retry_after_s(name))
         lease = await pool.replay_lease(target, cut.deadline_left_s)

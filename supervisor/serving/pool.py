@@ -25,7 +25,7 @@ import dataclasses
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -108,12 +108,16 @@ class _Waiter:
 class Pool:
     def __init__(self, source: CapacitySource, upstreams: Mapping[str, Upstream], max_waiting: int,
                  max_wait_s: float, *, metrics: Metrics | None = None, boot: str = "",
-                 on_change: Callable[[], None] | None = None) -> None:
+                 on_change: Callable[[], None] | None = None,
+                 smaller: Collection[str] = ()) -> None:
         self.source = source
         self.upstreams = dict(upstreams)
         # The upstreams' names in the config's order: the first is preferred; who takes over
         # from whom follows it (policy/replay.takeover).
         self.roles: Sequence[str] = list(self.upstreams)
+        # Those serving a smaller model than the others (the small child): only requests that
+        # accept another model go there, and nothing is continued there or from there.
+        self.smaller = frozenset(smaller)
         self.max_wait_s = max_wait_s
         self.line = waitline.WaitLine(max_waiting)
         self.metrics = metrics
@@ -157,17 +161,29 @@ class Pool:
         self.sick_after = config.restart.sick_after_errors
 
     def first_ready(self) -> Upstream | None:
-        """The upstream a question outside the caps (a token count) goes to."""
+        """The upstream a question outside the caps (a token count) goes to: one serving the
+        model the request named (never the smaller one: its tokenizer is not that model's)."""
         for name in self.roles:
             member = self.upstreams[name]
-            if member.is_ready:
+            if member.is_ready and name not in self.smaller:
                 return member
         return None
 
-    def takeover(self, name: str) -> str | None:
-        """Who takes over a request that failed on `name` (policy/replay.takeover: the next
-        upstream in the config's order)."""
-        return replay.takeover(self.roles, name)
+    def takeovers(self, name: str, smaller_ok: bool = False,
+                  after_bytes: bool = False) -> list[str]:
+        """Who may take over a request that failed on `name`, first choice first
+        (policy/replay.successors: the next upstreams in the config's order). A smaller
+        model's only for a request that accepts one, and never after bytes: a stream is never
+        continued on another model, nor from one (its tokenizer and text differ)."""
+        if after_bytes and name in self.smaller:
+            return []
+        skip = self.smaller if after_bytes or not smaller_ok else frozenset()
+        return replay.successors(self.roles, name, skip)
+
+    def takeover(self, name: str, smaller_ok: bool = False,
+                 after_bytes: bool = False) -> str | None:
+        """The first of `takeovers`."""
+        return next(iter(self.takeovers(name, smaller_ok, after_bytes)), None)
 
     def episode_id(self, name: str, generation: int) -> str:
         return f"{name}-{self.boot}-{generation}"
@@ -239,7 +255,7 @@ class Pool:
     def passthrough(self, pin: str | None) -> Lease | Decision:
         """A lease for a route outside the caps: the GPU role when ready, else the CPU role,
         or the upstream pinned with X-Spillway-Child."""
-        decision = admission.passthrough(self.states(), pin)
+        decision = admission.passthrough(self.states(), pin, self.smaller)
         if decision.child is None:
             return decision
         member = self.upstreams[decision.child]

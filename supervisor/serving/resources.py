@@ -30,6 +30,9 @@ from ..vocabulary import Upstream
 
 log = logging.getLogger("spillway.resources")
 
+# The GPU child's states in which it holds (or is loading into) its VRAM.
+_GPU_HOLDS = frozenset({ChildState.READY, ChildState.STARTING, ChildState.DRAINING,
+                        ChildState.STOPPING})
 RAM_FLOOR = 256 * MIB  # below this much free RAM, nothing more goes to the CPU child
 SERVICE_ALPHA = 0.2
 
@@ -122,7 +125,7 @@ class Resources:
             if child.state is not ChildState.READY or child.pid is None:
                 continue
             profile = self.profiles[name]
-            if not self.config.child(name).on_gpu:
+            if not self.config.child(name).uses_gpu:
                 with contextlib.suppress(psutil.Error):
                     rss = psutil.Process(child.pid).memory_info().rss
                     profile.peak_rss = max(profile.peak_rss, rss)
@@ -186,7 +189,7 @@ class Resources:
             name=name, state=state, busy=busy, cap=self.cap(name),
             ctx_per_slot=self.profiles[name].ctx_per_slot, startable=startable, ram_ok=ram_ok,
             expected_s=expected, back_in_s=self.back_in_s(name),
-            label=self.config.child(name).label)
+            label=self.config.child(name).label, smaller=self.config.child(name).smaller)
 
     def startable(self, name: str, state: ChildState) -> tuple[bool, bool]:
         """(may be started now, has the RAM it needs): an on-demand child's, without the GPU
@@ -194,6 +197,12 @@ class Resources:
         cfg = self.config.child(name)
         if cfg.on_gpu:
             return False, True
+        if cfg.smaller:
+            # On demand, it takes the VRAM the GPU child's death freed: not while the GPU child
+            # holds it or loads into it (service/small_tier.py drains it before that).
+            gpu = self.children[self.config.gpu_child].state
+            return (state is ChildState.STOPPED and cfg.on_demand and name not in self.paused
+                    and gpu not in _GPU_HOLDS), True
         running = state is ChildState.READY or state is ChildState.STARTING
         startable = (state is ChildState.STOPPED and cfg.on_demand
                      and name not in self.paused and self.cpu_ram_ok(cold=True))
@@ -269,7 +278,7 @@ class Resources:
             "tokens_per_s": {"prompt": t.prompt_tps and round(t.prompt_tps, 1),
                              "generation": t.gen_tps and round(t.gen_tps, 1)},
         }
-        if not self.config.child(name).on_gpu:
+        if not self.config.child(name).uses_gpu:
             out["ram"] = {"available_bytes": self.ram_available,
                           "needs_bytes_to_start": self.cpu_need_bytes(),
                           "peak_rss_bytes": p.peak_rss}

@@ -179,6 +179,9 @@ class Child(LifeReader):
         # Each output line, as read (router mode: the router's own lines tell of its models).
         self.line_listeners: list[Callable[[str], None]] = []
         self.armed_signal: int | None = None  # the drill's: sent when the next task launches
+        # Why a start that is due must wait (asked as the back-off ends), or None: set for the
+        # GPU child beside an on-demand small child (service/small_tier.py).
+        self.hold: Callable[[], str | None] | None = None
 
         # The running process, its supervision (spawn, probes, exit) and how Spillway is
         # ending it, if it is: (planned, a note for an unplanned end's record).
@@ -277,9 +280,10 @@ class Child(LifeReader):
         FATAL, start at once."""
         self.engine.post(lifecycle.Restart(reason))
 
-    def drain(self, reason: str) -> None:
-        """No new work; in-flight work finishes (up to the drain timeout); then restart."""
-        self.engine.post(lifecycle.Drain(reason))
+    def drain(self, reason: str, then_stop: bool = False) -> None:
+        """No new work; in-flight work finishes (up to the drain timeout); then restart, or
+        with `then_stop` stay stopped."""
+        self.engine.post(lifecycle.Drain(reason, stop=then_stop))
 
     def end_stalled(self, evidence: str) -> None:
         """Stalled with work in flight (serving/watchdog.py): end the current process now
@@ -400,7 +404,9 @@ class Child(LifeReader):
         pass  # a child has no host
 
     def why_not_now(self) -> str | None:
-        return None  # a child is always tried (the GPU's freed memory restarts it early)
+        # A child is always tried (the GPU's freed memory restarts it early), unless what
+        # shares its card holds it back (`hold`: the on-demand small child, drained first).
+        return self.hold() if self.hold is not None else None
 
     # --- one process, from spawn to exit ----------------------------------------------------------
 
