@@ -17,7 +17,6 @@ from aiohttp.test_utils import TestClient, TestServer
 from supervisor import __version__
 from supervisor.upstreams.children import Child
 from supervisor.config.schema import Config, build
-from supervisor.config.schema import CHILDREN as ROLES
 from supervisor.serving.pool import Pool
 from supervisor.gpu import GpuMonitor
 from supervisor.records.incidents import IncidentLog
@@ -42,7 +41,7 @@ class FakeHost:
 
 def make_routes(tmp_path: Path, cpu_mode: str = "hot") -> tuple[OwnRoutes, FakeHost]:
     cfg = build({"model": {"path": "/m.gguf"}, "cpu": {"mode": cpu_mode}}, check_paths=False)
-    children = {name: Child(cfg.child(name), cfg.restart) for name in ROLES}
+    children = {name: Child(cfg.child(name), cfg.restart) for name in cfg.order}
     monitor = GpuMonitor(cfg.monitor.sample_interval_s)
     resources = Resources(cfg, children, monitor)
     host = FakeHost(cfg)

@@ -21,7 +21,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..policy.lifecycle import ChildState
 from .stream_sessions import StreamSessions
-from ..config.schema import CHILDREN
+from ..config.schema import ROUTERS
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -31,7 +31,7 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    def __init__(self, children: Sequence[str] = CHILDREN) -> None:
+    def __init__(self, children: Sequence[str] = ROUTERS) -> None:
         """`children`: their names, in the config's order (each child's series exist from the
         start, at 0, not absent)."""
         self.registry = CollectorRegistry(auto_describe=True)

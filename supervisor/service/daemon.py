@@ -350,9 +350,10 @@ class Daemon:
     # --- systemd --------------------------------------------------------------------------------
 
     def can_serve(self) -> bool:
-        """A child is ready, or one can start on demand (stopped, an on-demand child)."""
-        return any(c.state is ChildState.READY or (
-            c.cfg.on_demand and not c.cfg.smaller and c.state is ChildState.STOPPED)
+        """A child serving the model is ready, or one can start on demand (stopped, an
+        on-demand child); the small child alone is not enough (only some requests go there)."""
+        return any(not c.cfg.smaller and (c.state is ChildState.READY or (
+            c.cfg.on_demand and c.state is ChildState.STOPPED))
             for c in self.children.values())
 
     def _maybe_ready(self) -> None:

@@ -2,7 +2,8 @@
 
 `small.mode = "resident"`: it starts at boot with the others and stays loaded; its VRAM is simply
 taken from what the card has (the headroom rule and the GPU child's fit checks see it in the
-card's free memory). Nothing here acts.
+card's free memory). Nothing here acts. It stays when the operator pauses the GPU child (a game
+wants the card): a small model beside the game is what serves then.
 
 `small.mode = "on-demand"`: it holds no VRAM while the GPU child serves. When the GPU child dies
 (it backs off, or goes FATAL), the small child is started into the memory the death freed, and
@@ -46,7 +47,6 @@ class SmallTier:
         # The GPU child's start was held for the small child: it is asked for again once the
         # small child has stopped.
         self.gpu_waiting = False
-        self.paused_with_gpu = False  # stopped because the GPU child was paused
         self._stops: set[asyncio.Task[None]] = set()
         gpu.listeners.append(self._gpu_changed)
         small.listeners.append(self._small_changed)
@@ -58,17 +58,6 @@ class SmallTier:
 
     def _gpu_changed(self, child: object, old: ChildState, new: ChildState,
                      reason: str) -> None:
-        if self.gpu.name in self.paused and new is ChildState.STOPPED:
-            # The operator frees the card (a game wants it): the small child goes too.
-            if self.small.state in _SMALL_UP:
-                self.paused_with_gpu = True
-                self._stop("the GPU child is paused: the card is freed")
-            return
-        if self.paused_with_gpu and new is ChildState.STARTING:
-            self.paused_with_gpu = False
-            if not self.on_demand:
-                self.small.start()  # resident: back with the GPU child
-            return
         if not self.on_demand or new not in _GPU_DOWN or old in _GPU_DOWN:
             return
         if self.small.state is ChildState.STOPPED and self.small.name not in self.paused \

@@ -191,7 +191,8 @@ async def _drill(client: DrillClient, status: dict[str, Any], how: str, only: tu
         "scenarios": [r.to_json() for r in ran],
         "skipped": [r.skip_json() for r in results if r.skipped is not None],
         "timeline": {"start": started, "end": ended, "events": timeline["events"],
-                     "models": drilled, "initial": initial},
+                     "models": drilled, "initial": initial,
+                     "children": list(status.get("children", {}))},
     }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from xml.sax.saxutils import quoteattr
 
 from .. import tables
-from ...config.schema import CHILDREN
+from ...config.schema import ROUTERS
 
 OUTCOME_COLOURS = {
     "completed": "#2e7d32",
@@ -132,8 +132,9 @@ def svg_timeline(report: dict[str, Any], width: int = 1000) -> str:
 
     requests = [(s["number"], r) for s in report["scenarios"] for r in s["requests"]]
     # The children, then (router mode) each drilled model on each router.
-    lanes: list[tuple[str, str | None]] = [(child, None) for child in CHILDREN]
-    lanes += [(child, m) for m in timeline.get("models", []) for child in CHILDREN]
+    children = timeline.get("children") or ROUTERS  # the daemon's, in its order (older: two)
+    lanes: list[tuple[str, str | None]] = [(child, None) for child in children]
+    lanes += [(child, m) for m in timeline.get("models", []) for child in ROUTERS]
     height = 40 + len(lanes) * (lane_h + gap) + len(requests) * (bar_h + gap) + 30
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
              f'viewBox="0 0 {width} {height}" class="timeline" role="img" '
