@@ -5,16 +5,18 @@ running daemon's watcher."""
 from __future__ import annotations
 
 import os
+import re
 import stat
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
 from harness import REPO, eventually, fake_config
 
 from conftest import SpillwayFactory
-from supervisor.config import edit as config_edit
+from supervisor.config import edit as config_edit, schema as config
 
 CONFIG = """\
 # My Spillway: edited by hand, and the comments matter.
@@ -164,3 +166,143 @@ def test_a_running_daemon_picks_up_a_set_through_its_watcher(
     out = spillway_config("set", "queue.max_waiting", "-3", "--config", str(s.config_path))
     assert out.returncode == 2
     assert s.status()["queue"]["max_waiting"] == 7
+
+
+SECTIONS = """\
+[model]
+llama_server = "{binary}"
+path = "model.gguf"
+
+[gpu]
+args = ["-ngl", "99"]
+# the CPU child: my notes on it
+[cpu]
+mode = "hot"
+
+[queue]
+max_waiting = 32
+"""
+
+
+@pytest.fixture
+def with_cpu(cfg_file: Path) -> Path:
+    (cfg_file.parent / "small.gguf").write_bytes(b"GG")
+    binary = cfg_file.parent / "llama-server"
+    cfg_file.write_text(SECTIONS.format(binary=binary))
+    return cfg_file
+
+
+def test_small_keys_add_the_section_before_cpu(with_cpu: Path) -> None:
+    before = with_cpu.read_text()
+    assert config_edit.get(with_cpu, "small.path") == ('""', False)  # no small child
+    assert config_edit.get(with_cpu, "small.mode") == ('"resident"', False)
+    assert config_edit.get(with_cpu, "small.requests") == ('"opt-in"', False)
+
+    out = spillway_config("set", "small.path", "small.gguf", "--config", str(with_cpu))
+    assert out.returncode == 0, out.stderr
+    assert 'small.path = "small.gguf" (was not set)' in out.stdout
+    # after [gpu], above the comment that is [cpu]'s own
+    assert with_cpu.read_text() == before.replace(
+        "# the CPU child", '\n[small]\npath = "small.gguf"\n\n# the CPU child')
+
+    config_edit.edit(with_cpu, "small.mode", "on-demand")
+    config_edit.edit(with_cpu, "small.requests", "all")
+    config_edit.edit(with_cpu, "small.env.CUDA_SCALE_LAUNCH_QUEUES", "4x")
+    assert config_edit.get(with_cpu, "small.mode") == ('"on-demand"', True)
+    text = with_cpu.read_text()
+    assert text == before.replace(
+        "# the CPU child", '\n[small]\npath = "small.gguf"\nmode = "on-demand"\n'
+        'requests = "all"\nenv = {CUDA_SCALE_LAUNCH_QUEUES = "4x"}\n\n# the CPU child')
+    cfg = config.load(with_cpu)
+    assert cfg.order == ("gpu", "small", "cpu")
+    assert (cfg.small.mode, cfg.small.requests) == ("on-demand", "all")
+    assert cfg.small.model_path == str(with_cpu.parent / "small.gguf")
+
+    # set again: the line changes in place
+    config_edit.edit(with_cpu, "small.mode", "resident")
+    assert with_cpu.read_text() == text.replace('mode = "on-demand"', 'mode = "resident"')
+
+
+def test_a_new_section_goes_where_the_schema_orders_it(with_cpu: Path) -> None:
+    config_edit.edit(with_cpu, "restart.backoff_max_s", "60")  # after [cpu], before [queue]
+    config_edit.edit(with_cpu, "balancer.agent_listen", "127.0.0.1:9100")  # the last: at the end
+    config_edit.edit(with_cpu, "server.listen", "127.0.0.1:8098")  # the first: before [model]
+    assert re.findall(r"^\[(\w+)\]", with_cpu.read_text(), re.M) == [
+        "server", "model", "gpu", "cpu", "restart", "queue", "balancer"]
+    assert with_cpu.read_text().startswith('[server]\nlisten = "127.0.0.1:8098"\n\n[model]\n')
+    config.load(with_cpu)
+
+
+def test_a_header_inside_a_string_is_not_taken_for_one(with_cpu: Path) -> None:
+    """A line that reads as [cpu]'s header inside a multi-line string: the new section goes at
+    the end (tomlkit's place) rather than into the string."""
+    with_cpu.write_text(with_cpu.read_text().replace(
+        "# the CPU child", '[gpu.env]\nNOTE = """\n[cpu]\n"""\n# the CPU child'))
+    before = tomllib.loads(with_cpu.read_text())
+    assert before["gpu"]["env"] == {"NOTE": "[cpu]\n"}
+    config_edit.edit(with_cpu, "small.path", "small.gguf")
+    text = with_cpu.read_text()
+    after = tomllib.loads(text)
+    assert after["gpu"]["env"] == before["gpu"]["env"]
+    assert after["small"] == {"path": "small.gguf"}
+    assert text.endswith('\n[small]\npath = "small.gguf"\n')
+    assert config.load(with_cpu).order == ("gpu", "small", "cpu")
+
+
+def test_bad_small_values_are_refused_and_the_file_is_untouched(with_cpu: Path) -> None:
+    before = with_cpu.read_bytes()
+    mtime = with_cpu.stat().st_mtime_ns
+    for key, value, said in [
+            ("small.mode", "hot", "small.mode: must be one of 'resident', 'on-demand' "
+                                  "(got 'hot')"),
+            ("small.requests", "some", "small.requests: must be one of 'opt-in', 'all'"),
+            ("small.mode", "on-demand", "small.path: is required for small.mode"),
+            ("small.path", "missing.gguf", "small.path: no such file"),
+            ("small.idle_stop_s", "5", "unknown key small.idle_stop_s"),  # cpu's alone
+            ("small.mod", "resident", "did you mean 'mode'")]:
+        out = spillway_config("set", key, value, "--config", str(with_cpu))
+        assert out.returncode == 2, (key, out.stdout, out.stderr)
+        assert said in out.stderr, (key, out.stderr)
+    assert with_cpu.read_bytes() == before
+    assert with_cpu.stat().st_mtime_ns == mtime
+
+    config_edit.edit(with_cpu, "small.path", "small.gguf")
+    text = with_cpu.read_text()
+    with pytest.raises(config_edit.EditError) as refused:
+        config_edit.edit(with_cpu, "small.mode", "hot")
+    assert [str(p) for p in refused.value.problems] == [
+        "small.mode: must be one of 'resident', 'on-demand' (got 'hot')"]
+    assert with_cpu.read_text() == text
+
+
+def test_router_mode_refuses_a_small_child(with_cpu: Path) -> None:
+    with_cpu.write_text(with_cpu.read_text().replace('path = "model.gguf"\n', ""))
+    before = with_cpu.read_bytes()
+    with pytest.raises(config_edit.EditError) as refused:
+        config_edit.edit(with_cpu, "small.path", "small.gguf")
+    assert "small.path: a small child is for single-model mode" in str(
+        refused.value.problems[0])
+    assert with_cpu.read_bytes() == before
+
+
+def test_unset_in_a_section_the_file_lacks_writes_nothing(with_cpu: Path) -> None:
+    before = with_cpu.read_bytes()
+    mtime = with_cpu.stat().st_mtime_ns
+    change = config_edit.edit(with_cpu, "small.mode", None)
+    assert change.unchanged and change.before is None
+    assert config_edit.edit(with_cpu, "restart.backoff_max_s", None).unchanged
+    assert with_cpu.read_bytes() == before  # no empty [small] or [restart] added
+    assert with_cpu.stat().st_mtime_ns == mtime
+
+
+def test_a_new_key_goes_after_the_last_key_not_under_the_next_sections_comment(
+        with_cpu: Path) -> None:
+    before = with_cpu.read_text()
+    config_edit.edit(with_cpu, "gpu.device", "1")
+    assert with_cpu.read_text() == before.replace(
+        'args = ["-ngl", "99"]\n', 'args = ["-ngl", "99"]\ndevice = 1\n')
+    with_cpu.write_text(before.replace("# the CPU child", '[gpu.env]\nA = "1"\n# the CPU child'))
+    config_edit.edit(with_cpu, "gpu.env.B", "2")
+    assert '[gpu.env]\nA = "1"\nB = "2"\n# the CPU child: my notes on it\n[cpu]\n' in \
+        with_cpu.read_text()
+    assert dict(config.load(with_cpu).gpu.env) == {"A": "1", "B": "2"}

@@ -494,3 +494,125 @@ def test_every_readme_command_line_becomes_a_valid_config(
     owned = {"--host", "--port", "-m", "-hf"}
     # every other flag of the line is in some args, under its own spelling
     assert set(given) - owned <= set(all_args(doc))
+
+
+def test_small_writes_the_small_childs_section(box: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    (box / "models" / "m.gguf").write_bytes(b"GGUF" * 1000)
+    (box / "models" / "small.gguf").write_bytes(b"GGUF" * 10)
+    (box / "models" / "proj.gguf").write_bytes(b"GGUF")
+    r = init(capsys, "-o", "spillway.toml", "--small", "models/small.gguf", "--small-mode",
+             "on-demand", "--", "GGML_CUDA_ENABLE_UNIFIED_MEMORY=1", "llama-server", "-m",
+             "models/m.gguf", "-c", "8192", "-a", "big", "--mmproj", "models/proj.gguf")
+
+    assert r.code == 0, r.err
+    assert "warning" not in r.err.replace("warning: this CPU has AMX", "")
+    text = (box / "spillway.toml").read_text()
+    doc = tomllib.loads(text)
+    assert list(doc) == ["server", "model", "gpu", "small", "cpu"]  # config.SECTIONS' order
+    assert doc["small"] == {"path": str(box / "models" / "small.gguf"), "args": ["-ngl", "99"],
+                            "mode": "on-demand", "requests": "opt-in",
+                            "env": {"GGML_CUDA_ENABLE_UNIFIED_MEMORY": "1"}}
+    small_text = text.split("[small]", 1)[1]
+    assert comment_for(small_text, "path").startswith("from --small given to spillway init")
+    assert comment_for(small_text, "mode").startswith("from --small-mode given to spillway init")
+    assert comment_for(small_text, "requests").startswith("Spillway's default")
+    # what it says the small child leaves out of model.args is what config.build leaves out
+    assert f"(-a big, --mmproj {box / 'models' / 'proj.gguf'})" in comment_for(small_text,
+                                                                                 "args")
+    assert "No small child" not in text  # the header's note is for a config without one
+    cfg = config.load(box / "spillway.toml")
+    assert cfg.order == ("gpu", "small", "cpu")
+    assert cfg.small_child == "small"
+    assert (cfg.small.mode, cfg.small.requests) == ("on-demand", "opt-in")
+    assert cfg.small.model_path == str(box / "models" / "small.gguf")
+    assert cfg.small.args == ("-c", "8192", "-ngl", "99", "-fit", "off")
+    assert "-a" in cfg.gpu.args and "-a" in cfg.cpu.args
+
+    args = cli.build_parser().parse_args(["check-config", str(box / "spillway.toml")])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert f"small child: llama-server -m {box / 'models' / 'small.gguf'} -c 8192" in out
+    assert "on-demand; serves the requests that say X-Spillway-Fallback: smaller" in out
+
+
+def test_small_requests_all_and_the_default_mode(box: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    (box / "small.gguf").write_bytes(b"GG")
+    r = init(capsys, "--print", "--small", str(box / "small.gguf"), "--small-requests", "all",
+             "--", "llama-server", "-m", "models/m.gguf", "-dev", "Vulkan1")
+
+    assert r.code == 0, r.err
+    doc = tomllib.loads(r.out)
+    # -dev picks the GPU child's card; the small child runs beside it, on the same one
+    assert doc["small"]["args"] == ["-ngl", "99", "-dev", "Vulkan1"]
+    assert (doc["small"]["mode"], doc["small"]["requests"]) == ("resident", "all")
+    assert "env" not in doc["small"]
+    cfg = config.build(doc, base_dir=box)
+    assert cfg.order == ("gpu", "small", "cpu")
+    assert (cfg.small.mode, cfg.small.requests) == ("resident", "all")
+
+
+def test_small_is_refused_in_router_mode_and_without_its_file(
+        box: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (box / "models" / "small.gguf").write_bytes(b"GG")
+    router = init(capsys, "-o", "spillway.toml", "--small", "models/small.gguf", "--",
+                  "llama-server", "--models-dir", "models")
+    assert router.code == 2
+    assert "--small " in router.err and "single-model mode" in router.err
+    assert "names no model: router mode" in router.err
+
+    missing = init(capsys, "-o", "spillway.toml", "--small", "models/none.gguf", "--",
+                   "llama-server", "-m", "models/m.gguf")
+    assert missing.code == 2
+    assert f"small.path: no such file: {box / 'models' / 'none.gguf'}" in missing.err
+
+    for flag, value in (("--small-mode", "on-demand"), ("--small-requests", "all")):
+        alone = init(capsys, "-o", "spillway.toml", flag, value, "--", "llama-server", "-m",
+                     "models/m.gguf")
+        assert alone.code == 2
+        assert f"{flag} {value} sets up the small child: give --small FILE too" in alone.err
+    assert not (box / "spillway.toml").exists()
+
+    with pytest.raises(SystemExit):  # argparse's choices are the schema's
+        cli.build_parser().parse_args(["init", "--small", "s.gguf", "--small-mode", "hot"])
+    assert "invalid choice: 'hot'" in capsys.readouterr().err
+
+
+def test_a_small_model_that_is_not_smaller_is_a_warning(
+        box: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (box / "models" / "big.gguf").write_bytes(b"G" * 3 * 2**20)
+    r = init(capsys, "--print", "--small", "models/big.gguf", "--", "llama-server", "-m",
+             "models/m.gguf")
+    assert r.code == 0, r.err
+    assert (f"warning: --small {box / 'models' / 'big.gguf'} (3 MiB) is not smaller than "
+            f"model.path {box / 'models' / 'm.gguf'} (4 bytes)") in r.err
+    assert tomllib.loads(r.out)["small"]["path"] == str(box / "models" / "big.gguf")
+
+
+def test_without_small_the_header_says_how_to_add_it_and_that_works(
+        box: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from supervisor.config import edit as config_edit
+
+    r = init(capsys, "-o", "spillway.toml", "--", "llama-server", "-m", "models/m.gguf")
+    assert r.code == 0, r.err
+    path = box / "spillway.toml"
+    text = path.read_text()
+    assert "small" not in tomllib.loads(text)
+    header = comments(text.split("[server]")[0])
+    assert "No small child: a [small] section would add one" in header
+    assert "`spillway config set small.path FILE` adds it" in header
+
+    (box / "models" / "small.gguf").write_bytes(b"GG")
+    config_edit.edit(path, "small.path", str(box / "models" / "small.gguf"))
+    after = path.read_text()
+    assert list(tomllib.loads(after)) == ["server", "model", "gpu", "small", "cpu"]
+    assert f'\n\n[small]\npath = "{box / "models" / "small.gguf"}"\n\n[cpu]\n' in after
+    assert config.load(path).order == ("gpu", "small", "cpu")
+
+
+def test_router_mode_has_no_note_of_the_small_child(
+        box: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    r = init(capsys, "--print", "--", "llama-server", "--models-dir", "models")
+    assert r.code == 0, r.err
+    assert "small" not in r.out

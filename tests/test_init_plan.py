@@ -265,3 +265,33 @@ def test_the_rendered_cpu_args_carry_no_repack_into_the_cpu_childs_command() -> 
     cfg = config.build(tomllib.loads(text), environ={}, check_paths=False)
     assert "--no-repack" in cfg.child("cpu").command(1, "k")
     assert "--no-repack" not in cfg.child("gpu").command(1, "k")
+
+
+def test_small_beside_the_gpu_child() -> None:
+    small = cmdline.Options(small="/m/small.gguf")
+    p = plan("-m", "/m/q.gguf", "-c", "4096", "--alias", "big", "-md", "/m/draft.gguf",
+             "-dev", "CUDA1", "-ngl", "40", options=small)
+    assert p.small is not None
+    assert p.small.path.value == "/m/small.gguf"
+    assert (p.small.mode.value, p.small.requests.value) == ("resident", "opt-in")
+    # -dev CUDA1 is gpu.device, which the small child's card follows: no -dev of its own;
+    # -ngl 40 is the large model's, not the small one's
+    assert p.small.args == []
+    assert [line.tokens for line in p.small.left_out] == [("--alias", "big"),
+                                                           ("-md", "/m/draft.gguf")]
+    assert plan("-m", "/m/q.gguf").small is None
+    p = plan("-m", "/m/q.gguf", "--device", "ROCm1",
+             options=cmdline.Options(small="/home/u/s.gguf", small_mode="on-demand",
+                                     small_requests="all"))
+    assert p.small is not None
+    assert tokens(p.small.args) == ["--device", "ROCm1"]
+    assert (p.small.mode.value, p.small.requests.value) == ("on-demand", "all")
+    assert p.small.mode.comment.startswith("from --small-mode given to spillway init")
+    assert any(w.startswith("/home/u/s.gguf: the shipped systemd unit") for w in p.warnings)
+
+
+def test_small_needs_a_model_and_its_options_need_small() -> None:
+    with pytest.raises(InitError, match="single-model mode"):
+        plan("--models-dir", "/m", options=cmdline.Options(small="/m/s.gguf"))
+    with pytest.raises(InitError, match="give --small FILE too"):
+        plan("-m", "/m/q.gguf", options=cmdline.Options(small_requests="all"))

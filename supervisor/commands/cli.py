@@ -70,6 +70,10 @@ def cmd_check_config(args: argparse.Namespace) -> int:
     for name in cfg.order:
         child = cfg.child(name)
         print(f"  {name} child: {' '.join(child.command(0, '')[:-6])}")
+        if child.smaller:
+            whom = ("every request that may change model" if child.requests == "all" else
+                    "the requests that say X-Spillway-Fallback: smaller")
+            print(f"    {child.mode}; serves {whom}, while the GPU child cannot")
     return EXIT_OK
 
 

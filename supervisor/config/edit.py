@@ -12,13 +12,14 @@ provides (an `api_key_env` variable set by systemd's EnvironmentFile and not in 
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tomlkit
-from tomlkit.items import Item, Table
+from tomlkit.items import AoT, Comment, Item, Table
 
 from . import schema as config
 from .files import write_atomically
@@ -147,25 +148,81 @@ def _section_table(doc: tomlkit.TOMLDocument, section: str) -> Table:
 
 def _apply(doc: tomlkit.TOMLDocument, key: KeyPath, value: Any) -> None:
     """Set (or, with value None, remove) the key in the document, in place."""
+    if value is None and key.section not in doc:
+        return  # nothing to remove, and no empty section to add
     table = _section_table(doc, key.section)
     if key.entry is None:
         if value is None:
             table.pop(key.name, None)
         else:
-            table[key.name] = value
+            _set(table, key.name, value)
         return
     current = table.get(key.name)
     if current is None:
         if value is None:
             return
         current = tomlkit.inline_table()
-        table[key.name] = current
+        _set(table, key.name, current)
     if not isinstance(current, dict):
         raise EditError(f"{key.section}.{key.name}: is not a table in the file")
     if value is None:
         current.pop(key.entry, None)
     else:
-        current[key.entry] = value
+        _set(current, key.entry, value)
+
+
+def _set(table: dict[str, Any], name: str, value: Any) -> None:
+    """Set `name`; a key the table lacks goes after its last key, not under the comments that
+    close it, where tomlkit would put it: for tomlkit the comments above a table's header belong
+    to the table before it ("# the CPU child" over [cpu] is in [gpu]'s body)."""
+    if isinstance(table, Table) and name not in table:
+        body = table.value.body
+        keys = [(i, k) for i, (k, item) in enumerate(body)
+                if k is not None and not isinstance(item, (Table, AoT))]
+        if keys and not keys[-1][1].is_dotted():
+            last, last_key = keys[-1]
+            rest = body[last + 1:]
+            end = next((i for i, (_, item) in enumerate(rest) if isinstance(item, (Table, AoT))),
+                       len(rest))
+            if any(isinstance(item, Comment) for _, item in rest[:end]):
+                # tomlkit has no public insert; _insert_after keeps its index of the keys
+                table.value._insert_after(last_key.key, name, value)
+                return
+    table[name] = value
+
+
+# A table's header line: `[name]`, `[name.sub]`, `["name"]` (not an array of tables' `[[...]]`)
+_HEADER = re.compile(r'^[ \t]*\[(?!\[)[ \t]*"?([A-Za-z0-9_-]+)"?[ \t]*[.\]]')
+
+
+def _placed(text: str, key: KeyPath, value: Any, appended: str) -> str:
+    """`text` with the section it lacks, holding the key, in config.SECTIONS' order: before the
+    header of the first section that comes after it (and above the comment lines right over that
+    header, which are its own), not at the end, where tomlkit adds it (`appended`). `appended`
+    when the file has no section after it, or when the placed text would not read as the same
+    TOML (a header-like line inside a multi-line string)."""
+    names = list(config.SECTIONS)
+    later = set(names[names.index(key.section) + 1:])
+    lines = text.splitlines(keepends=True)
+    at = next((i for i, line in enumerate(lines)
+               if (m := _HEADER.match(line)) and m.group(1) in later), None)
+    if at is None:
+        return appended
+    above = at
+    while above > 0 and lines[above - 1].lstrip().startswith("#"):
+        above -= 1
+    if above > 0:  # else they are the file's opening comments: they stay on top
+        at = above
+    section = tomlkit.document()
+    _apply(section, key, value)
+    gap = "\n" if at > 0 and lines[at - 1].strip() else ""
+    placed = "".join(lines[:at]) + gap + section.as_string().rstrip("\n") + "\n\n" + \
+        "".join(lines[at:])
+    try:
+        same = tomllib.loads(placed) == tomllib.loads(appended)
+    except tomllib.TOMLDecodeError:
+        same = False
+    return placed if same else appended
 
 
 def problems_of(text: str, path: Path) -> list[config.Problem]:
@@ -198,8 +255,11 @@ def edit(path: Path, key_text: str, value_text: str | None) -> Change:
     before_text = doc.as_string()
     before, before_set = _lookup(doc, key)
     value = None if value_text is None else parse_value(key, value_text)
+    added = value is not None and key.section not in doc
     _apply(doc, key, value)
     after_text = doc.as_string()
+    if added:
+        after_text = _placed(before_text, key, value, after_text)
     old_problems = problems_of(before_text, path)
     new_problems = [p for p in problems_of(after_text, path) if p not in old_problems]
     if new_problems:

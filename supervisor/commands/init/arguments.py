@@ -1,10 +1,13 @@
-"""`spillway init`'s arguments: only argparse here, so that building the CLI's parser loads
-none of init's modules (tomlkit, PyYAML) for the other commands."""
+"""`spillway init`'s arguments: only argparse here (and the config schema's choices, which the CLI
+loads anyway), so that building the CLI's parser loads none of init's modules (tomlkit, PyYAML)
+for the other commands."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+
+from ...config.schema import SMALL_MODES, SMALL_REQUESTS
 
 SYSTEM_CONFIG = Path("/etc/spillway/spillway.toml")  # where the shipped systemd unit reads it
 
@@ -13,6 +16,7 @@ EXAMPLES = """examples:
   spillway init -- llama-server -m /srv/m.gguf -ngl 99 -c 16384 --host 0.0.0.0 --api-key KEY
   spillway init --from-unit /etc/systemd/system/llama.service
   spillway init --from-llama-swap config.yaml --model qwen --print
+  spillway init --small /srv/small.gguf -- llama-server -m /srv/m.gguf -ngl 99
 
 Every key written says where it came from; flags Spillway cannot carry over are comments saying
 why. Secrets (the API key, HF_TOKEN) go to an `env` file beside the config, mode 0600, never into
@@ -47,3 +51,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--new-key", action="store_true",
                    help="make a new API key (into the env file) when the source has none, so "
                         "that a non-loopback address can be kept")
+    small = p.add_argument_group(
+        "the small child", "a third child, serving a smaller model on the GPU's cards to the "
+                           "requests that accept another model while the GPU child cannot "
+                           "take them (single-model mode only)")
+    small.add_argument("--small", metavar="FILE",
+                       help="the smaller model's GGUF file: writes a [small] section")
+    small.add_argument("--small-mode", choices=SMALL_MODES,
+                       help="with --small: resident (the default: always loaded beside the GPU "
+                            "child) or on-demand (started when the GPU child dies)")
+    small.add_argument("--small-requests", choices=SMALL_REQUESTS,
+                       help="with --small: opt-in (the default: only the requests that say "
+                            "X-Spillway-Fallback: smaller) or all (every request may get the "
+                            "smaller model's answer)")

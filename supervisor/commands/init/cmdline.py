@@ -17,7 +17,11 @@ Every flag lands somewhere, with where it came from:
 - everything else is model.args, given to both children, paths made absolute;
 - `LLAMA_ARG_*` variables are the flags they stand for (llama_env.py), the command line's own
   flag winning as in llama-server; secrets go to the environment file; other variables to the
-  children's env (GPU-vendor ones to the GPU child's alone).
+  children's env (GPU-vendor ones to the GPU child's alone);
+- `spillway init --small FILE` (not the source) gives the small child, a smaller model on the
+  GPU's cards (single-model mode only): its own `-ngl 99`, the GPU child's `-dev` (the same
+  card), the GPU child's environment; it leaves out model.args' flags naming the large model's
+  files or name (config.LARGE_MODEL_ONLY), as config.build does.
 
 Pure: the two questions that need the file system (a `-hf` model in the cache, the keys in an
 `--api-key-file`) are asked through `Lookups`.
@@ -56,6 +60,18 @@ class ArgLine:
     comment: str = ""  # only where the key's own comment does not say it all
 
 
+@dataclass(frozen=True)
+class SmallPlan:
+    """The small child's section (spillway init --small)."""
+
+    path: Setting
+    mode: Setting
+    requests: Setting
+    args: list[ArgLine] = field(default_factory=list)  # after Spillway's -ngl 99
+    # model.args' flags the small child does not get (they name the large model's files or name)
+    left_out: list[ArgLine] = field(default_factory=list)
+
+
 @dataclass
 class Plan:
     origin: str  # where the command line came from: "the command line", "ExecStart= in F"
@@ -69,6 +85,7 @@ class Plan:
     gpu_device: Setting | None = None
     env: dict[str, Setting] = field(default_factory=dict)  # both children's
     gpu_env: dict[str, Setting] = field(default_factory=dict)
+    small: SmallPlan | None = None  # spillway init --small
     secrets: dict[str, str] = field(default_factory=dict)  # for the environment file
     secret_origins: dict[str, str] = field(default_factory=dict)
     not_carried: list[str] = field(default_factory=list)
@@ -84,6 +101,9 @@ class Options:
     listen: str | None = None  # --listen: where clients connect, whatever the source says
     new_key: str | None = None  # --new-key: a fresh key, made by the caller
     cpu_has_amx: bool = False  # this machine's CPU has AMX (llama.cpp#20824 crashes it)
+    small: str | None = None  # --small: the smaller model's GGUF file (absolute)
+    small_mode: str | None = None  # --small-mode (None: the schema's default)
+    small_requests: str | None = None  # --small-requests (None: the schema's default)
 
 
 @dataclass(frozen=True)
@@ -182,6 +202,7 @@ class _Planner:
         self._device()
         self._gpu_defaults()
         self._cpu_defaults()
+        self._small()
         self._listen_and_key()
         self.plan.not_carried += list(self.source.notes)
         return self.plan
@@ -393,10 +414,13 @@ class _Planner:
             self.plan.model_args.append(ArgLine(
                 ("-a", self.source.name), "the model's ID (and aliases) in llama-swap: "
                                           "/v1/models names it as clients know it"))
-        if re.match(r"^/(root|home)(/|$)", self.plan.model_path.value):
-            self.plan.warnings.append(f"{self.plan.model_path.value}: the shipped systemd unit "
-                                      "runs Spillway as user spillway with ProtectHome="
-                                      "read-only; make sure that user can read it")
+        self._readable(self.plan.model_path.value)
+
+    def _readable(self, path: str) -> None:
+        if re.match(r"^/(root|home)(/|$)", path):
+            self.plan.warnings.append(f"{path}: the shipped systemd unit runs Spillway as user "
+                                      "spillway with ProtectHome=read-only; make sure that "
+                                      "user can read it")
 
     def _projector(self, found: HfModel) -> None:
         given = {flags.spelling(a.tokens[0]) for a in self.plan.model_args}
@@ -439,6 +463,51 @@ class _Planner:
             self.plan.gpu_args.insert(0, ArgLine(("-ngl", "99"), "no -ngl in the source: every "
                                                                  "layer on the card (Spillway's "
                                                                  "default)"))
+
+    def _small(self) -> None:
+        """--small: the small child's section, beside the GPU child; single-model mode only."""
+        o = self.options
+        if o.small is None:
+            for flag, value in (("--small-mode", o.small_mode),
+                                ("--small-requests", o.small_requests)):
+                if value is not None:
+                    raise InitError(f"{flag} {value} sets up the small child: give --small FILE "
+                                    "too (the smaller model's GGUF file)")
+            return
+        if self.plan.model_path is None:
+            raise InitError(f"--small {o.small}: a small child is for single-model mode "
+                            f"(model.path), and {self.plan.origin} names no model: router mode, "
+                            "whose two routers serve many models and have no third child. "
+                            "Leave out --small, or give the source -m FILE")
+        defaults = config.SCHEMA[config.SMALL_CHILD]
+
+        def chosen(flag: str, value: str | None, name: str, why: str) -> Setting:
+            if value is not None:
+                return Setting(value, f"from {flag} given to spillway init. {why}")
+            return Setting(defaults[name].default, f"Spillway's default (spillway init {flag} "
+                                                   f"gives another). {why}")
+
+        large_only = {llama_args.canonical(f) for f in config.LARGE_MODEL_ONLY}
+        self.plan.small = SmallPlan(
+            path=Setting(o.small, "from --small given to spillway init: the smaller model's "
+                                  "GGUF file. The small child serves it on the GPU's cards, for "
+                                  "the requests that accept another model, while the GPU child "
+                                  "cannot take them: they are answered at GPU speed instead of "
+                                  "the CPU child's"),
+            mode=chosen("--small-mode", o.small_mode, "mode", (
+                "\"resident\": always loaded beside the GPU child (keep room on the card for "
+                "both); \"on-demand\": started into the VRAM a death of the GPU child freed, "
+                "and stopped before the GPU child starts again")),
+            requests=chosen("--small-requests", o.small_requests, "requests", (
+                "\"opt-in\": only the requests that say `X-Spillway-Fallback: smaller`; "
+                "\"all\": every request may get the smaller model's answer. Either way a "
+                "stream that has started is never continued on another model")),
+            args=[ArgLine(line.tokens, "as in gpu.args: the small child runs beside the GPU "
+                                       "child, on its card")
+                  for line in self.plan.gpu_args if flags.canonical(line.tokens[0]) == "-dev"],
+            left_out=[line for line in self.plan.model_args
+                      if llama_args.canonical(line.tokens[0]) in large_only])
+        self._readable(o.small)
 
     def _listen(self) -> tuple[list[str], str]:
         host, port = self.one.get("--host"), self.one.get("--port")

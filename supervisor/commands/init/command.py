@@ -69,6 +69,29 @@ def read_source(args: argparse.Namespace) -> source.Source:
     return source.from_command_line(command, cwd, home)
 
 
+def _size(path: str) -> str:
+    size = os.path.getsize(path)
+    if size >= 2**30:
+        return f"{size / 2**30:.1f} GiB"
+    return f"{size / 2**20:.0f} MiB" if size >= 2**20 else f"{size} bytes"
+
+
+def _check_small(plan: cmdline.Plan) -> None:
+    """A small model that is not smaller than the large one is most likely a mistake (the two
+    files swapped): said, not refused."""
+    if plan.small is None or plan.model_path is None:
+        return
+    small, large = plan.small.path.value, plan.model_path.value
+    try:
+        not_smaller = os.path.getsize(small) >= os.path.getsize(large)
+    except OSError:
+        return  # config.build says which file is missing
+    if not_smaller:
+        plan.warnings.append(f"--small {small} ({_size(small)}) is not smaller than model.path "
+                             f"{large} ({_size(large)}): the small child is for a smaller model "
+                             "than the GPU child's")
+
+
 def _validate(text: str, plan: cmdline.Plan, output: Path | None) -> None:
     """config.build on the text about to be written, with the secrets it will find."""
     where = output or Path.cwd() / "spillway.toml"
@@ -123,8 +146,13 @@ def run(args: argparse.Namespace) -> int:
         src = read_source(args)
         options = cmdline.Options(listen=args.listen,
                                   new_key=secrets.token_urlsafe(32) if args.new_key else None,
-                                  cpu_has_amx=host_cpu().has_amx)
+                                  cpu_has_amx=host_cpu().has_amx,
+                                  small=os.path.abspath(os.path.expanduser(args.small))
+                                  if args.small else None,
+                                  small_mode=args.small_mode,
+                                  small_requests=args.small_requests)
         plan = cmdline.make_plan(src, LOOKUPS, options)
+        _check_small(plan)
         output = None if args.print else Path(args.output or default_output()).absolute()
         env_path = output.parent / "env" if output is not None and plan.secrets else None
         text = render.render(plan, str(env_path) if env_path else None)

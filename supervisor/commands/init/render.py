@@ -1,7 +1,12 @@
 """A `Plan` -> the TOML text of the config, with tomlkit: real TOML comments, values quoted as
 TOML wants, sections in config.SECTIONS' order. Only the keys the source gave, and the few a
-user needs to read (server.listen, model.*, gpu.args, cpu.args, cpu.mode), each with a comment
-above it saying where it came from. Pure.
+user needs to read (server.listen, model.*, gpu.args, cpu.args, cpu.mode; with --small the
+small child's path, args, mode and requests), each with a comment above it saying where it came
+from. Pure.
+
+Without --small, the header says how to add the small child. It is not a commented-out [small]
+section between [gpu] and [cpu]: comments above a table's header belong, for tomlkit, to the
+table before it, so `spillway config set gpu.device 1` would then put its new line under them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from .cmdline import ArgLine, Plan, Setting
 
 WIDTH = 98  # "# " + this: the project's line length
 CPU_ARGS = ("--device", "none", "-ngl", "0")  # config/schema.py's default for the CPU child
+SMALL_ARGS = ("-ngl", "99")  # and for the small child
 
 
 def _comment(table: Table | tomlkit.TOMLDocument, text: str, indent: str = "") -> None:
@@ -70,6 +76,14 @@ def _header(doc: tomlkit.TOMLDocument, plan: Plan, env_file: str | None) -> None
         for name, origin in others.items():
             _comment(doc, f"The value of {origin} is a secret, so it is not in this file: it is "
                           f"{name} in {where}; the children inherit it from Spillway.")
+    if plan.small is None and not plan.router:
+        doc.add(tomlkit.comment(""))
+        _comment(doc, "No small child: a [small] section would add one, a smaller model on the "
+                      "GPU's cards for the requests that accept another model (those that say "
+                      "`X-Spillway-Fallback: smaller`, or all of them with small.requests = "
+                      "\"all\"), answering them at GPU speed while the GPU child cannot, instead "
+                      "of the CPU child. `spillway config set small.path FILE` adds it (or "
+                      "`spillway init --small FILE`); its keys are in examples/spillway.toml.")
     doc.add(tomlkit.nl())
 
 
@@ -125,6 +139,27 @@ def _gpu(plan: Plan) -> Table:
     return t
 
 
+def _small(plan: Plan) -> Table | None:
+    small = plan.small
+    if small is None:
+        return None
+    t = tomlkit.table()
+    _set(t, "path", small.path)
+    left_out = ", ".join(" ".join(line.tokens) for line in small.left_out)
+    _comment(t, "the flags for the small child alone, after model.args" + (
+        f" less those that name the large model's files or name ({left_out})" if left_out
+        else "") + ": every layer on the card. Spillway adds -fit off unless -fit is here, as "
+                   "for the GPU child.")
+    t.add("args", _args([ArgLine(SMALL_ARGS), *small.args]) if small.args else
+          list(SMALL_ARGS))
+    _set(t, "mode", small.mode)
+    _set(t, "requests", small.requests)
+    env = {**plan.env, **plan.gpu_env}  # on the GPU's cards, as the GPU child
+    if env:
+        t.add("env", _env(env))
+    return t
+
+
 def _cpu(plan: Plan) -> Table:
     t = tomlkit.table()
     _comment(t, "the CPU child (Spillway's default): no card, no layers on one; it serves "
@@ -145,8 +180,9 @@ def render(plan: Plan, env_file: str | None) -> str:
     doc = tomlkit.document()
     _header(doc, plan, env_file)
     sections = {"server": _server(plan, env_file), "model": _model(plan), "gpu": _gpu(plan),
-                "cpu": _cpu(plan)}
+                "small": _small(plan), "cpu": _cpu(plan)}
     for name in config.SECTIONS:
-        if name in sections:
-            doc.add(name, sections[name])
+        table = sections.get(name)
+        if table is not None:
+            doc.add(name, table)
     return tomlkit.dumps(doc)
