@@ -73,6 +73,9 @@ def test_an_opted_in_request_the_gpu_child_lost_is_answered_by_the_small_model(
     s = spillway(small_config(llama_server, smollm2, tiny_model, injector,
                               {"FAULT_MARKER": MARKER}))
     s.wait_ready(children=ALL)
+    small = s.status()["children"]["small"]
+    assert (small["smaller_model"], small["mode"], small["requests"]) == (
+        tiny_model.name, "resident", "opt-in")
     answer, headers = ask(client(s, SMALLER), f"say {MARKER} now")
     assert headers["X-Spillway-Child"] == "small"
     assert headers["X-Spillway-Attempts"] == "2"

@@ -84,3 +84,17 @@ def test_no_figures_at_all_is_one_line_with_the_note() -> None:
     text = format_status({"children": {}, "gpu": None, "gpu_note": "NVML Shared Library Not Found",
                           "serving": True})
     assert gpu_lines(text) == ["GPU: none (NVML Shared Library Not Found)"]
+
+
+def test_the_small_child_says_its_model_its_mode_and_whom_it_serves() -> None:
+    s = status([], Selection((), "config"))
+    s["children"]["small"] = {"state": "READY", "pid": PID + 1, "runs_on": "CPU",
+                              "smaller_model": "qwen2.5-1.5b.gguf", "mode": "on-demand",
+                              "requests": "opt-in"}
+    text = format_status(s)
+    assert ("  smaller model: qwen2.5-1.5b.gguf (on-demand; for requests with "
+            "X-Spillway-Fallback: smaller)") in text.splitlines()
+    s["children"]["small"]["requests"] = "all"
+    assert "for every request)" in format_status(s)
+    del s["children"]["small"]
+    assert "smaller model" not in format_status(s)

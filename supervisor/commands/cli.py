@@ -320,6 +320,10 @@ def format_status(status: dict[str, Any]) -> str:
                     f"  fix: {known['remedy']}", f"  see: {known['upstream']}"]
         if c.get("runs_on"):
             out.append(f"  runs on: {c['runs_on']}")
+        if c.get("smaller_model"):
+            whom = ("every request" if c.get("requests") == "all"
+                    else "requests with X-Spillway-Fallback: smaller")
+            out.append(f"  smaller model: {c['smaller_model']} ({c.get('mode')}; for {whom})")
         told = c.get("offload")  # the GPU child's: how much of it is on the GPU
         if told:
             out.append(f"  on the GPU: {told['state']}: {told['why']}")

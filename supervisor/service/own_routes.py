@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -233,6 +234,12 @@ class OwnRoutes:
             if fatal:
                 info["why"] = why_gpu_fatal(child, self.host.config.restart.fatal_retry_max_s,
                                             self.res.gpu_need_bytes())
+        elif cfg.smaller:
+            devices = list(self.host.gpu_devices)
+            info["runs_on"] = devices[0] if devices else "CPU"  # the GPU child's cards
+            info["mode"] = cfg.mode
+            info["smaller_model"] = Path(cfg.model_path).name
+            info["requests"] = cfg.requests
         else:
             info["runs_on"] = "CPU"
             info["mode"] = cfg.mode
