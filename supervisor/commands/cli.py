@@ -299,6 +299,27 @@ def format_gpu(status: dict[str, Any]) -> list[str]:
     return out
 
 
+def _child_lines(name: str, c: dict[str, Any]) -> list[str]:
+    """One child's lines under the table: its reason, and what else its status says."""
+    out = [f"{name}: {c.get('reason', '')}"]
+    if c.get("why"):
+        out.append(f"  {c['why']}")
+    known = c.get("diagnosis")
+    if known:
+        out += [f"  known crash {known['signature']}: {known['what']}",
+                f"  fix: {known['remedy']}", f"  see: {known['upstream']}"]
+    if c.get("runs_on"):
+        out.append(f"  runs on: {c['runs_on']}")
+    if c.get("smaller_model"):
+        whom = ("every request" if c.get("requests") == "all"
+                else "requests with X-Spillway-Fallback: smaller")
+        out.append(f"  smaller model: {c['smaller_model']} ({c.get('mode')}; for {whom})")
+    told = c.get("offload")  # the GPU child's: how much of it is on the GPU
+    if told:
+        out.append(f"  on the GPU: {told['state']}: {told['why']}")
+    return out
+
+
 def format_status(status: dict[str, Any]) -> str:
     rows = []
     for name, c in status["children"].items():
@@ -311,22 +332,7 @@ def format_status(status: dict[str, Any]) -> str:
            "", tables.render(["child", "state", "pid", "port", "restarts", "in flight",
                               "last exit"], rows), ""]
     for name, c in status["children"].items():
-        out.append(f"{name}: {c.get('reason', '')}")
-        if c.get("why"):
-            out.append(f"  {c['why']}")
-        known = c.get("diagnosis")
-        if known:
-            out += [f"  known crash {known['signature']}: {known['what']}",
-                    f"  fix: {known['remedy']}", f"  see: {known['upstream']}"]
-        if c.get("runs_on"):
-            out.append(f"  runs on: {c['runs_on']}")
-        if c.get("smaller_model"):
-            whom = ("every request" if c.get("requests") == "all"
-                    else "requests with X-Spillway-Fallback: smaller")
-            out.append(f"  smaller model: {c['smaller_model']} ({c.get('mode')}; for {whom})")
-        told = c.get("offload")  # the GPU child's: how much of it is on the GPU
-        if told:
-            out.append(f"  on the GPU: {told['state']}: {told['why']}")
+        out += _child_lines(name, c)
     if status.get("router"):
         out += ["", _format_models(status), ""]
     out += format_gpu(status)
