@@ -410,7 +410,10 @@ class ProxyHandler:
         anywhere)."""
         bound = prompts.upper_bound(len(ctx.body), ctx.payload)
         pool = self._pool(ctx)
-        limit = min(filter(None, (pool.ctx_per_slot(n) for n in pool.roles)), default=None)
+        # The children that may take it: a smaller model's only for a request that accepts one
+        # (its context, often the smallest, would otherwise make every prompt counted).
+        limit = min(filter(None, (pool.ctx_per_slot(n) for n in pool.roles
+                                  if ctx.smaller_ok or n not in pool.smaller)), default=None)
         if limit is None or bound < limit or ctx.payload is None:
             return tokens.Count((bound if limit is not None else 0,), exact=True)
         counter = pool.first_ready()

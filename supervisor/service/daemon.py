@@ -342,6 +342,8 @@ class Daemon:
         before = self._gpu_free_at_fatal
         freed = None if before is None else free - before
         if self.res.gpu_shortage() is None and (freed is None or freed >= self._freed_bytes()):
+            if self.small_tier is not None and self.small_tier.hold() is not None:
+                return  # the small child makes way first; the tier starts the GPU child then
             since = f"; {freed // MIB} MiB freed since it went FATAL" if freed else ""
             where = "the GPU has" if len(rooms) == 1 else f"its {len(rooms)} cards have"
             gpu.restart(f"{where} {free // MIB} MiB free again (needs about "
