@@ -85,6 +85,11 @@ class Upstream(Protocol):
     @property
     def name(self) -> str: ...
 
+    # The model a request sent to it must name, when it is not the one the client named (a
+    # larger model's request sent to its smaller model in router mode); None: as sent.
+    @property
+    def serves_model(self) -> str | None: ...
+
     @property
     def generation(self) -> int: ...
 

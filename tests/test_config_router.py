@@ -364,6 +364,20 @@ def test_check_config_lists_the_routers_models(tmp_path: Path) -> None:
     assert _check_config(str(conf)).stdout == out
 
 
+def test_check_config_shows_each_smaller_model_and_warns_of_an_unlisted_one(
+        tmp_path: Path) -> None:
+    _touch(tmp_path / "models", "alpha.gguf", "beta.gguf")
+    conf = tmp_path / "spillway.toml"
+    conf.write_text(f'[model]\nllama_server = "{sys.executable}"\n'
+                    'args = ["--models-dir", "models"]\n'
+                    '[small]\nmodels = { alpha = "beta", gamma = "beta" }\n')
+    result = _check_config(str(conf))
+    assert result.returncode == 0, result.stderr
+    assert "smaller model of alpha: beta, kept loaded on the GPU router" in result.stdout
+    assert "small.models names 'gamma'" in result.stderr
+    assert "'alpha'" not in result.stderr and "'beta'" not in result.stderr
+
+
 def test_check_config_warns_but_passes_when_no_model_is_found(tmp_path: Path) -> None:
     (tmp_path / "models").mkdir()
     conf = tmp_path / "spillway.toml"

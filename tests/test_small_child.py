@@ -19,7 +19,7 @@ from typing import Any
 
 import openai
 import pytest
-from harness import Spillway, eventually, real_config
+from harness import Spillway, eventually, real_config, router_config
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SpillwayFactory
@@ -53,9 +53,10 @@ def client(s: Spillway, headers: dict[str, str] | None = None) -> openai.OpenAI:
                          default_headers=headers or {}, timeout=60)
 
 
-def ask(c: openai.OpenAI, text: str, **extra: Any) -> tuple[Any, Any]:
+def ask(c: openai.OpenAI, text: str, model: str = "whatever", max_tokens: int = 8,
+        **extra: Any) -> tuple[Any, Any]:
     raw = c.chat.completions.with_raw_response.create(
-        model="whatever", messages=[{"role": "user", "content": text}], max_tokens=8,
+        model=model, messages=[{"role": "user", "content": text}], max_tokens=max_tokens,
         temperature=0, **extra)
     return raw.parse(), raw.headers
 
@@ -205,3 +206,52 @@ def test_a_bad_fallback_header_is_a_clear_400(
                           headers={"X-Spillway-Fallback": "bigger"})
     assert status == 400
     assert "X-Spillway-Fallback" in body["error"]["message"]
+
+
+def test_router_mode_sends_an_opted_in_request_to_its_models_smaller_model(
+        spillway: SpillwayFactory, llama_server: Path, models_dir: Path) -> None:
+    """Router mode: no third process; small.models maps alpha to beta, both on the GPU router,
+    which keeps beta loaded. alpha's instance there dies (SIGABRT as its task launches): the
+    opted-in request is rerouted to beta on the GPU router (the request rewritten to name it,
+    the answer naming it), the plain one replayed on the CPU router for alpha."""
+    s = spillway(router_config(llama_server, models_dir, small={"models": {"alpha": "beta"}}))
+    # beta is loaded on the GPU router without any request for it: resident.
+    eventually(lambda: s.child("gpu")["models"]["beta"]["state"] == "READY", timeout=30)
+    assert s.status()["smaller_models"] == {"alpha": "beta"}
+    # alpha not loaded on the GPU router yet: beta answers, while alpha loads for what follows.
+    answer, headers = ask(client(s, SMALLER), "hello", model="alpha")
+    assert headers["X-Spillway-Child"] == "small" and answer.model == "beta"
+    eventually(lambda: s.child("gpu")["models"]["alpha"]["state"] == "READY", timeout=30)
+    answer, headers = ask(client(s, SMALLER), "hello", model="alpha")
+    assert headers["X-Spillway-Child"] == "gpu" and answer.model == "alpha"
+    for opted, rid in ((True, "router-small-1"), (False, "router-small-2")):
+        eventually(lambda: s.child("gpu")["models"]["alpha"]["state"] == "READY", timeout=30)
+        code, armed = s.arm({"model": "alpha"})
+        assert code == 200, armed
+        answer, headers = ask(client(s, {**(SMALLER if opted else {}), "X-Request-Id": rid}),
+                              "a prompt for the doomed instance", model="alpha",
+                              # long enough for the abort to land before it is answered
+                              max_tokens=256, extra_body={"ignore_eos": True})
+        assert headers["X-Spillway-Attempts"] == "2"
+        if opted:
+            assert headers["X-Spillway-Child"] == "small"
+            assert headers["X-Spillway-Model"] == "beta" and answer.model == "beta"
+        else:
+            assert headers["X-Spillway-Child"] == "cpu"
+            assert headers["X-Spillway-Model"] == "alpha" and answer.model == "alpha"
+    first, second = s.wait_incidents(2)
+    assert (first["decision"], first["replay_child"], first["model"]) == (
+        "rerouted", "small", "alpha")
+    assert (second["decision"], second["replay_child"]) == ("replayed", "cpu")
+    # While alpha is down on the GPU router, opted-in requests for it go to beta there.
+    assert s.child("gpu")["models"]["beta"]["failures"] == 0
+
+
+def test_router_mode_config_refuses_what_has_no_meaning_there(tmp_path: Path) -> None:
+    from supervisor.config import schema as config  # noqa: PLC0415 - a unit check here
+    with pytest.raises(config.ConfigError) as e:
+        config.build({"model": {"args": ["--models-dir", str(tmp_path)]},
+                      "small": {"models": {"a": "b", "b": "c"}, "mode": "on-demand"}},
+                     check_paths=False)
+    text = str(e.value)
+    assert "small.mode" in text and "one step only" in text

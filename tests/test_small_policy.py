@@ -166,3 +166,33 @@ def test_a_drain_that_stops_leaves_the_child_stopped() -> None:
     life, _ = lifecycle.step(life, lifecycle.Idle(), ctx)
     life, actions = lifecycle.step(life, lifecycle.Ended(1, planned=True, what="stopped"), ctx)
     assert life.state is ChildState.STARTING
+
+
+def test_router_mode_a_model_not_loaded_is_loaded_while_its_smaller_model_answers() -> None:
+    """Branch 4b meets 4c: the larger model may be loaded on the GPU router (startable): the
+    smaller model answers this request, and the larger one is loaded for those after."""
+    d = decide(OPTED, cap(gpu={"state": ChildState.STOPPED, "startable": True}))
+    assert (d.action, d.child, d.warm) == (Action.FORWARD, "small", "gpu")
+    plain = decide(REQ, cap(gpu={"state": ChildState.STOPPED, "startable": True}))
+    assert plain.child == "cpu" and plain.warm == "gpu"  # as before: not the smaller model
+    down = decide(OPTED, cap(gpu=DOWN))
+    assert down.child == "small" and down.warm is None  # backing off: nothing to load now
+
+
+class ContextSource(FakeSource):
+    """The small child's slots hold 256 tokens; the others' are unknown (room for any)."""
+
+    def ctx_per_slot(self, name: str) -> int | None:
+        return 256 if name == "small" else None
+
+
+async def test_a_prompt_over_the_small_childs_slot_is_replayed_on_the_cpu_child() -> None:
+    source = ContextSource({"gpu": 1, "small": 1, "cpu": 1},
+                           {"gpu": "EXITED", "small": "READY", "cpu": "READY"})
+    pool = three(source)
+    long = await Failover(pool).after_failure(failed(smaller_ok=True, prompt_tokens=300))
+    assert isinstance(long, Replay) and long.lease.name == "cpu" and not long.smaller
+    long.lease.close(None, None)
+    short = await Failover(pool).after_failure(failed(smaller_ok=True, prompt_tokens=100))
+    assert isinstance(short, Replay) and short.lease.name == "small"
+    short.lease.close(None, None)

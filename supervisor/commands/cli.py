@@ -50,6 +50,14 @@ def _print_router_models(cfg: config.Config) -> None:
         child = cfg.child(name)
         most = child.models_max or "no limit"
         print(f"  {name} router: at most {most} model(s) loaded at once (--models-max)")
+    names = {m.name for m in found}
+    for large, smaller in cfg.smaller_models.items():
+        print(f"  smaller model of {large}: {smaller}, kept loaded on the GPU router")
+        for model in (large, smaller):
+            if found and model not in names:
+                print(f"warning: small.models names {model!r}, which the models folder or "
+                      "preset does not list (a model in llama.cpp's cache is not checked here)",
+                      file=sys.stderr)
     for warning in models_dir.warnings(cfg):
         print(f"warning: {warning}", file=sys.stderr)
 

@@ -303,6 +303,9 @@ class ChildConfig:
     # small only
     requests: str = field(default="opt-in", metadata=key(
         "str", "opt-in", check=_one_of(*SMALL_REQUESTS), only=SMALL_CHILD))
+    # Router mode: each model's smaller model, both served by the GPU router (no third process)
+    models: Mapping[str, str] = field(default_factory=dict, metadata=key(
+        "str_table", {}, only=SMALL_CHILD))
 
     @property
     def on_gpu(self) -> bool:
@@ -501,6 +504,11 @@ class Config:
     def small_child(self) -> str | None:
         """The child serving a smaller model, when there is one."""
         return next((c.name for c in self.children if c.smaller), None)
+
+    @property
+    def smaller_models(self) -> Mapping[str, str]:
+        """Router mode: each model's smaller model on the GPU router (small.models)."""
+        return self.small.models if self.router else {}
 
     @property
     def gpu_child(self) -> str:
@@ -784,20 +792,48 @@ def _check_across(values: Mapping[str, Mapping[str, Any]], problems: list[Proble
         args = values[section]["args"]
         if all(isinstance(a, str) for a in args):
             _check_child_args(section, args, problems)
-    small = values[SMALL_CHILD]
-    if not small["path"]:
-        defaults = SCHEMA[SMALL_CHILD]
-        given = [k for k in ("args", "mode", "requests") if small[k] != defaults[k].default]
-        if given:
-            problems.append(Problem(f"{SMALL_CHILD}.path", f"is required for small.{given[0]}: "
-                                    "the smaller model's GGUF file"))
-    elif not values["model"]["path"]:
-        problems.append(Problem(f"{SMALL_CHILD}.path", "a small child is for single-model mode "
-                                "(model.path); router mode has no third child"))
+    _check_small(values, problems)
     r = values["restart"]
     if r["backoff_max_s"] < r["backoff_initial_s"]:
         problems.append(Problem("restart.backoff_max_s", "must be at least "
                                                          "restart.backoff_initial_s"))
+
+
+def _check_small(values: Mapping[str, Mapping[str, Any]], problems: list[Problem]) -> None:
+    """[small]: small.path in single-model mode (a third child), small.models in router mode
+    (each model's smaller one on the GPU router, resident), and what goes with each."""
+    small, defaults = values[SMALL_CHILD], SCHEMA[SMALL_CHILD]
+    given = [k for k in defaults if k not in ("path", "models")
+             and small[k] != defaults[k].default]
+    if values["model"]["path"]:
+        if small["models"]:
+            problems.append(Problem(f"{SMALL_CHILD}.models", "is router mode's (no model.path); "
+                                    "in single-model mode give small.path, the smaller "
+                                    "model's GGUF file"))
+        elif not small["path"] and given:
+            problems.append(Problem(f"{SMALL_CHILD}.path", f"is required for small.{given[0]}: "
+                                    "the smaller model's GGUF file"))
+        return
+    if small["path"]:
+        problems.append(Problem(f"{SMALL_CHILD}.path", "a small child is for single-model mode "
+                                "(model.path); in router mode map each model to its smaller "
+                                "one with small.models"))
+    process = [k for k in given if k not in ("mode", "requests")]
+    if small["models"] and process:
+        problems.append(Problem(f"{SMALL_CHILD}.{process[0]}", "router mode has no small "
+                                "process: the smaller models are the GPU router's own"))
+    if small["models"] and small["mode"] == "on-demand":
+        problems.append(Problem(f"{SMALL_CHILD}.mode", "router mode keeps the smaller models "
+                                "loaded on the GPU router (\"resident\"); \"on-demand\" is "
+                                "single-model mode's"))
+    models = small["models"] if isinstance(small["models"], dict) else {}
+    for large, smaller in models.items():
+        if smaller == large:
+            problems.append(Problem(f"{SMALL_CHILD}.models.{large}", "a model cannot be its own "
+                                    "smaller model"))
+        elif smaller in models:
+            problems.append(Problem(f"{SMALL_CHILD}.models.{large}", f"{smaller!r} has a smaller "
+                                    "model of its own: one step only"))
 
 
 def _resolve_executable(name: str) -> str | None:

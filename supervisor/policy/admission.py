@@ -165,9 +165,13 @@ def _to_smaller(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:
     if not req.smaller_ok or small is None or not small.fits(req.prompt_tokens) or not (
             small.has_room or small.startable):
         return None
+    # Router mode: the model not loaded on the GPU router, and loading it would fit (4b): it is
+    # loaded for the requests after, while the smaller one answers this one.
+    gpu = cap.gpu
+    warm = gpu.name if gpu_fits and gpu.startable and _headroom_kept(cap) else None
     return Decision(Action.FORWARD, 4, f"rerouted to the smaller model on the {small.shown}: "
                                        f"{_gpu_cannot(cap, gpu_fits)}", child=small.name,
-                    start_child=not small.has_room)
+                    start_child=not small.has_room, warm=warm)
 
 
 def _coming(req: Request, cap: Capacity, gpu_fits: bool, cpu_fits: bool) -> bool:

@@ -87,6 +87,7 @@ class RequestCtx:
     capture_limit: int = 0
     model: str | None = None  # router mode: the model it names, as the routers list it
     smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
+    prompt_tokens: int = 0  # admission's count of its prompt (or a bound of it)
     # A stream that may be continued on the other child: what the client has of it so far.
     follow: continuation.Transcript | None = None
     continued: bool = False  # it was continued once (never twice)
@@ -127,6 +128,14 @@ class ForwardSettings:
 
 # What an attempt's read of the child can raise: the connection closed, or it broke.
 _READ_ERRORS = (ConnectionError, OSError)
+
+
+def _naming(ctx: RequestCtx, model: str | None) -> bytes | None:
+    """The request's body naming `model` (a larger model's request sent to its smaller model,
+    which the router finds by that name); None: as the client sent it."""
+    if model is None or ctx.payload is None or ctx.payload.get("model") == model:
+        return None
+    return json.dumps({**ctx.payload, "model": model}).encode()
 
 
 def _is_sse(resp: UpstreamResponse) -> bool:
@@ -180,7 +189,8 @@ class Forwarder:
             headers["Connection"] = "close"
         use = ConnectionUse()
         try:
-            sent = await self._send(ctx, child, generation, headers, use)
+            sent = await self._send(ctx, child, generation, headers, use,
+                                    body=_naming(ctx, child.serves_model))
             if isinstance(sent, AttemptFailure):
                 return sent
             upstream = sent

@@ -385,6 +385,7 @@ class ProxyHandler:
             # Generation: 3 to 7 of the admission order.
             opted_out = _opted_out(ctx)
             count = await self._prompt_count(ctx)
+            ctx.prompt_tokens = count.largest
             got = await pool.lease(admission.Request(
                 route=ctx.route, prompt_tokens=count.largest,
                 cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx),
@@ -448,8 +449,8 @@ class ProxyHandler:
                ("X-Spillway-Attempts", str(attempt.number))]
         if ctx.failover_kind:
             own.append(("X-Spillway-Failover", ctx.failover_kind))
-        if ctx.model is not None:
-            own.append(("X-Spillway-Model", ctx.model))
+        if ctx.model is not None:  # (a smaller model's own name, when it answers)
+            own.append(("X-Spillway-Model", child.serves_model or ctx.model))
         if ctx.wait_estimate_s is not None and ctx.waited_s is not None:
             # W3C Server-Timing (browsers' dev tools show it): the time this request spent in
             # the waiting line, and the estimate it was given on joining, which is what a 503's
@@ -479,7 +480,7 @@ class ProxyHandler:
             deadline_left_s=self._deadline_left(ctx),
             body_size=len(ctx.body),
             max_tokens=estimate.requested_tokens(ctx.payload),
-            smaller_ok=ctx.smaller_ok))
+            smaller_ok=ctx.smaller_ok, prompt_tokens=ctx.prompt_tokens))
         if isinstance(nxt, GiveUp):
             episodes.append(_Episode(failure, "rejected", nxt.reason))
             return Answered(self._controlled_error(ctx, failure, nxt))

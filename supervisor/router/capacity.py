@@ -14,6 +14,7 @@ is loaded there.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -21,8 +22,9 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 from urllib.parse import quote
 
-from ..config.schema import Config
+from ..config.schema import SMALL_CHILD, Config
 from ..gpu import MIB, GpuMonitor
+from ..policy.admission import ChildView
 from ..policy.lifecycle import ChildState
 from ..serving.resources import Resources
 from .upstream import ModelUpstream
@@ -40,15 +42,56 @@ def models_max(config: Config, child: str) -> int:
 class ModelResources(Resources):
     def __init__(self, config: Config, upstreams: Mapping[str, ModelUpstream],
                  monitor: GpuMonitor, model: str,
-                 neighbours: Callable[[str], Sequence[ModelUpstream]]) -> None:
+                 neighbours: Callable[[str], Sequence[ModelUpstream]],
+                 smaller: ModelResources | None = None) -> None:
         self.model = model
         self.upstreams = upstreams
         # The other models' upstreams on the same router (for --models-max).
         self.neighbours = neighbours
         self.path = ""
+        # Its smaller model's figures (small.models), read for the pool's `small` upstream:
+        # that model's instance on the GPU router.
+        self.smaller = smaller
         super().__init__(config, upstreams, monitor)
         for name, upstream in upstreams.items():
             upstream.load_guard = functools.partial(self.load_refusal, name)
+
+    # --- the smaller model's upstream: its own figures, on the GPU router ----------------------
+
+    def _smaller(self, name: str) -> ModelResources | None:
+        return self.smaller if name == SMALL_CHILD else None
+
+    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int,
+                   with_estimate: bool = True) -> ChildView:
+        smaller = self._smaller(name)
+        if smaller is None:
+            return super().child_view(name, busy, body_size, max_tokens, with_estimate)
+        view = smaller.child_view(self.config.gpu_child, busy, body_size, max_tokens,
+                                  with_estimate)
+        return dataclasses.replace(view, name=name, smaller=True,
+                                   label=f"{smaller.model} on the GPU router")
+
+    def ctx_per_slot(self, name: str) -> int | None:
+        smaller = self._smaller(name)
+        return super().ctx_per_slot(name) if smaller is None else \
+            smaller.ctx_per_slot(self.config.gpu_child)
+
+    def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
+        smaller = self._smaller(name)
+        return super().expected_seconds(name, body_size, max_tokens) if smaller is None else \
+            smaller.expected_seconds(self.config.gpu_child, body_size, max_tokens)
+
+    def observe_timings(self, name: str, timings: Mapping[str, Any]) -> None:
+        smaller = self._smaller(name)
+        if smaller is None:
+            super().observe_timings(name, timings)
+        else:
+            smaller.observe_timings(self.config.gpu_child, timings)
+
+    async def wait_ready(self, name: str, within_s: float) -> float | None:
+        smaller = self._smaller(name)
+        return await (super().wait_ready(name, within_s) if smaller is None else
+                      smaller.wait_ready(self.config.gpu_child, within_s))
 
     def model_path(self) -> str:
         return self.path
@@ -105,6 +148,10 @@ class ModelResources(Resources):
     def start_child(self, name: str) -> None:
         """Load the model on `name`; at the router's --models-max, unload an idle model
         first and load when it is gone."""
+        smaller = self._smaller(name)
+        if smaller is not None:
+            smaller.start_child(self.config.gpu_child)
+            return
         upstream = self.upstreams[name]
         limit = models_max(self.config, name)
         victim = self._idle_victim(name) if limit and \

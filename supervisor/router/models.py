@@ -25,8 +25,11 @@ from ..config.schema import Config
 from ..gpu import GpuMonitor
 from ..records.metrics import Metrics
 from ..policy.lifecycle import ChildState
+from ..config.schema import SMALL_CHILD
 from ..serving.pool import Pool
+from ..vocabulary import Upstream
 from .capacity import ModelResources
+from .smaller import SmallerModel
 from .upstream import ModelUpstream
 from .watch import RouterWatch
 
@@ -89,17 +92,29 @@ class RouterModels:
                 vram_short_mib=max(256.0, float(cfg.gpu_settings.vram_headroom_mib)),
                 drain_timeout_s=cfg.failover.drain_timeout_s)
             for name, child in self.children.items()}
-        resources = ModelResources(cfg, upstreams, self.monitor, model, self.neighbours)
+        # Its smaller model (small.models), on the GPU router: the pool's third upstream.
+        smaller = cfg.smaller_models.get(model)
+        smaller_entry = self.entry(smaller) if smaller is not None else None
+        resources = ModelResources(cfg, upstreams, self.monitor, model, self.neighbours,
+                                   smaller_entry.resources if smaller_entry else None)
         resources.paused = self.paused
-        pool = Pool(resources, upstreams, cfg.queue.max_waiting, cfg.queue.max_wait_s,
-                    metrics=self.metrics, boot=f"{self.boot}-{model}")
+        members: dict[str, Upstream] = dict(upstreams)
+        if smaller_entry is not None:
+            members = {cfg.gpu_child: upstreams[cfg.gpu_child],
+                       SMALL_CHILD: SmallerModel(smaller_entry.upstreams[cfg.gpu_child],
+                                                 SMALL_CHILD),
+                       **{n: u for n, u in upstreams.items() if n != cfg.gpu_child}}
+        pool = Pool(resources, members, cfg.queue.max_waiting, cfg.queue.max_wait_s,
+                    metrics=self.metrics, boot=f"{self.boot}-{model}",
+                    smaller=[SMALL_CHILD] if smaller_entry is not None else [])
         pool.sick_after = cfg.restart.sick_after_errors
         for name, upstream in upstreams.items():
             upstream.listeners.append(self._changed)
             if self.metrics is not None:
                 self.metrics.set_model_state(name, model, upstream.state)  # 0s, not absent
         entry = self.entries[model] = ModelEntry(model, upstreams, resources, pool)
-        log.info("model %s: served by both routers", model)
+        log.info("model %s: served by both routers%s", model,
+                 f"; its smaller model {smaller} on the GPU router" if smaller else "")
         return entry
 
     def configure(self, config: Config) -> None:
@@ -150,6 +165,25 @@ class RouterModels:
     def sample(self) -> None:
         for entry in self.entries.values():
             entry.resources.sample()
+        self._keep_smaller_loaded()
+
+    def _keep_smaller_loaded(self) -> None:
+        """The smaller models (small.models) stay loaded on the GPU router, as a resident small
+        child: loaded once the router lists them, and again whenever they are not (an eviction,
+        a death after its back-off), when they fit."""
+        gpu = self.config.gpu_child
+        if self.children[gpu].state is not ChildState.READY or gpu in self.paused:
+            return
+        for smaller in set(self.config.smaller_models.values()):
+            if smaller not in self.watches[gpu].listed:
+                continue  # not in the router's listing (yet): nothing to load
+            entry = self.entry(smaller)
+            if entry.upstreams[gpu].state is ChildState.STOPPED and \
+                    entry.resources.load_refusal(gpu) is None:
+                log.info("[%s:%s] loading it: the smaller model of %s", gpu, smaller,
+                         ", ".join(m for m, s in self.config.smaller_models.items()
+                                   if s == smaller))
+                entry.resources.start_child(gpu)
 
     def dispatch(self) -> None:
         for entry in self.entries.values():

@@ -97,6 +97,7 @@ class ModelUpstream(LifeReader):
         self.child = child
         self.model = model
         self.name = child.name  # the role: what X-Spillway-Child, incidents and metrics say
+        self.serves_model: str | None = None  # its requests name it already
         self.loader = loader
         self.vram_probe = vram_probe
         self.vram_short_mib = vram_short_mib

@@ -88,7 +88,8 @@ def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, Prox
                       body_timeout_s=s.body_timeout_s, access_log=s.access_log,
                       no_prefill=frozenset(c.name for c in config.children
                                            if not c.prefills_assistant),
-                      smaller_for_all=(config.small_child is not None
+                      smaller_for_all=((config.small_child is not None
+                                        or bool(config.smaller_models))
                                        and config.small.requests == "all")),
     )
 

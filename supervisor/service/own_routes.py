@@ -182,6 +182,8 @@ class OwnRoutes:
                        "restart_needed": list(self.host.restart_notes)},
             "router": self.models is not None,
             "models": self.models.listing() if self.models is not None else None,
+            # Router mode: each model's smaller model on the GPU router (small.models).
+            "smaller_models": dict(self.host.config.smaller_models),
             "streams": self.streams.summary() if self.streams is not None else None,
             "drill": self.drill.to_json(),
         }

@@ -39,6 +39,7 @@ class Failed:
     body_size: int
     max_tokens: int  # what the request asks for (the other upstream's expected time)
     smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
+    prompt_tokens: int = 0  # as admission counted it (or its bound): does it fit a slot there
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,8 @@ class Failover:
         pool, name = self.pool, failed.failure.child
         # The first that can take it: a request that accepts a smaller model goes to the small
         # child when it can (GPU speed), else to the CPU child as any other.
-        candidates = pool.takeovers(name, failed.smaller_ok)
+        candidates = [c for c in pool.takeovers(name, failed.smaller_ok)
+                      if c not in pool.smaller or pool.fits(c, failed.prompt_tokens)]
         target = next((c for c in candidates if pool.can_take_replay(c)),
                       candidates[0] if candidates else None)
         decision = replay.decide(replay.ReplayCase(

@@ -203,6 +203,11 @@ class Pool:
             return 60.0
         return 1.0 + start
 
+    def fits(self, name: str, prompt_tokens: int) -> bool:
+        """Whether the prompt has room in one of its slots (unknown: it does)."""
+        ctx = self.source.ctx_per_slot(name)
+        return ctx is None or prompt_tokens < ctx
+
     def can_take_replay(self, name: str) -> bool:
         view = self.source.child_view(name, 0, 0, 0)
         return view.state in (ChildState.READY, ChildState.STARTING) or view.startable

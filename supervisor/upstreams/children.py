@@ -140,6 +140,7 @@ class Child(LifeReader):
         launcher: Launcher | None = None,
     ) -> None:
         self.name = cfg.name
+        self.serves_model: str | None = None  # its requests go as sent
         self.cfg = cfg
         self.restart_cfg = restart
         self.drain_timeout_s = drain_timeout_s
