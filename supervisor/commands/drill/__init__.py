@@ -27,6 +27,7 @@ import aiohttp
 
 from ... import __version__
 from ..remote import Target
+from ...config.schema import SMALL_CHILD
 from ...records.timefmt import rfc3339
 from . import provoke, report
 from .client import DrillClient, model_info, state_of
@@ -146,6 +147,8 @@ async def _drill(client: DrillClient, status: dict[str, Any], how: str, only: tu
                  second: str | None) -> dict[str, Any]:
     """The drill inside its window: the scenarios, their verdicts and the report's data."""
     provoker = await provoke.choose(client, status, how, model_path, binary)
+    if SMALL_CHILD in status.get("children", {}):
+        client.fallback = "none"  # a smaller model's answer only where scenario 8 asks for it
     gpu = status.get("gpu")
     say(f"spillway drill against {client.target.url}: {provoker.description}")
     if client.model is not None:
