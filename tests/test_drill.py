@@ -1,6 +1,7 @@
 """`spillway drill` in CI: simulated (no GPU here), against real llama-server children (and
-routers, in router mode, with its sixth scenario); its report rendered in headless Chromium and
-read back from the DOM. Scenario 6's judge is also held to made-up results, to see it fail."""
+routers, in router mode, with its sixth scenario; and a small child, with its eighth); its report
+rendered in headless Chromium and read back from the DOM. The judges of scenarios 6, 7 and 8 are
+also held to made-up results, to see them fail."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from harness import REPO, Spillway, real_config, router_config
 
 from conftest import SpillwayFactory
+from supervisor.commands import bootstrap
 from supervisor.commands.drill.client import Sent
 from supervisor.commands.drill.scenarios import ScenarioResult, judge
 
@@ -37,6 +39,7 @@ class Dom(HTMLParser):
         self.model_lanes: list[tuple[str, str]] = []
         self.states: list[str] = []
         self.skipped: list[str] = []
+        self.request_rows: list[dict[str, str]] = []
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {k: v or "" for k, v in attrs}
@@ -49,6 +52,8 @@ class Dom(HTMLParser):
             self.lanes.append(a["data-child"])
         elif tag == "tr" and "skipped" in classes:
             self.skipped.append(a["data-scenario"])
+        elif tag == "tr" and "request" in classes:
+            self.request_rows.append(a)
         elif tag == "rect" and "state" in classes:
             self.states.append(a["data-state"])
 
@@ -77,12 +82,16 @@ def test_the_drill_passes_simulated_and_its_report_renders(
     report: dict[str, Any] = json.loads(json_path.read_text())
     assert report["simulated"] is True and report["passed"] is True
     assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 7]
-    # Scenario 6 is router mode's: skipped here, with the reason, and not a failure.
+    # Scenario 6 is router mode's, 8 needs a small child: skipped here, with the reason, and
+    # not a failure.
     assert report["router"] is False
-    [skipped] = report["skipped"]
-    assert skipped["number"] == 6 and "router mode only" in skipped["why"], skipped
+    six, eight = report["skipped"]
+    assert six["number"] == 6 and "router mode only" in six["why"], six
+    assert eight["number"] == 8 and eight["why"] == "no [small] child configured", eight
     assert "[6] SKIPPED: router mode only" in result.stderr
+    assert "[8] SKIPPED: no [small] child configured" in result.stderr
     assert "skipped (router mode only" in result.stdout
+    assert "skipped (no [small] child configured)" in result.stdout
     incidents = {r["request_id"]: r for r in s.incidents()}
     for sc in report["scenarios"]:
         assert sc["simulated"] and sc["passed"], sc["verdict"]
@@ -114,7 +123,10 @@ def test_the_drill_passes_simulated_and_its_report_renders(
         assert bar["fill"] == colours[r["outcome"]]
     assert dom.lanes == ["gpu", "cpu"] and dom.model_lanes == []
     assert {"READY", "BACKOFF", "STARTING"} <= set(dom.states)
-    assert dom.skipped == ["6"]
+    assert dom.skipped == ["6", "8"]
+    assert [row["data-request-id"] for row in dom.request_rows] == \
+        [r["request_id"] for r in sent]
+    assert [row["data-child"] for row in dom.request_rows] == [r["child"] or "" for r in sent]
 
 
 @integration
@@ -129,7 +141,8 @@ def test_the_drill_passes_in_router_mode_with_a_second_model_loading(
     assert "PASSED (simulated: no GPU here)" in result.stdout
     report: dict[str, Any] = json.loads(next((tmp_path / "report").glob("drill-*.json"))
                                         .read_text())
-    assert report["router"] is True and report["passed"] is True and report["skipped"] == []
+    assert report["router"] is True and report["passed"] is True
+    assert [sc["number"] for sc in report["skipped"]] == [8]  # no small child in router mode
     assert (report["model"], report["second_model"]) == ("alpha", "beta")
     assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 6, 7]
     incidents = {r["request_id"]: r for r in s.incidents()}
@@ -308,3 +321,163 @@ def test_profiles_compare_three_ways_to_run_the_model(
     assert "-ngl" in profiles["results"][1]["args"]
     assert "profiles (no GPU here" in result.stdout
     assert "Profiles" in next(tmp_path.glob("drill-*.html")).read_text()
+
+
+# --- scenario 8: the small model answers while the large one reloads --------------------------
+
+LARGE, SMALL = "/models/SmolLM2-135M-Instruct.Q4_1.gguf", "/models/tiny.gguf"
+REROUTED = {"request_id": "lost", "decision": "rerouted", "replay_child": "small"}
+
+
+def _sent_8(rid: str, fallback: str, child: str | None, *, gpu: str = "BACKOFF",
+            attempts: int = 1, **kw: Any) -> Sent:
+    s = Sent(8, rid, False, 1.0, ended=2.0, status=200, attempts=attempts, child=child,
+             complete=True, request_id_kept=True, fallback=fallback, gpu_when_sent=gpu,
+             answer_model=SMALL if child == "small" else LARGE)
+    for name, value in kw.items():
+        setattr(s, name, value)
+    return s
+
+
+def _scenario_8(*rest: Sent, first: Sent | None = None) -> ScenarioResult:
+    r = ScenarioResult(8, "the small model answers while the large one reloads", "bar", True)
+    lost = first or _sent_8("lost", "smaller", "small", gpu="READY", attempts=2,
+                            incident=REROUTED)
+    r.requests.extend([lost, *rest])
+    r.models = {"small_mode": "resident", "gpu_when_sent": "BACKOFF", "opted_in": 2,
+                "plain": 2}
+    return r
+
+
+def _during() -> list[Sent]:
+    return [_sent_8("opted-1", "smaller", "small"), _sent_8("opted-2", "smaller", "small"),
+            _sent_8("plain-1", "none", "cpu"), _sent_8("plain-2", "none", "gpu")]
+
+
+def test_scenario_8_judge_fails_when_a_request_was_answered_by_the_wrong_child_or_lost(
+) -> None:
+    good = _scenario_8(*_during())
+    judge(good)
+    assert good.passed, good.verdict
+    assert good.requests[0].outcome == "rerouted"
+
+    def broken(index: int, **kw: Any) -> ScenarioResult:
+        requests = _during()
+        for name, value in kw.items():
+            setattr(requests[index], name, value)
+        r = _scenario_8(*requests)
+        judge(r)
+        assert not r.passed
+        return r
+
+    # An opted-in request sent while the GPU child was down, answered by the CPU child.
+    bad = broken(0, child="cpu", answer_model=LARGE)
+    assert "opted-1: opted in while the GPU child was BACKOFF, answered by the cpu child, " \
+        "not the small one" in bad.verdict, bad.verdict
+    # A plain request answered by the small child (a smaller model it did not accept).
+    bad = broken(2, child="small", answer_model=SMALL)
+    assert "plain-1: not opted in, answered by the small child" in bad.verdict, bad.verdict
+    # Lost: no answer at all, or a controlled error.
+    bad = broken(1, status=None, complete=False, child=None,
+                 note="connection: ServerDisconnectedError")
+    assert "opted-2: lost (None, connection: ServerDisconnectedError)" in bad.verdict
+    bad = broken(3, status=503, complete=False, controlled=True, note="no child can take it")
+    assert "plain-2: lost (503, no child can take it)" in bad.verdict, bad.verdict
+    # The small child answering in the large model's name.
+    bad = broken(0, answer_model=LARGE)
+    assert "opted-1: the small child answered as the large model" in bad.verdict
+    # Its request id not kept.
+    bad = broken(2, request_id_kept=False)
+    assert "plain-1: X-Request-Id not kept" in bad.verdict
+    # Every opted-in request sent after the GPU child was back: nothing was proven.
+    late = _during()
+    for s in late:
+        s.gpu_when_sent = "READY"
+        s.child = "gpu" if s.fallback == "smaller" else s.child
+    bad = _scenario_8(*late)
+    judge(bad)
+    assert not bad.passed and "no opted-in request was sent while the GPU child was down" in \
+        bad.verdict, bad.verdict
+    # The request the GPU child lost, replayed on the CPU child instead of rerouted.
+    replayed = _sent_8("lost", "smaller", "cpu", gpu="READY", attempts=2,
+                       incident={**REROUTED, "decision": "replayed", "replay_child": "cpu"})
+    bad = _scenario_8(*_during(), first=replayed)
+    judge(bad)
+    assert not bad.passed
+    assert "lost: the request the GPU child lost was not rerouted to the small child (its " \
+        "incident: replayed on cpu)" in bad.verdict, bad.verdict
+    assert "lost: opted in and lost by the GPU child, answered by the cpu child" in bad.verdict
+    # No incident at all: the GPU child never lost it.
+    never = _sent_8("lost", "smaller", "gpu", gpu="READY", answer_model=LARGE)
+    bad = _scenario_8(*_during(), first=never)
+    judge(bad)
+    assert not bad.passed and "(its incident: none on None)" in bad.verdict, bad.verdict
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    return bootstrap.ensure_model()
+
+
+def small_drill_config(llama_server: Path, large: Path, small: Path) -> dict[str, Any]:
+    """SmolLM2 as the large model (the GPU and CPU children), the tiny model as the small one
+    with four slots (the rerouted request and three more at once); the GPU child's back-off
+    long enough for the requests sent while it is down."""
+    cfg = real_config(llama_server, large, restart={"backoff_initial_s": 2.0,
+                                                    "backoff_max_s": 4.0})
+    cfg["model"]["args"] = ["-c", "1024", "-np", "2", "-t", "1", "-tb", "1"]
+    cfg["small"] = {"path": str(small), "args": ["-ngl", "99", "-np", "4"]}
+    return cfg
+
+
+@integration
+def test_scenario_8_the_small_model_answers_while_the_large_one_reloads(
+        spillway: SpillwayFactory, llama_server: Path, smollm2: Path, tiny_model: Path,
+        tmp_path: Path, chromium: Path) -> None:
+    s = spillway(small_drill_config(llama_server, smollm2, tiny_model))
+    s.wait_ready(children=("gpu", "small", "cpu"))
+    result = drill(s, tmp_path / "report", "--only", "8")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASSED (simulated: no GPU here)" in result.stdout
+    report: dict[str, Any] = json.loads(next((tmp_path / "report").glob("drill-*.json"))
+                                        .read_text())
+    assert report["passed"] is True and report["skipped"] == []
+    [eight] = report["scenarios"]
+    assert eight["number"] == 8 and eight["passed"] and eight["simulated"], eight["verdict"]
+    assert eight["models"]["small_mode"] == "resident"
+    first, *rest = eight["requests"]
+    # The opted-in request the GPU child lost: rerouted to the small child, in its own name.
+    assert first["fallback"] == "smaller" and first["gpu_when_sent"] == "READY"
+    assert first["child"] == "small" and first["attempts"] == 2
+    assert first["outcome"] == "rerouted" and first["answer_model"].endswith(tiny_model.name)
+    incidents = {r["request_id"]: r for r in s.incidents()}
+    assert first["incident"] == incidents[first["request_id"]]
+    assert first["incident"]["decision"] == "rerouted"
+    assert first["incident"]["replay_child"] == "small"
+    # Sent while the GPU child was down: three opted in (the small child's four slots, one
+    # perhaps still the rerouted request's), three plain.
+    opted = [r for r in rest if r["fallback"] == "smaller"]
+    plain = [r for r in rest if r["fallback"] == "none"]
+    assert len(opted) == eight["models"]["opted_in"] >= 2 and len(plain) == 3
+    for r in rest:
+        assert r["gpu_when_sent"] != "READY" and r["status"] == 200 and r["complete"]
+        assert r["request_id_kept"] and r["latency_s"] > 0
+    assert all(r["child"] == "small" and r["answer_model"].endswith(tiny_model.name)
+               for r in opted), opted
+    assert all(r["child"] in ("gpu", "cpu") and r["answer_model"].endswith(smollm2.name)
+               for r in plain), plain
+    assert {r["stream"] for r in rest} == {True, False}
+    # The terminal table says who answered each, and how fast.
+    assert f"[8] {first['request_id']} opted in: rerouted by the small child " \
+        f"({tiny_model.name}) in " in result.stdout
+    # The page, as a browser renders it: a bar and a row per request, with its child.
+    dom = Dom()
+    dom.feed(rendered_dom(chromium, next((tmp_path / "report").glob("drill-*.html")),
+                          tmp_path))
+    assert dom.lanes == ["gpu", "small", "cpu"]
+    assert [(bar["data-request-id"], bar["data-child"], bar["data-outcome"])
+            for bar in dom.bars] == [(r["request_id"], r["child"], r["outcome"])
+                                     for r in eight["requests"]]
+    assert dom.bars[0]["fill"] == "#00838f"  # rerouted
+    assert [(row["data-request-id"], row["data-child"]) for row in dom.request_rows] == \
+        [(r["request_id"], r["child"]) for r in eight["requests"]]

@@ -4,9 +4,11 @@ Scenarios, in order: (1) a non-streaming request over the GPU's profile; (2) the
 (3) the client leaves during the failover; (4) several clients during the failure; (5) an agent
 whose simulated tool must run exactly once; (6) router mode only: a second model loads on the
 GPU router while the first one's requests run there; (7) a stream whose GPU child dies in the
-middle of its answer, continued on the CPU child. On a GPU the failure is real (ballast);
-without one it is simulated and every result says so. The report (table, JSON, HTML with an SVG
-timeline) takes its figures from the daemon's own incident records.
+middle of its answer, continued on the CPU child; (8) with a small child ([small]) only: the
+small model answers the requests that accept it while the large one reloads. On a GPU the
+failure is real (ballast); without one it is simulated and every result says so. The report
+(table, JSON, HTML with an SVG timeline) takes its figures from the daemon's own incident
+records.
 
 In router mode every request names the drilled model (A: the routers' first, or `--model`),
 and the failure is A's instance's on the GPU router; B (the second listed, or
@@ -27,12 +29,13 @@ import aiohttp
 
 from ... import __version__
 from ..remote import Target
+from ...config.schema import SMALL_CHILD
 from ...records.timefmt import rfc3339
 from . import provoke, report
 from .client import DrillClient, model_info, state_of
 from .scenarios import Drill, ScenarioResult, judge
 
-ALL = (1, 2, 3, 4, 5, 6, 7)
+ALL = (1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def say(text: str) -> None:
@@ -110,7 +113,7 @@ def _lane_states(status: dict[str, Any], models: list[str]) -> dict[str, str | N
 async def _scenarios(drill: Drill, only: tuple[int, ...]) -> list[ScenarioResult]:
     steps = {1: drill.non_streaming, 2: drill.streaming, 3: drill.cancellation,
              4: drill.concurrent, 5: drill.agent, 6: drill.second_model,
-             7: drill.continued_stream}
+             7: drill.continued_stream, 8: drill.smaller_model}
     results: list[ScenarioResult] = []
     try:
         for number in ALL:
@@ -146,6 +149,8 @@ async def _drill(client: DrillClient, status: dict[str, Any], how: str, only: tu
                  second: str | None) -> dict[str, Any]:
     """The drill inside its window: the scenarios, their verdicts and the report's data."""
     provoker = await provoke.choose(client, status, how, model_path, binary)
+    if SMALL_CHILD in status.get("children", {}):
+        client.fallback = "none"  # a smaller model's answer only where scenario 8 asks for it
     gpu = status.get("gpu")
     say(f"spillway drill against {client.target.url}: {provoker.description}")
     if client.model is not None:

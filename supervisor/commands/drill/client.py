@@ -14,6 +14,7 @@ from typing import Any
 import aiohttp
 
 from ..remote import Target
+from ...config.schema import SMALL_CHILD
 
 CHAT = "/v1/chat/completions"
 
@@ -40,6 +41,11 @@ class Sent:
     tokens: int = 0
     cut_at: int | None = None  # scenario 7: the events read when the GPU child was stopped
     continued: bool = False  # the stream said it was continued on the other child
+    # X-Spillway-Fallback as sent: "smaller" (it accepts a smaller model's answer), "none"
+    # (it does not, even where small.requests = "all"), None (not sent)
+    fallback: str | None = None
+    answer_model: str | None = None  # the answer's own `model` (the model that answered)
+    gpu_when_sent: str | None = None  # scenario 8: the GPU child's state as it was sent
     note: str = ""
     incident: dict[str, Any] | None = None
 
@@ -53,6 +59,8 @@ class Sent:
             return "cancelled"
         if self.complete and self.continued:
             return "continued"
+        if self.complete and self.attempts >= 2 and self.child == SMALL_CHILD:
+            return "rerouted"  # the GPU child lost it; the small child answered
         if self.complete and self.attempts >= 2:
             return "replayed"
         if self.complete:
@@ -91,6 +99,10 @@ class DrillClient:
     sent: list[Sent] = field(default_factory=list)
     model: str | None = None  # router mode: every request names it
     drill_token: str | None = None  # the daemon's window for this drill (begin, end)
+    # X-Spillway-Fallback for every request that does not say its own: "none" where a small
+    # child serves, so that only the requests meant for it (scenario 8) may get its answer,
+    # even where small.requests = "all"
+    fallback: str | None = None
 
     def _headers(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         h = {"Content-Type": "application/json"}
@@ -104,9 +116,9 @@ class DrillClient:
                                     headers=self._headers(headers)) as r:
             return await r.json()
 
-    async def post_json(self, path: str, body: Any) -> Any:
+    async def post_json(self, path: str, body: Any, **headers: str) -> Any:
         async with self.session.post(self.target.url + path, data=json.dumps(body),
-                                     headers=self._headers()) as r:
+                                     headers=self._headers(headers)) as r:
             return await r.json()
 
     async def begin(self) -> None:
@@ -179,10 +191,12 @@ class DrillClient:
                                 "stream": stream, "temperature": 0, **(extra or {})}
         if self.model is not None:
             body["model"] = self.model
+        sending = {"X-Request-Id": rid, **({"X-Spillway-Fallback": self.fallback}
+                                          if self.fallback else {}), **(headers or {})}
+        sent.fallback = sending.get("X-Spillway-Fallback")
         try:
             async with self.session.post(self.target.url + CHAT, data=json.dumps(body),
-                                         headers=self._headers({"X-Request-Id": rid,
-                                                                **(headers or {})})) as r:
+                                         headers=self._headers(sending)) as r:
                 sent.status = r.status
                 sent.attempts = int(r.headers.get("X-Spillway-Attempts", "0"))
                 sent.child = r.headers.get("X-Spillway-Child")
@@ -211,6 +225,7 @@ class DrillClient:
             sent.note = str(data["error"].get("message", ""))[:300]
         elif isinstance(data, dict) and data.get("choices"):
             sent.complete = True
+            sent.answer_model = _model_of(data)
             usage = data.get("usage") or {}
             sent.tokens = int(usage.get("completion_tokens", 0))
 
@@ -232,6 +247,8 @@ class DrillClient:
                 sent.note = data.decode(errors="replace")[:300]
                 break
             events += 1
+            if sent.answer_model is None:
+                sent.answer_model = _model_of(data)
             if cut is not None and events == cut[0]:
                 sent.cut_at = events
                 await cut[1]()
@@ -240,3 +257,14 @@ class DrillClient:
                 r.close()  # the client goes away during the failover
                 break
         sent.tokens = events
+
+
+def _model_of(data: Any) -> str | None:
+    """The `model` an answer (or one event of a stream) names: the model that answered."""
+    if isinstance(data, bytes):
+        try:
+            data = json.loads(data)
+        except ValueError:
+            return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) else None

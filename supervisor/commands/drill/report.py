@@ -1,7 +1,10 @@
 """The drill's report: a table for the terminal, a JSON file, and a self-contained HTML page with
 an SVG timeline (the children's states over time, in router mode also the drilled models' on
-each router; each request a bar coloured by outcome). A scenario that did not run (scenario 6
-outside router mode) is listed as skipped, with the reason."""
+each router; each request a bar coloured by outcome, with the child that answered it). Every
+request is listed too: whether it accepted a smaller model, the GPU child's state as it was sent
+(scenario 8), the child that answered, the model the answer names, attempts, outcome and
+latency. A scenario that did not run (6 outside router mode, 8 without a small child) is listed
+as skipped, with the reason."""
 
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ OUTCOME_COLOURS = {
     "completed": "#2e7d32",
     "replayed": "#1565c0",
     "continued": "#6a1b9a",
+    "rerouted": "#00838f",
     "controlled_error": "#ef6c00",
     "cancelled": "#757575",
     "failed": "#c62828",
@@ -69,6 +73,37 @@ def gpu_states_after(scenario: dict[str, Any]) -> str | None:
     return "on the GPU router at the end: " + ", ".join(f"{m} {st}" for m, st in states.items())
 
 
+def short_model(model: str | None) -> str:
+    """The model an answer names, as a person reads it: a file's name without its folder."""
+    return "-" if not model else model.rsplit("/", 1)[-1]
+
+
+def answered_by(scenario: dict[str, Any]) -> list[str]:
+    """Scenario 8: each request in a line: whether it accepted a smaller model, the child that
+    answered, the model the answer names, the latency."""
+    if "small_mode" not in (scenario.get("models") or {}):
+        return []
+    return [f"{r['request_id']} {_accepts(r)}{_while(r)}: {r['outcome']}{_by(r)} in "
+            f"{r['latency_s']:.2f} s" for r in scenario["requests"]]
+
+
+def _accepts(r: dict[str, Any]) -> str:
+    return "opted in" if r.get("fallback") == "smaller" else "plain"
+
+
+def _while(r: dict[str, Any]) -> str:
+    """While the GPU child was down (scenario 8), in words; "" otherwise."""
+    state = r.get("gpu_when_sent")
+    return "" if state in (None, "READY") else f", sent while the GPU child was {state}"
+
+
+def _by(r: dict[str, Any]) -> str:
+    """Who answered, and the model the answer names: " by the small child (tiny.gguf)"."""
+    child, model = r.get("child"), r.get("answer_model")
+    return (f" by the {child} child" if child else "") + (
+        f" ({short_model(model)})" if model else "")
+
+
 def table(report: dict[str, Any]) -> str:
     rows = []
     for s in report["scenarios"]:
@@ -88,6 +123,8 @@ def table(report: dict[str, Any]) -> str:
         after = gpu_states_after(s)
         if after:
             text += f"\n[{s['number']}] {after}"
+        for line in answered_by(s):
+            text += f"\n[{s['number']}] {line}"
     for skipped in report.get("skipped", []):
         text += f"\n[{skipped['number']}] {skipped['name']}: skipped ({skipped['why']})"
     return text
@@ -165,11 +202,13 @@ def svg_timeline(report: dict[str, Any], width: int = 1000) -> str:
             previous = number
         colour = OUTCOME_COLOURS.get(r["outcome"], "#000000")
         end_t = r["ended"] or end
+        child = r.get("child") or ""
         label = html.escape(f"scenario {number}: {r['request_id']} {r['outcome']} "
-                            f"({r['latency_s']} s)")
+                            f"({r['latency_s']} s){_by(r)}")
         parts.append(f'<rect class="request-bar outcome-{r["outcome"]}" '
                      f'data-request-id="{html.escape(r["request_id"])}" '
                      f'data-outcome="{r["outcome"]}" data-scenario="{number}" '
+                     f'data-child={quoteattr(child)} '
                      f'x="{x(r["started"]):.1f}" y="{y}" '
                      f'width="{max(x(end_t) - x(r["started"]), 2):.1f}" height="{bar_h}" '
                      f'fill="{colour}"><title>{label}</title></rect>')
@@ -191,6 +230,27 @@ def _router_line(report: dict[str, Any]) -> str:
     second = report.get("second_model")
     return (f"<p>Router mode: every request is for model {html.escape(str(report['model']))}"
             f"{f'; the second model is {html.escape(second)}' if second else ''}.</p>")
+
+
+def _request_rows(report: dict[str, Any]) -> str:
+    """Every request in a row: the child that answered it, the model its answer names, its
+    latency (scenario 8 is judged on them)."""
+    e = html.escape
+    rows = []
+    for s in report["scenarios"]:
+        for r in s["requests"]:
+            rows.append(
+                f'<tr class="request" data-scenario="{s["number"]}" '
+                f'data-request-id={quoteattr(r["request_id"])} '
+                f'data-child={quoteattr(r.get("child") or "")}><td>{s["number"]}</td>'
+                f'<td class="ids">{e(r["request_id"])}</td>'
+                f'<td>{"stream" if r["stream"] else "whole"}</td><td>{_accepts(r)}</td>'
+                f'<td>{e(str(r.get("gpu_when_sent") or "-"))}</td>'
+                f'<td>{e(str(r.get("child") or "-"))}</td>'
+                f'<td title={quoteattr(r.get("answer_model") or "")}>'
+                f'{e(short_model(r.get("answer_model")))}</td><td>{r["attempts"]}</td>'
+                f'<td>{e(r["outcome"])}</td><td>{r["latency_s"]}</td></tr>')
+    return "".join(rows)
 
 
 def write_html(report: dict[str, Any], path: Path) -> None:
@@ -259,6 +319,11 @@ GPU: {e(str(machine.get("gpu")))}</p>
 <th>CPU start s</th><th>final</th><th>latency s</th><th>connection survived</th>
 <th>tool effects</th><th>request ids</th></tr>
 {"".join(rows)}</table>
+<h2>Requests</h2>
+<table><tr><th>#</th><th>request id</th><th>kind</th><th>a smaller model</th>
+<th>GPU child when sent</th><th>answered by</th><th>the answer's model</th><th>attempts</th>
+<th>outcome</th><th>latency s</th></tr>
+{_request_rows(report)}</table>
 <h2>Timeline</h2>
 <p>Requests: {legend}</p><p>Child states: {states}</p>
 {svg_timeline(report)}

@@ -1,4 +1,4 @@
-"""The seven scenarios of the drill, in order, each with the bar it must meet.
+"""The eight scenarios of the drill, in order, each with the bar it must meet.
 
 Every figure in the report comes from the daemon's own incident records, matched by request
 id; the drill adds only what a client alone can know (did the connection survive, what did the
@@ -9,7 +9,9 @@ GPU router, and "back" means A READY on the GPU router again. Scenario 6, a seco
 loading on the GPU router while A's requests run there, is router mode's alone: elsewhere it is
 skipped, with the reason, and counts as neither passed nor failed. Scenario 7, a stream whose
 GPU child dies in the middle of its answer, is continued on the CPU child; the death is
-Spillway's SIGABRT at the drill's word, on a GPU too (labelled simulated).
+Spillway's SIGABRT at the drill's word, on a GPU too (labelled simulated). Scenario 8, the
+small model answering while the large one reloads, needs a small child ([small]): without one it
+is skipped, as 6 is outside router mode.
 """
 
 from __future__ import annotations
@@ -22,10 +24,13 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...config.schema import CPU_CHILD, GPU_CHILD, SMALL_CHILD
 from .client import DrillClient, Sent, model_info, state_of
 from .provoke import Provoker, SimulatedFailure
 
-SCENARIOS = 7
+SCENARIOS = 8
+SMALLER = {"X-Spillway-Fallback": "smaller"}  # the request accepts a smaller model's answer
+PLAIN = {"X-Spillway-Fallback": "none"}  # it does not, even where small.requests = "all"
 WORDS = ("the quick brown fox jumps over the lazy dog while the model reads a long document "
          "about memory and servers ").split()
 
@@ -43,9 +48,10 @@ class ScenarioResult:
     executions: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     # Scenario 6: the drilled and the second model, the second one's load answer, and each
-    # one's state on the GPU router at the end.
+    # one's state on the GPU router at the end. Scenario 8: the small child's mode, the GPU
+    # child's state as the requests were sent while it was down, how many went.
     models: dict[str, Any] | None = None
-    skipped: str | None = None  # why it did not run (scenario 6 outside router mode)
+    skipped: str | None = None  # why it did not run (6 outside router mode, 8 without [small])
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -75,7 +81,7 @@ class Drill:
         self.settle_s = settle_s
         self.model = client.model  # router mode: the drilled model (A); None: single-model
         self.second = second_model  # router mode: the model that loads next to it (B)
-        self._words_per_token: float | None = None
+        self._words_per_token: dict[str | None, float] = {}  # by child (None: the model's)
 
     @property
     def gpu(self) -> str:
@@ -85,23 +91,32 @@ class Drill:
 
     # --- helpers ------------------------------------------------------------------------------
 
-    async def prompt(self, tokens: int) -> str:
-        """About `tokens` tokens of text, as the model's own tokenizer counts them."""
-        if self._words_per_token is None:
-            sample = " ".join(WORDS * 10)
-            body: dict[str, Any] = {"content": sample}
-            path = "/tokenize"
-            if self.model is not None:  # the model's own tokenizer, on a router
-                body["model"] = self.model
-                path += f"?model={urllib.parse.quote(self.model)}"
-            try:
-                counted = await self.client.post_json(path, body)
-                n = len(counted.get("tokens", [])) or len(WORDS) * 10
-            except Exception:  # noqa: BLE001 - a rough prompt is still a prompt
-                n = len(WORDS) * 10
-            self._words_per_token = len(WORDS) * 10 / n
-        count = max(1, int(tokens * self._words_per_token))
+    async def prompt(self, tokens: int, child: str | None = None) -> str:
+        """About `tokens` tokens of text, as the model's own tokenizer counts them (`child`:
+        as that child's model counts them, /tokenize pinned to it: the small child's model has
+        a tokenizer of its own; the model's count when that child cannot say)."""
+        count = max(1, int(tokens * await self._words_per(child)))
         return " ".join((WORDS * (count // len(WORDS) + 1))[:count])
+
+    async def _words_per(self, child: str | None) -> float:
+        """Words per token of WORDS, as `child`'s model (None: the model's) counts them."""
+        if child in self._words_per_token:
+            return self._words_per_token[child]
+        sample = " ".join(WORDS * 10)
+        body: dict[str, Any] = {"content": sample}
+        path = "/tokenize"
+        if self.model is not None:  # the model's own tokenizer, on a router
+            body["model"] = self.model
+            path += f"?model={urllib.parse.quote(self.model)}"
+        pin = {} if child is None else {"X-Spillway-Child": child}
+        try:
+            n = len((await self.client.post_json(path, body, **pin)).get("tokens", []))
+        except Exception:  # noqa: BLE001 - a rough prompt is still a prompt
+            n = 0
+        if not n and child is not None:
+            return await self._words_per(None)  # not cached: the child may answer later
+        self._words_per_token[child] = len(WORDS) * 10 / (n or len(WORDS) * 10)
+        return self._words_per_token[child]
 
     async def messages(self, tokens: int, note: str = "") -> list[dict[str, str]]:
         text = await self.prompt(tokens)
@@ -364,6 +379,86 @@ class Drill:
                 return found
             await asyncio.sleep(0.02)
 
+    # --- scenario 8: the small model answers while the large one reloads ----------------------
+
+    async def smaller_model(self, opted_in: int = 3, plain: int = 3) -> ScenarioResult:
+        r = self._new(8, "the small model answers while the large one reloads",
+                      "the opted-in request the GPU child lost was rerouted to the small child "
+                      "(incident `rerouted`, replay_child small); the opted-in requests sent "
+                      "while the GPU child was down were answered by the small child (not with "
+                      "the large model's name), the others by the GPU or CPU child; none lost, "
+                      "request ids kept")
+        small = (await self.client.status())["children"].get(SMALL_CHILD)
+        if small is None:
+            return self._skip(r, "no [small] child configured")
+        mode = str(small.get("mode") or "resident")
+        info: dict[str, Any] = {"small_mode": mode}
+        r.models = info
+        # Settled: the GPU child READY, the small child READY (on demand: it may be STOPPED,
+        # to be started into the VRAM the GPU child's death frees).
+        await self.settle()
+        settled = ("READY",) if mode == "resident" else ("READY", "STOPPED")
+        if not await self.client.wait_state(SMALL_CHILD, settled, self.settle_s):
+            self.say(f"  the small child is not {' or '.join(settled)}; going on")
+        status = await self.client.status()
+        text = await self._for_both(status)
+        gpu_was = state_of(status, GPU_CHILD)
+        # The request the GPU child loses accepts the smaller model: rerouted, not replayed.
+        async with self.failing():
+            first = await self.client.chat(8, [{"role": "user", "content": f"Summarise: {text}"}],
+                                           16, headers=SMALLER)
+        first.gpu_when_sent = gpu_was
+        r.requests.append(first)
+        # While the GPU child is down: more that accept the smaller model (as many as the small
+        # child has room for) and as many that do not, together.
+        status = await self._small_serving_while_gpu_down()
+        gpu_now = state_of(status, GPU_CHILD)
+        room = int(status["children"][SMALL_CHILD].get("cap") or 1) - int(
+            status["children"][SMALL_CHILD].get("busy") or 0)
+        count = max(1, min(opted_in, room))
+        info.update(gpu_when_sent=gpu_now, opted_in=count, plain=plain)
+        self.say(f"  the GPU child is {gpu_now}: {count} opted-in and {plain} plain request(s)")
+        batch = [self.client.chat(8, await self.messages(16, f"Client {i}: name a colour."), 8,
+                                  stream=i % 2 == 1, headers=SMALLER) for i in range(count)]
+        batch += [self.client.chat(8, await self.messages(16, f"Client {i}: name a city."), 8,
+                                   stream=i % 2 == 1, headers=PLAIN) for i in range(plain)]
+        for sent in await asyncio.gather(*batch):
+            sent.gpu_when_sent = gpu_now
+            r.requests.append(sent)
+        await self.settle()
+        return r
+
+    async def _for_both(self, status: dict[str, Any]) -> str:
+        """The text of a request over the GPU's profile, as long as the small model can take it
+        too, in its own tokens (many more for the same text, with another tokenizer). Its own
+        count when it is READY; else (on demand, stopped) at most a token per character, in the
+        slot context it had when it last ran, or the 16 tokens of the other requests if it never
+        ran."""
+        text = await self.prompt(self.prompt_tokens)
+        ctx = status["children"][SMALL_CHILD].get("ctx_per_slot")
+        if ctx and state_of(status, SMALL_CHILD) == "READY":
+            return min(text, await self.prompt(int(ctx * 0.6), SMALL_CHILD), key=len)
+        if not ctx:
+            return min(text, await self.prompt(16), key=len)
+        words, used = [], 0
+        for word in text.split():  # no tokenizer makes more tokens than this text has bytes
+            used += len(word) + 1
+            if used > ctx * 0.6:
+                break
+            words.append(word)
+        return " ".join(words) or WORDS[0]
+
+    async def _small_serving_while_gpu_down(self) -> dict[str, Any]:
+        """The status once the small child is READY (on demand: started as the GPU child died,
+        or for the rerouted request), or once the GPU child is back and the moment has gone."""
+        deadline = time.monotonic() + self.settle_s
+        while True:
+            status = await self.client.status()
+            if state_of(status, SMALL_CHILD) == "READY" or \
+                    state_of(status, GPU_CHILD) == "READY" or time.monotonic() > deadline:
+                return status
+            await asyncio.sleep(0.05)
+
 
 def _identity(s: Sent) -> list[str]:
     """The request's identity survived: its id kept, its incident its own."""
@@ -485,9 +580,53 @@ def _judge_continued(r: ScenarioResult) -> list[str]:
     return problems
 
 
+def _judge_smaller(r: ScenarioResult) -> list[str]:
+    """Scenario 8: the opted-in request the GPU child lost went to the small child (rerouted);
+    while the GPU child was down, the opted-in requests were the small child's and the others
+    the GPU or CPU child's; every one answered whole, under its own id."""
+    if not r.requests:
+        return ["no request was sent"]
+    first, rest = r.requests[0], r.requests[1:]
+    problems = []
+    for s in r.requests:
+        problems += _identity(s)
+        if s.status != 200 or not s.complete or s.error_event:
+            problems.append(f"{s.request_id}: lost ({s.status}, {s.note or 'no whole answer'})")
+    inc = first.incident
+    if inc is None or (inc.get("decision"), inc.get("replay_child")) != ("rerouted",
+                                                                          SMALL_CHILD):
+        problems.append(f"{first.request_id}: the request the GPU child lost was not rerouted "
+                        f"to the small child (its incident: "
+                        f"{'none' if inc is None else inc.get('decision')} on "
+                        f"{None if inc is None else inc.get('replay_child')})")
+    if first.status == 200 and first.child != SMALL_CHILD:
+        problems.append(f"{first.request_id}: opted in and lost by the GPU child, answered by "
+                        f"the {first.child} child, not the small one")
+    during = [s for s in rest if s.fallback == "smaller" and s.gpu_when_sent not in
+              (None, "READY")]
+    if not during:
+        problems.append("no opted-in request was sent while the GPU child was down")
+    problems += [f"{s.request_id}: opted in while the GPU child was {s.gpu_when_sent}, "
+                 f"answered by the {s.child} child, not the small one"
+                 for s in during if s.status == 200 and s.child != SMALL_CHILD]
+    others = [s for s in rest if s.fallback != "smaller"]
+    if not others:
+        problems.append("no request that does not accept a smaller model was sent")
+    problems += [f"{s.request_id}: not opted in, answered by the {s.child} child (only the "
+                 "GPU or CPU child may)"
+                 for s in others if s.status == 200 and s.child not in (GPU_CHILD, CPU_CHILD)]
+    # The small model answers in its own name: never the one the GPU and CPU children serve.
+    large = {s.answer_model for s in r.requests
+             if s.child in (GPU_CHILD, CPU_CHILD) and s.answer_model}
+    problems += [f"{s.request_id}: the small child answered as the large model "
+                 f"({s.answer_model})"
+                 for s in r.requests if s.child == SMALL_CHILD and s.answer_model in large]
+    return problems
+
+
 _JUDGES = {1: _judge_failover, 2: _judge_failover, 3: _judge_cancellation,
            4: _judge_concurrent, 5: _judge_agent, 6: _judge_second_model,
-           7: _judge_continued}
+           7: _judge_continued, 8: _judge_smaller}
 
 
 def judge(r: ScenarioResult) -> None:
