@@ -255,3 +255,40 @@ def test_router_mode_config_refuses_what_has_no_meaning_there(tmp_path: Path) ->
                      check_paths=False)
     text = str(e.value)
     assert "small.mode" in text and "one step only" in text
+
+
+def test_on_demand_with_a_short_back_off_nothing_is_lost_and_the_small_child_stays_away(
+        spillway: SpillwayFactory, llama_server: Path, smollm2: Path, tiny_model: Path,
+        injector: Path) -> None:
+    """The GPU child's back-off shorter than the small child's start: the opted-in requests it
+    lost are rerouted to the small child as it starts, which is stopped before it is ready to
+    give the GPU child the card; they are answered all the same (by the CPU child, or by the
+    GPU child back), and the small child stays stopped beside the GPU child afterwards (found
+    by bench/small_child.py: the replay waited out the line's whole wait for a child that was
+    never going to be ready, and the small child was started again beside the GPU child)."""
+    s = spillway(small_config(llama_server, smollm2, tiny_model, injector,
+                              {"FAULT_MARKER": MARKER}, small={"mode": "on-demand"},
+                              restart={"backoff_initial_s": 0.05, "backoff_max_s": 0.1},
+                              queue={"max_wait_s": 20}))
+    s.wait_ready()
+    results: list[tuple[int, str]] = []
+
+    def lost() -> None:
+        try:
+            _, headers = ask(client(s, SMALLER), f"say {MARKER}")
+            results.append((200, headers["X-Spillway-Child"]))
+        except openai.APIStatusError as e:
+            results.append((e.status_code, ""))
+
+    workers = [threading.Thread(target=lost) for _ in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+    assert [status for status, _ in results] == [200, 200], (results, s.log_tail(30))
+    s.wait_ready(timeout=30)
+    for _ in range(3):  # the GPU child back: opted-in requests are its own again
+        _, headers = ask(client(s, SMALLER), "Name a colour.")
+        assert headers["X-Spillway-Child"] == "gpu"
+    assert states(s)["small"] == "STOPPED"
+    assert s.wait_incidents(2)

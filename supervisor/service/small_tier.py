@@ -58,6 +58,14 @@ class SmallTier:
 
     def _gpu_changed(self, child: object, old: ChildState, new: ChildState,
                      reason: str) -> None:
+        if self.on_demand and new is ChildState.STARTING and not self.gpu_waiting and \
+                self.small.state in _SMALL_UP:
+            # Started without waiting for it (an operator's restart, a reload): the small
+            # child goes now, so that the two do not stay on the card together.
+            log.warning("[%s] the GPU child starts while it runs: draining and stopping it",
+                        self.small.name)
+            self._clear(MAKING_WAY)
+            return
         if not self.on_demand or new not in _GPU_DOWN or old in _GPU_DOWN:
             return
         if self.small.state is ChildState.STOPPED and self.small.name not in self.paused \
@@ -78,12 +86,18 @@ class SmallTier:
         return f"the {self.small.name} child holds the card: draining it first"
 
     def _make_way(self) -> None:
-        if self.small.state is ChildState.READY:
-            self.small.drain(MAKING_WAY, then_stop=True)
-        elif self.small.state is ChildState.STOPPED:
+        if self.small.state is ChildState.STOPPED:
             self._small_changed(self.small, ChildState.STOPPED, ChildState.STOPPED, MAKING_WAY)
-        elif self.small.state is not ChildState.DRAINING:
-            self._stop(MAKING_WAY)
+        else:
+            self._clear(MAKING_WAY)
+
+    def _clear(self, reason: str) -> None:
+        """Drained (its requests finish) and stopped; stopped at once if it is not serving."""
+        if self.small.state is ChildState.READY:
+            self.small.drain(reason, then_stop=True)
+        elif self.small.state is not ChildState.STOPPED:
+            # starting, backing off, or draining to restart (sick): stopped for good now
+            self._stop(reason)
 
     def _stop(self, reason: str) -> None:
         task = asyncio.get_running_loop().create_task(self.small.stop(reason))

@@ -86,13 +86,40 @@ class Failover:
         """A replay on the upstream that takes over, when the replay rule allows and it can
         take a place within the client's deadline; else why not."""
         pool, name = self.pool, failed.failure.child
-        # The first that can take it: a request that accepts a smaller model goes to the small
-        # child when it can (GPU speed), else to the CPU child as any other.
+        # In order, those that can take it: a request that accepts a smaller model goes to the
+        # small child when it can (GPU speed, if the prompt fits a slot there), else to the CPU
+        # child as any other; and to the CPU child when the small child, starting on demand,
+        # is stopped before it is ready (it makes way for the GPU child).
         candidates = [c for c in pool.takeovers(name, failed.smaller_ok)
                       if c not in pool.smaller or pool.fits(c, failed.prompt_tokens)]
-        target = next((c for c in candidates if pool.can_take_replay(c)),
-                      candidates[0] if candidates else None)
-        decision = replay.decide(replay.ReplayCase(
+        able = [c for c in candidates if pool.can_take_replay(c)] or candidates[:1]
+        refused: GiveUp | None = None
+        for target in able:
+            decision = replay.decide(self._case(failed, target))
+            if not decision.replay:
+                refused = refused or GiveUp(decision.reason, decision.refusal,
+                                            pool.retry_after_s(name))
+                continue
+            lease = await pool.replay_lease(target, failed.deadline_left_s)
+            if lease is None:
+                no = replay.Refusal.NO_TARGET
+                refused = GiveUp(f"{no}: the {target} child did not become ready in time", no,
+                                 pool.retry_after_s(name))
+                continue
+            if target in pool.smaller:
+                return Replay(lease, f"rerouted to the smaller model on the {target} child "
+                                     f"(the request accepts one): {decision.reason}",
+                              smaller=True)
+            return Replay(lease, decision.reason)
+        if refused is not None:
+            return refused
+        decision = replay.decide(self._case(failed, None))
+        return GiveUp(decision.reason, decision.refusal, pool.retry_after_s(name))
+
+    def _case(self, failed: Failed, target: str | None) -> replay.ReplayCase:
+        """The replay rule's question for a replay on `target` (None: nobody can take it)."""
+        pool = self.pool
+        return replay.ReplayCase(
             verdict=failed.failure.verdict,
             route=failed.route,
             body_replayable=failed.body_replayable,
@@ -104,18 +131,7 @@ class Failover:
             target_expected_s=None if target is None else pool.expected_seconds(
                 target, failed.body_size, failed.max_tokens),
             target_available=target is not None and pool.can_take_replay(target),
-        ))
-        if not decision.replay or target is None:
-            return GiveUp(decision.reason, decision.refusal, pool.retry_after_s(name))
-        lease = await pool.replay_lease(target, failed.deadline_left_s)
-        if lease is None:
-            refusal = replay.Refusal.NO_TARGET
-            return GiveUp(f"{refusal}: the {target} child did not become ready in time",
-                          refusal, pool.retry_after_s(name))
-        if target in pool.smaller:
-            return Replay(lease, f"rerouted to the smaller model on the {target} child (the "
-                                 f"request accepts one): {decision.reason}", smaller=True)
-        return Replay(lease, decision.reason)
+        )
 
     async def after_cut(self, cut: Cut) -> GoOn | GiveUp:
         """The stream goes on from the upstream that takes over, when the continuation rule

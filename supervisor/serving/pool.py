@@ -38,6 +38,7 @@ from ..policy.lifecycle import ChildState
 from ..vocabulary import Attempt, AttemptEnd, AttemptFailure, Upstream
 
 log = logging.getLogger("spillway.pool")
+ABANDONED = "start_abandoned"  # an upstream started for a request was stopped before ready
 NO_STREAK = sickness.Streak()
 
 
@@ -274,11 +275,15 @@ class Pool:
         moment its upstream may have begun to drain (a reload, an OOM it survived); then it
         goes through admission again, here, with what is left of its deadline."""
         began = time.monotonic()
+        abandoned = 0
         while True:
             got = await self._admit(req, body_size, max_tokens)
-            if isinstance(got, Decision) or got.upstream.is_ready:
+            if isinstance(got, Decision) and got.cause == ABANDONED and abandoned < 2:
+                abandoned += 1  # its upstream was stopped as it started: admitted anew
+            elif isinstance(got, Decision) or got.upstream.is_ready:
                 return got
-            self._give_back(got.name)
+            else:
+                self._give_back(got.name)
             if req.deadline_s is not None:
                 req = dataclasses.replace(
                     req, deadline_s=req.deadline_s - (time.monotonic() - began))
@@ -334,6 +339,12 @@ class Pool:
                 raise
             if started is None:
                 self._give_back(name)
+                if self.upstreams[name].state in (ChildState.STOPPED, ChildState.FATAL):
+                    # Stopped before it was ready (an on-demand small child making way for
+                    # the GPU child): not a wait that ran out.
+                    return Decision(Action.REJECT, 7, f"the {name} child was stopped as it "
+                                                      "started", retry_after_s=2.0,
+                                    cause=ABANDONED)
                 return Decision(Action.REJECT, 7, f"the {name} child did not start in time",
                                 retry_after_s=10.0, cause="start_timeout")
             lease.start_s = started

@@ -8,6 +8,7 @@ samples RAM and VRAM into it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -30,9 +31,9 @@ from ..vocabulary import Upstream
 
 log = logging.getLogger("spillway.resources")
 
-# The GPU child's states in which it holds (or is loading into) its VRAM.
-_GPU_HOLDS = frozenset({ChildState.READY, ChildState.STARTING, ChildState.DRAINING,
-                        ChildState.STOPPING})
+# The GPU child's states after a death, before it starts again: its VRAM is free.
+_GPU_DEAD = frozenset({ChildState.EXITED, ChildState.BACKOFF, ChildState.FATAL})
+_NOT_STOPPED = tuple(s for s in ChildState if s is not ChildState.STOPPED)
 RAM_FLOOR = 256 * MIB  # below this much free RAM, nothing more goes to the CPU child
 SERVICE_ALPHA = 0.2
 
@@ -198,11 +199,13 @@ class Resources:
         if cfg.on_gpu:
             return False, True
         if cfg.smaller:
-            # On demand, it takes the VRAM the GPU child's death freed: not while the GPU child
-            # holds it or loads into it (service/small_tier.py drains it before that).
+            # On demand, it takes the VRAM the GPU child's death freed: only while the GPU child
+            # is down after a death (not while it holds the card or loads into it, nor when it
+            # is stopped or paused: its start may come at any moment), and it is drained before
+            # the GPU child starts again (service/small_tier.py).
             gpu = self.children[self.config.gpu_child].state
             return (state is ChildState.STOPPED and cfg.on_demand and name not in self.paused
-                    and gpu not in _GPU_HOLDS), True
+                    and gpu in _GPU_DEAD), True
         running = state is ChildState.READY or state is ChildState.STARTING
         startable = (state is ChildState.STOPPED and cfg.on_demand
                      and name not in self.paused and self.cpu_ram_ok(cold=True))
@@ -262,12 +265,24 @@ class Resources:
             self.children[name].start()
 
     async def wait_ready(self, name: str, within_s: float) -> float | None:
+        """Seconds until the child, just asked to start, is READY; None when it is not within
+        `within_s` (or its start timeout), or when it stops or goes FATAL first: an on-demand
+        small child stopped to make way for the GPU child will not be ready at all."""
         child = self.children[name]
         began = time.monotonic()
-        limit = min(within_s, child.start_timeout_s)
-        if not await child.wait_state(ChildState.READY, timeout=max(0.0, limit)):
+        limit = max(0.0, min(within_s, child.start_timeout_s))
+
+        async def settled() -> bool:
+            # Out of STOPPED first (the start asked for is taken), then READY or given up.
+            await child.wait_state(*_NOT_STOPPED)
+            await child.wait_state(ChildState.READY, ChildState.STOPPED, ChildState.FATAL)
+            return child.state is ChildState.READY
+
+        try:
+            ready = await asyncio.wait_for(settled(), limit)
+        except TimeoutError:
             return None
-        return time.monotonic() - began
+        return time.monotonic() - began if ready else None
 
     def to_json(self, name: str, busy: int) -> dict[str, Any]:
         p = self.profiles[name]
