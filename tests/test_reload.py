@@ -84,6 +84,20 @@ def test_a_listen_change_is_noted_for_the_next_restart(
     assert s.status()["queue"]["max_waiting"] == 3  # the rest applied
 
 
+def test_a_small_child_given_by_a_reload_waits_for_the_next_restart(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
+    """The children are wired at start: a [small] added by a reload is noted, not half made,
+    and the rest of the change applies."""
+    s = spillway(fake_config(fake_server, tiny_model))
+    edit(s, small={"path": str(tiny_model)}, queue={"max_waiting": 5})
+    notes = eventually(lambda: s.status()["config"]["restart_needed"], 10)
+    assert notes == ["small.path was given or removed, or small.models changed: that takes "
+                     "effect when spillway restarts"]
+    assert s.status()["queue"]["max_waiting"] == 5
+    assert set(s.status()["children"]) == {"gpu", "cpu"}
+    assert s.post("/v1/chat/completions", CHAT)[0] == 200
+
+
 @pytest.mark.integration
 @pytest.mark.asyncio
 async def test_a_reload_that_changes_a_childs_args_under_traffic_drops_no_request(

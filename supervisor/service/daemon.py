@@ -436,10 +436,11 @@ class Daemon:
             log.warning("%s", note)
             self.restart_notes.append(note)
             return self.config
-        if new.order != self.config.order:
-            # The children are wired at start (the pool, the metrics, the small tier).
-            note = ("small.path was given or removed: the small child comes or goes when "
-                    "spillway restarts")
+        if new.order != self.config.order or new.smaller_models != self.config.smaller_models:
+            # The children are wired at start (the pool, the metrics, the small tier), and each
+            # model's pool with its smaller model when the model is first seen.
+            note = ("small.path was given or removed, or small.models changed: that takes "
+                    "effect when spillway restarts")
             log.warning("%s", note)
             self.restart_notes.append(note)
             new = dataclasses.replace(new, small=self.config.small)
