@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import tomlkit
-from tomlkit.items import AoT, Comment, Item, Table
+from tomlkit.items import AoT, Comment, Item, Table, Whitespace
 
 from . import schema as config
 from .files import write_atomically
@@ -155,40 +155,63 @@ def _apply(doc: tomlkit.TOMLDocument, key: KeyPath, value: Any) -> None:
         if value is None:
             table.pop(key.name, None)
         else:
-            _set(table, key.name, value)
+            _set(doc, key.section, key.name, value)
         return
     current = table.get(key.name)
     if current is None:
         if value is None:
             return
         current = tomlkit.inline_table()
-        _set(table, key.name, current)
+        _set(doc, key.section, key.name, current)
     if not isinstance(current, dict):
         raise EditError(f"{key.section}.{key.name}: is not a table in the file")
     if value is None:
         current.pop(key.entry, None)
+    elif isinstance(current, Table):  # a [section.name] table of its own
+        _set(table, key.name, key.entry, value)
     else:
-        _set(current, key.entry, value)
+        current[key.entry] = value
 
 
-def _set(table: dict[str, Any], name: str, value: Any) -> None:
-    """Set `name`; a key the table lacks goes after its last key, not under the comments that
-    close it, where tomlkit would put it: for tomlkit the comments above a table's header belong
-    to the table before it ("# the CPU child" over [cpu] is in [gpu]'s body)."""
-    if isinstance(table, Table) and name not in table:
-        body = table.value.body
-        keys = [(i, k) for i, (k, item) in enumerate(body)
-                if k is not None and not isinstance(item, (Table, AoT))]
-        if keys and not keys[-1][1].is_dotted():
-            last, last_key = keys[-1]
-            rest = body[last + 1:]
-            end = next((i for i, (_, item) in enumerate(rest) if isinstance(item, (Table, AoT))),
-                       len(rest))
-            if any(isinstance(item, Comment) for _, item in rest[:end]):
-                # tomlkit has no public insert; _insert_after keeps its index of the keys
-                table.value._insert_after(last_key.key, name, value)
-                return
-    table[name] = value
+def _set(doc: dict[str, Any], section: str, name: str, value: Any) -> None:
+    """Set `name` in the table `doc[section]` (`doc`: the document, or a table holding a
+    [section.name] table); a key the table lacks goes after its last key, not under the
+    comments that close it, where tomlkit would put it: for tomlkit the comments above a table's
+    header belong to the table before it ("# the CPU child" over [cpu] is in [gpu]'s body).
+    tomlkit has no public insert: the table is then made anew, in the order wanted, from its
+    items (public API only), and put in its place."""
+    table = doc[section]
+    assert isinstance(table, Table)
+    if name in table:
+        table[name] = value
+        return
+    body = table.value.body
+    keys = [i for i, (k, item) in enumerate(body)
+            if k is not None and not isinstance(item, (Table, AoT))]
+    if not keys or body[keys[-1]][0].is_dotted():  # type: ignore[union-attr]
+        table[name] = value
+        return
+    last = keys[-1]
+    end = next((i for i, (_, item) in enumerate(body) if i > last
+                and isinstance(item, (Table, AoT))), len(body))
+    if not any(isinstance(item, Comment) for _, item in body[last + 1:end]):
+        table[name] = value
+        return
+    made = tomlkit.table()
+    made.trivia.indent = table.trivia.indent
+    made.trivia.comment_ws = table.trivia.comment_ws
+    made.trivia.comment = table.trivia.comment
+    made.trivia.trail = table.trivia.trail
+    for i, (k, item) in enumerate(body):
+        made.append(k, item)
+        if i == last:
+            made.append(name, value)
+    kept = len(made.value.body)
+    doc[section] = made
+    # Put in place, a table that does not end with a blank line gets one from tomlkit (a
+    # "cosmetic" newline): ours ends with the next section's comments, which must stay on it.
+    if len(made.value.body) > kept and isinstance(made.value.body[-1][1], Whitespace):
+        del made.value.body[-1]
 
 
 # A table's header line: `[name]`, `[name.sub]`, `["name"]` (not an array of tables' `[[...]]`)
