@@ -281,9 +281,8 @@ def decide(req: Request, cap: Capacity) -> Decision:
     #    RAM, and its expected time fits the client's deadline.
     if req.cpu_allowed and cpu_fits and cpu.ram_ok and cpu_in_time:
         if cpu.has_room:
-            why = f"{gpu.shown} full or short of VRAM" if gpu_fits else \
-                f"the prompt exceeds the {gpu.shown}'s context"
-            return Decision(Action.FORWARD, 5, f"{cpu.shown}: {why}", child=cpu.name)
+            return Decision(Action.FORWARD, 5, f"{cpu.shown}: {_gpu_cannot(cap, gpu_fits)}",
+                            child=cpu.name)
         if cpu.startable:
             return Decision(Action.FORWARD, 5, f"{cpu.shown} started on demand",
                             child=cpu.name, start_child=True)

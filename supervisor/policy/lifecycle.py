@@ -78,6 +78,9 @@ DRAIN_TIMEOUT_S = 60.0
 
 # States in which the child has a live process that may be serving requests.
 SERVING = frozenset({S.READY, S.DRAINING})
+# After a death, before it starts again: EXITED (the death told), then BACKOFF or FATAL (its
+# wait for the next try). Its memory is free meanwhile.
+DEAD = frozenset({S.EXITED, S.BACKOFF, S.FATAL})
 
 
 class InvalidTransition(Exception):

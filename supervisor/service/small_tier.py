@@ -23,14 +23,14 @@ import logging
 from collections.abc import Callable, Collection
 
 from ..config.schema import Config
-from ..policy.lifecycle import ChildState
+from ..policy.lifecycle import DEAD, ChildState
 from ..upstreams.children import Child
 
 log = logging.getLogger("spillway.small")
 
-# The GPU child's states after a death that it comes back from by itself: the small child
-# serves meanwhile.
-_GPU_DOWN = frozenset({ChildState.BACKOFF, ChildState.FATAL})
+# The GPU child waiting for its next try after a death (BACKOFF, FATAL): the small child
+# serves meanwhile. Not EXITED alone, which may walk on to STOPPED (a stop asked for as it died).
+_WAITING = DEAD - {ChildState.EXITED}
 # The small child's states in which it holds VRAM, or will (its own back-off restarts it).
 _SMALL_UP = frozenset({ChildState.STARTING, ChildState.READY, ChildState.DRAINING,
                        ChildState.STOPPING, ChildState.BACKOFF, ChildState.EXITED})
@@ -66,7 +66,7 @@ class SmallTier:
                         self.small.name)
             self._clear(MAKING_WAY)
             return
-        if not self.on_demand or new not in _GPU_DOWN or old in _GPU_DOWN:
+        if not self.on_demand or new not in _WAITING or old in _WAITING:
             return
         if self.small.state is ChildState.STOPPED and self.small.name not in self.paused \
                 and self.gpu.name not in self.paused:

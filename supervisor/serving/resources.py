@@ -26,13 +26,11 @@ from ..gpu import MIB, GpuMonitor
 from ..policy import estimate
 from ..policy.devices import Room, short_of, tightest
 from ..policy.admission import ChildView
-from ..policy.lifecycle import ChildState
+from ..policy.lifecycle import DEAD, ChildState
 from ..vocabulary import Upstream
 
 log = logging.getLogger("spillway.resources")
 
-# The GPU child's states after a death, before it starts again: its VRAM is free.
-_GPU_DEAD = frozenset({ChildState.EXITED, ChildState.BACKOFF, ChildState.FATAL})
 _NOT_STOPPED = tuple(s for s in ChildState if s is not ChildState.STOPPED)
 RAM_FLOOR = 256 * MIB  # below this much free RAM, nothing more goes to the CPU child
 SERVICE_ALPHA = 0.2
@@ -205,7 +203,7 @@ class Resources:
             # the GPU child starts again (service/small_tier.py).
             gpu = self.children[self.config.gpu_child].state
             return (state is ChildState.STOPPED and cfg.on_demand and name not in self.paused
-                    and gpu in _GPU_DEAD), True
+                    and gpu in DEAD), True
         running = state is ChildState.READY or state is ChildState.STARTING
         startable = (state is ChildState.STOPPED and cfg.on_demand
                      and name not in self.paused and self.cpu_ram_ok(cold=True))
