@@ -568,7 +568,8 @@ async def test_a_restart_from_fatal_starts_at_once_and_resets_the_count() -> Non
 
 
 async def test_a_start_that_cannot_spawn_is_an_exit_with_code_127() -> None:
-    error = FileNotFoundError(2, "No such file or directory")
+    # A fork that fails for a moment (a missing binary is FATAL at once: test_child_commands)
+    error = BlockingIOError(11, "Resource temporarily unavailable")
     async with Rig(Script(spawn_error=error)) as rig:
         rig.child.start()
         await rig.until(S.READY)

@@ -260,6 +260,27 @@ def test_check_config_exits_2_naming_the_key(tmp_path: Path) -> None:
     assert "gpu.args[4]" in result.stderr
 
 
+def test_a_flags_value_llama_server_would_refuse_is_a_problem_of_its_key() -> None:
+    found = problems(minimal(model={"path": "/m.gguf", "args": ["-c", "4096", "-np", "abc"]},
+                             gpu={"args": ["-ngl", "99", "--temp", "warm"]},
+                             cpu={"args": ["--threads"]}))
+    assert found["model.args[2]"] == ("-np takes a whole number, not 'abc': llama-server would "
+                                      "refuse it and not start")
+    assert "--temp takes a number, not 'warm'" in found["gpu.args[2]"]
+    assert "--threads takes a whole number, and none follows it" in found["cpu.args[0]"]
+    # What llama-server itself takes stays valid: std::stoi reads "8k" as 8, "-1" is a value.
+    build(minimal(model={"path": "/m.gguf", "args": ["-c", "8k", "-n", "-1", "-ngl", "all",
+                                                      "--top-p", ".9"]}), check_paths=False)
+
+
+def test_check_config_names_a_value_llama_server_would_refuse(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\npath = "/m.gguf"\nargs = ["-np", "abc"]\n')
+    result = _check_config(bad)
+    assert result.returncode == 2
+    assert "model.args[0]: -np takes a whole number, not 'abc'" in result.stderr
+
+
 def test_run_with_a_bad_config_exits_2_before_starting_anything(tmp_path: Path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[server]\nlisten = "0.0.0.0:8080"\n[model]\npath = "/m.gguf"\n')

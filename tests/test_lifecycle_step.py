@@ -135,6 +135,33 @@ ROWS = [
          "EXITED -> BACKOFF: crash: exited with code 1",
          "BACKOFF -> FATAL: the same crash 2 times in a row; AMX; next try in 8 s"],
         [lc.WakeAt(NOW + 8.0, 8.0)]),
+    Row("a command llama-server refused is FATAL at its first end: the same command fails "
+        "the same way", replace(READY_CHILD, state=S.STARTING),
+        [death(run_s=0.1, refused="llama-server refused -np abc: stoi")], CHILD,
+        ["STARTING -> EXITED: crash: exited with code 1",
+         "EXITED -> BACKOFF: crash: exited with code 1",
+         "BACKOFF -> FATAL: llama-server refused -np abc: stoi; the same command fails the "
+         "same way: mend it and reload; next try in 8 s"],
+        [lc.WakeAt(NOW + 8.0, 8.0)], {"loop": lc.CrashLoop(1, 0)}),
+    Row("a new command that failed its first start: its last good command starts at once, "
+        "and the crash loop does not count it",
+        replace(READY_CHILD, state=S.STARTING, generation=2, loop=lc.CrashLoop(2, 0)),
+        [death(2, run_s=0.1, refused="llama-server refused -np abc: stoi",
+               rollback="its new command failed its first start; back to its last good "
+                        "command")], CHILD,
+        ["STARTING -> EXITED: crash: exited with code 1",
+         "EXITED -> BACKOFF: its new command failed its first start; back to its last good "
+         "command",
+         "BACKOFF -> STARTING: its new command failed its first start; back to its last good "
+         "command"],
+        [lc.Launch(3, "its new command failed its first start; back to its last good "
+                      "command")],
+        {"loop": lc.CrashLoop(2, 0), "next_try_at": None, "running": True}),
+    Row("a rollback while it was being stopped anyway: it stays stopped",
+        replace(READY_CHILD, state=S.STOPPING, wanted=False),
+        [death(run_s=0.1, rollback="back to its last good command")], CHILD,
+        ["STOPPING -> EXITED: crash: exited with code 1",
+         "EXITED -> STOPPED: exited while stopping"], []),
     Row("an end told twice is taken once", READY_MODEL, [death(), death()], MODEL,
         ["READY -> EXITED: crash: exited with code 1",
          "EXITED -> BACKOFF: loaded again in 1.0 s after crash: exited with code 1"],

@@ -38,6 +38,9 @@ class FakeHost:
     def sample_metrics(self) -> None:
         self.sampled += 1
 
+    def rollout_json(self) -> dict[str, Any] | None:
+        return None  # no reload has changed a command
+
 
 def make_routes(tmp_path: Path, cpu_mode: str = "hot") -> tuple[OwnRoutes, FakeHost]:
     cfg = build({"model": {"path": "/m.gguf"}, "cpu": {"mode": cpu_mode}}, check_paths=False)
@@ -92,7 +95,7 @@ def test_the_status_keeps_its_shape(tmp_path: Path) -> None:
     assert set(status["queue"]) >= {"max_waiting", "max_wait_s", "service_s"}
     assert set(status["incidents"]) >= {"path", "written", "error", "last"}
     assert status["config"] == {"path": None, "error": None,
-                                "restart_needed": host.restart_notes}
+                                "restart_needed": host.restart_notes, "rollout": None}
     assert set(status["children"]["gpu"]) >= {"state", "devices", "runs_on", "paused", "busy"}
     assert set(status["children"]["cpu"]) >= {"state", "runs_on", "mode", "busy"}
     assert status["children"]["cpu"]["runs_on"] == "CPU"

@@ -316,6 +316,15 @@ def _child_lines(name: str, c: dict[str, Any]) -> list[str]:
     if known:
         out += [f"  known crash {known['signature']}: {known['what']}",
                 f"  fix: {known['remedy']}", f"  see: {known['upstream']}"]
+    refusal = (c.get("last_exit") or {}).get("refusal")
+    if refusal and c.get("state") != "READY":
+        out.append(f"  llama-server refused {refusal['argument'] or 'its command'}: "
+                   f"{'; '.join(refusal['said'])}")
+    rejected = c.get("rejected_command")
+    if rejected:
+        what = rejected["argument"] or "its new command"
+        out.append(f"  new command rolled back at {rejected['time']}: {what}: "
+                   f"{rejected['why']}")
     if c.get("runs_on"):
         out.append(f"  runs on: {c['runs_on']}")
     if c.get("smaller_model"):
@@ -326,6 +335,19 @@ def _child_lines(name: str, c: dict[str, Any]) -> list[str]:
     if told:
         out.append(f"  on the GPU: {told['state']}: {told['why']}")
     return out
+
+
+def _format_rollout(rollout: dict[str, Any]) -> str:
+    """The last reload's new commands: `reload: new commands, one child at a time: cpu ready,
+    gpu taking it`, and where it stopped."""
+    done = [f"{name} {rollout['outcomes'][name]}" for name in rollout["order"]
+            if name in rollout["outcomes"]]
+    if rollout.get("current"):
+        done.append(f"{rollout['current']} taking it")
+    line = f"reload at {rollout['started']}: new commands, one child at a time: {', '.join(done)}"
+    if rollout.get("kept"):
+        line += f"; stopped there: {', '.join(rollout['kept'])} kept their command"
+    return line
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -354,6 +376,8 @@ def format_status(status: dict[str, Any]) -> str:
     cfg = status.get("config", {})
     if cfg.get("error"):
         out.append(f"config: {cfg.get('path')}: the last reload was refused: {cfg['error']}")
+    if cfg.get("rollout"):
+        out.append(_format_rollout(cfg["rollout"]))
     last = (status.get("incidents") or {}).get("last") or []
     if last:
         out += ["", "last incidents:", format_incidents(last)]

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from . import llama_args, models_dir
+from . import flag_values, llama_args, models_dir
 from ..policy.browser import normal_origin, valid_host_entry
 from ..policy.lifecycle import DRAIN_TIMEOUT_S
 
@@ -777,6 +777,10 @@ def _check_child_args(
                                           "positional arguments"))
             continue
         flag = llama_args.canonical(token)
+        wrong = flag_values.value_problem(token, llama_args.flag_value(group.tokens, token))
+        if wrong is not None:
+            problems.append(Problem(path, f"{wrong}: llama-server would refuse it and not "
+                                          "start"))
         if flag in llama_args.RESERVED_FLAGS:
             instead = llama_args.RESERVED_FLAGS[flag]
             if instead is None:
@@ -1042,8 +1046,17 @@ def diff(old: Config, new: Config) -> list[str]:
     return changed
 
 
+# What a child's process is started with: a change to any of them is a new command.
+COMMAND_FIELDS = ("llama_server", "model_path", "args", "env", "device")
+
+
 def command_changed(old: ChildConfig, new: ChildConfig) -> bool:
     """Whether the child must be restarted to take the new config: its command line or
     environment (or card) differ."""
     return (old.command(0, ""), dict(old.env), old.device) != (
         new.command(0, ""), dict(new.env), new.device)
+
+
+def with_command_of(cfg: ChildConfig, other: ChildConfig) -> ChildConfig:
+    """`cfg`'s settings, with `other`'s command (a new command kept back, or rolled back)."""
+    return dataclasses.replace(cfg, **{f: getattr(other, f) for f in COMMAND_FIELDS})

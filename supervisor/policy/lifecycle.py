@@ -59,10 +59,12 @@ TRANSITIONS: dict[ChildState, frozenset[ChildState]] = {
     # STOPPING -> EXITED: it died of its own before the stop reached it (a crash as the stop
     # came): a death, with its evidence, not a stop
     S.STOPPING: frozenset({S.STOPPED, S.EXITED}),
-    # EXITED -> BACKOFF: every unplanned exit waits before the next start
+    # EXITED -> BACKOFF: every unplanned exit waits before the next start (a new command that
+    # failed its first start waits for nothing: its last good command starts at once)
     # EXITED -> STOPPED: the exit came while a stop was wanted anyway
     S.EXITED: frozenset({S.BACKOFF, S.STOPPED}),
-    # BACKOFF -> STARTING: the delay passed (or an operator restart cut it short)
+    # BACKOFF -> STARTING: the delay passed (or an operator restart cut it short, or a new
+    # command was rolled back)
     # BACKOFF -> FATAL: too many quick failures in a row
     # BACKOFF -> STOPPED: stop asked for while waiting
     S.BACKOFF: frozenset({S.STARTING, S.FATAL, S.STOPPED}),
@@ -339,6 +341,13 @@ class Ended:
     # a quick failure however long it loaded or served, so that it reaches FATAL and stops
     # reloading a model that will not fit the GPU.
     unfit: bool = False
+    # llama-server refused its command (refusal.py: a bad flag or value, a file it cannot
+    # open), said in a sentence: the same command fails the same way, so FATAL at once.
+    refused: str | None = None
+    # A new command (a reload's) that failed its first start: the upstream went back to its
+    # last good command, and starts it at once (why, in a sentence). Not a quick failure: the
+    # good command did not fail.
+    rollback: str | None = None
 
 
 @dataclass(frozen=True)
@@ -613,6 +622,12 @@ def _ended(t: _Turn, e: Ended) -> None:
         t.walk_to_stopped(e.what)
         t.start_after_stop()
         return
+    if e.rollback is not None and t.life.wanted:
+        t.set(then=None)
+        t.enter(S.EXITED, e.what)
+        t.enter(S.BACKOFF, e.rollback)
+        t.launch(e.rollback)  # BACKOFF -> STARTING: its last good command, at once
+        return
     then, stopping = t.life.then, t.life.state is S.STOPPING
     t.set(then=None, signatures=(*t.life.signatures, e.signature)[-SIGNATURES_KEPT:])
     repeats = signatures.repeats(t.life.signatures)
@@ -620,6 +635,8 @@ def _ended(t: _Turn, e: Ended) -> None:
                           0.0 if e.unfit else e.run_s, t.ctx.jitter(),
                           served=e.served and not e.unfit, known_crash_repeats=repeats)
     # A good run (or a death while serving) ends the crash loop: its FATAL tries too.
+    if e.refused is not None:  # restarting cannot mend it: FATAL at once
+        decision = replace(decision, fatal=True)
     count = decision.quick_failures
     t.set(loop=CrashLoop(count, t.life.loop.fatal_tries if count else 0))
     # The wait is said as the death is told (the status of BACKOFF and FATAL gives it).
@@ -631,7 +648,9 @@ def _ended(t: _Turn, e: Ended) -> None:
         t.enter(S.STOPPED, "exited while stopping")
         return
     if decision.fatal:
-        if repeats >= KNOWN_CRASH_LIMIT and e.known_crash is not None:
+        if e.refused is not None:
+            why = f"{e.refused}; the same command fails the same way: mend it and reload"
+        elif repeats >= KNOWN_CRASH_LIMIT and e.known_crash is not None:
             # Restarting cannot mend it: say what it is and what to change.
             why = f"the same crash {repeats} times in a row; {e.known_crash}"
         else:

@@ -53,6 +53,7 @@ from ..proxy.stream_routes import StreamRoutes
 from ..proxy.forward import Forwarder, ForwardSettings
 from ..proxy.handler import ProxyHandler, ProxySettings
 from .reload import Reloader
+from .rollout import Rollout
 from ..serving.resources import Resources
 from ..serving.watchdog import StallWatchdog
 from ..policy.progress import DEFAULT_BATCH, stall_timeout
@@ -158,6 +159,8 @@ class Daemon:
         self.metrics = Metrics(config.order)
         self.notifier = Notifier()
         self.reloader: Reloader | None = None
+        self.rollout: Rollout | None = None  # a reload's new commands, one child at a time
+        self.exit_code = 0  # what `run` returns: 1 when a child's command cannot start at all
         self.restart_notes: list[str] = []  # config changes that need a daemon restart
         # Child state changes with wall-clock times, for the drill's timeline.
         self.timeline: deque[dict[str, Any]] = deque(maxlen=2000)
@@ -250,6 +253,8 @@ class Daemon:
         if old is ChildState.EXITED and child.last_exit is not None and \
                 child.last_exit.diagnosis is not None:  # EXITED -> BACKOFF: last_exit is set
             self.metrics.known_crashes.labels(child.name, child.last_exit.diagnosis.name).inc()
+        if new is ChildState.FATAL:
+            self._give_up_if_refused(child)
         if new is ChildState.STARTING and child.generation > 0:
             last = child.last_exit
             cause = last.kind if last is not None and not last.planned else "requested"
@@ -453,13 +458,41 @@ class Daemon:
 
     def _apply_to_children(self, new: Config) -> None:
         """Each child takes its section (children.Child.configure); a hot child without the GPU
-        that is stopped (and not paused: it was on demand) is started."""
+        that is stopped (and not paused: it was on demand) is started. The running children
+        whose command changed take it one at a time (rollout.py)."""
+        changed: list[str] = []
         for cfg in new.children:
             child = self.children[cfg.name]
-            child.configure(cfg, new.restart, new.failover.drain_timeout_s)
+            if child.configure(cfg, new.restart, new.failover.drain_timeout_s):
+                changed.append(cfg.name)
             if not cfg.on_gpu and not cfg.on_demand and child.state is ChildState.STOPPED \
                     and cfg.name not in self.res.paused:
                 child.start()
+        if changed:
+            if self.rollout is None:
+                self.rollout = Rollout(self.children)
+            self.rollout.start(new, changed)
+
+    def rollout_json(self) -> dict[str, Any] | None:
+        """The last reload's new commands: in which order, where it is, how each settled."""
+        return self.rollout.to_json() if self.rollout is not None else None
+
+    def _give_up_if_refused(self, child: Child) -> None:
+        """A child started at boot whose command llama-server refused (a bad flag or value, a
+        file it cannot open) before it was ever ready: with no good command to go back to,
+        Spillway exits non-zero with llama-server's own words, as llama-server itself would,
+        instead of answering 503 until someone reads the status."""
+        last = child.last_exit
+        if last is None or last.refusal is None or child.ever_ready or self.stopping or \
+                self.mode is None or not self.mode.starts_at_boot(child.name):
+            return
+        for line in last.refusal.said:
+            log.error("[%s] %s", child.name, line)
+        log.error("the %s's command cannot start (%s), and there is no earlier command to go "
+                  "back to: mend the config and start spillway again", child.cfg.label,
+                  last.refusal.summary())
+        self.exit_code = 1
+        self._stop.set()
 
     # --- running ----------------------------------------------------------------------------------
 
@@ -566,7 +599,7 @@ class Daemon:
         self._maybe_ready()
         await self._stop.wait()
         await self._shutdown()
-        return 0
+        return self.exit_code
 
     def _make_mode(self) -> Mode:
         """Single model or router, from the config at start (a change between them waits
@@ -652,6 +685,8 @@ class Daemon:
                 await self._runner.cleanup()
         for task in self._tasks:
             task.cancel()
+        if self.rollout is not None:
+            await self.rollout.close()
         if self.mode is not None:
             await self.mode.close()
         # A second signal asked for speed: a short grace for the children too.

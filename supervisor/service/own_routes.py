@@ -57,6 +57,8 @@ class Host(Protocol):
     @property
     def restart_notes(self) -> Sequence[str]: ...  # changes that wait for a daemon restart
 
+    def rollout_json(self) -> dict[str, Any] | None: ...  # the last reload's new commands
+
     @property
     def listening(self) -> Sequence[str]: ...
 
@@ -179,7 +181,8 @@ class OwnRoutes:
                           "error": self.incidents.error,
                           "last": list(self.incidents.recent)[-5:]},
             "config": {"path": config.path, "error": self.host.config_error,
-                       "restart_needed": list(self.host.restart_notes)},
+                       "restart_needed": list(self.host.restart_notes),
+                       "rollout": self.host.rollout_json()},
             "router": self.models is not None,
             "models": self.models.listing() if self.models is not None else None,
             # Router mode: each model's smaller model on the GPU router (small.models).

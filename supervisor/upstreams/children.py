@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import random
@@ -43,12 +44,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from .clock import Clock, MonotonicClock
-from ..config.schema import ChildConfig, RestartConfig, command_changed
+from ..config.schema import ChildConfig, RestartConfig, command_changed, with_command_of
 from .engine import Engine, LifeReader, exit_within
 from .launcher import Launcher, Process, SubprocessLauncher
 from .launcher import pick_port as pick_port  # the drill's import
 from .hostcpu import HostCpu, host_cpu
-from ..policy import lifecycle, signatures
+from ..policy import lifecycle, rollout, signatures
+from ..policy.refusal import Refusal, read_refusal
 from ..records.timefmt import rfc3339
 from ..vocabulary import Load, StateListener
 from ..policy.evidence import FailureKind, VramSample, classify_exit, describe_exit, exit_signal
@@ -87,6 +89,7 @@ class ExitRecord:
     planned: bool  # Spillway stopped it
     served: bool = False  # it had started work on at least one request
     diagnosis: signatures.Diagnosis | None = None  # a known crash signature, if one matched
+    refusal: Refusal | None = None  # llama-server refused its command (a flag, a file)
 
     @property
     def known_crash(self) -> str:
@@ -117,6 +120,34 @@ class ExitRecord:
             "run_s": round(self.run_s, 3),
             "planned": self.planned,
             "diagnosis": self.diagnosis.to_json() if self.diagnosis else None,
+            "refusal": self.refusal.to_json() if self.refusal else None,
+        }
+
+
+@dataclass(frozen=True)
+class RejectedCommand:
+    """A new command (a reload's) whose first start failed, and was rolled back."""
+
+    cfg: ChildConfig
+    argv: tuple[str, ...]  # as it was started, less the key
+    exit: ExitRecord
+    wall: float
+
+    @property
+    def why(self) -> str:
+        """What failed, in a sentence: llama-server's refusal, else the exit's evidence."""
+        if self.exit.refusal is not None:
+            return self.exit.refusal.summary()
+        return f"{self.exit.kind}: {self.exit.evidence}"
+
+    def to_json(self) -> dict[str, Any]:
+        refusal = self.exit.refusal
+        return {
+            "command": list(self.argv),
+            "argument": refusal.argument if refusal else None,
+            "said": list(refusal.said) if refusal else [],
+            "why": self.why,
+            "time": rfc3339(self.wall),
         }
 
 
@@ -169,6 +200,13 @@ class Child(LifeReader):
         self.port: int | None = None
         self.api_key: str = ""
         self.last_exit: ExitRecord | None = None
+        # The config its current (or last) process was started with, and the one whose process
+        # last got READY. A new command is on trial until a process of it is READY: one whose
+        # first start fails is rolled back to the good one (`rejected` says what failed).
+        self._running: ChildConfig | None = None
+        self._argv: tuple[str, ...] = ()  # the current process's, less the key
+        self._good: ChildConfig | None = None
+        self.rejected: RejectedCommand | None = None
         self.started_at: float | None = None  # monotonic, of the current process
         self.ready_at: float | None = None
         self.tasks_started = 0  # `launch_slot_` lines: executions, counted by the child itself
@@ -236,7 +274,13 @@ class Child(LifeReader):
             "in_flight": self.load.in_flight,
             "tasks_started": self.tasks_started,
             "command": self.cfg.command(self.port or 0, "")[:-2],
+            "rejected_command": self.rejected.to_json() if self.rejected else None,
         }
+
+    @property
+    def ever_ready(self) -> bool:
+        """A process of it got READY since Spillway started: it has a good command."""
+        return self._good is not None
 
     def diagnosis_json(self) -> dict[str, str] | None:
         """The known crash of the last exit, while it is the latest word on this child."""
@@ -258,17 +302,40 @@ class Child(LifeReader):
 
     # --- asking for changes: each is an event for the owner ---------------------------------------
 
-    def configure(self, cfg: ChildConfig, restart: RestartConfig, drain_timeout_s: float) -> None:
-        """A reload: new timeouts at once; a new command drains a READY child (its requests
-        finish, then it restarts with it) and restarts a starting, backing-off or FATAL one.
-        STOPPED, DRAINING and STOPPING children take it at their next start."""
+    def configure(self, cfg: ChildConfig, restart: RestartConfig, drain_timeout_s: float) -> bool:
+        """A reload: new timeouts and settings at once. A new command is taken at once by a
+        STOPPED child (at its next start); a running one keeps its command and True is
+        returned: it takes the new one with `take_command`, when the reload's rollout says
+        (service/rollout.py: one child at a time)."""
         self.restart_cfg = restart
         self.hang_timeout_s = restart.hang_timeout_s
         self.drain_timeout_s = drain_timeout_s
-        changed = command_changed(self.cfg, cfg)
+        if command_changed(self.cfg, cfg) and self.state is not ChildState.STOPPED:
+            self.cfg = with_command_of(cfg, self.cfg)
+            return True
         self.cfg = cfg
-        if changed:
-            self.engine.post(lifecycle.CommandChanged("config reload: its command changed"))
+        self.rejected = None  # a command asked for anew: what failed before is old news
+        return False
+
+    async def take_command(self, cfg: ChildConfig) -> rollout.Outcome:
+        """A reload's new command: a READY child drains (its requests finish) and restarts
+        with it; a starting, backing-off or FATAL one restarts at once; a stopped one takes it
+        at its next start. Back once that is settled (policy/rollout.py's outcomes)."""
+        self.cfg = cfg
+        self.rejected = None
+        await self.engine.ask(lifecycle.CommandChanged("config reload: its command changed"))
+        settled: list[rollout.Outcome] = []
+
+        def is_settled(life: lifecycle.Life) -> bool:
+            outcome = rollout.settled(
+                life.state, rejected=self.rejected is not None and self.rejected.cfg is cfg,
+                runs_it=self._running is cfg, asked=self.cfg is cfg)
+            if outcome is not None:
+                settled.append(outcome)
+            return outcome is not None
+
+        await self.engine.until(is_settled)
+        return settled[0]
 
     def start(self) -> None:
         """Begin supervising: start the process and keep it running; from FATAL, at once."""
@@ -360,6 +427,8 @@ class Child(LifeReader):
 
     def entered(self, old: ChildState, new: ChildState, reason: str) -> None:
         self.state_since = time.monotonic()
+        if new is ChildState.READY:
+            self._good = self._running  # its command is good: a later trial goes back to it
         log.info("[%s] %s -> %s: %s", self.name, old, new, reason)
         if new not in _PROBED:
             self._probe_wake.set()
@@ -424,8 +493,10 @@ class Child(LifeReader):
         # Never the last process's port: connections pooled to it must not reach the new one.
         self.port = pick_port(avoid=self.port)
         self.api_key = secrets.token_urlsafe(24)
+        self._running = self.cfg
         argv = self.cfg.command(self.port, self.api_key)
         argv = argv[:-2]  # the key travels in the environment, not on the command line
+        self._argv = tuple(argv)
         log.info("[%s] starting: %s", self.name, " ".join(argv))
         return await self._launcher.spawn(argv, self._environment(self.api_key))
 
@@ -434,18 +505,23 @@ class Child(LifeReader):
         its end posts Ended."""
         spawned_at = time.monotonic()
         spawned = self._clock.now()
+        self.ready_at = None
         try:
             proc = await self._spawn_process()
         except OSError as e:
-            self.engine.post(_ended(ExitRecord(
-                generation, 0, 127, FailureKind.CRASH,
-                f"cannot start {self.cfg.llama_server!r}: {e}", time.time(), time.monotonic(),
-                0.0, planned=False)))
+            said = f"cannot start {self.cfg.llama_server!r}: {e}"
+            # A binary that is missing or cannot be run is a command that cannot start at all;
+            # a fork that failed for want of resources (EAGAIN, ENOMEM) may work next time.
+            unrunnable = e.errno in (errno.ENOENT, errno.EACCES, errno.ENOEXEC, errno.ENOTDIR)
+            record = ExitRecord(generation, 0, 127, FailureKind.CRASH, said, time.time(),
+                                time.monotonic(), 0.0, planned=False,
+                                refusal=Refusal(self.cfg.llama_server, (said,), unstarted=True)
+                                if unrunnable else None)
+            self.engine.post(_ended(record, self._roll_back(record)))
             return
         self.pid = proc.pid
         self._process = proc
         self.started_at = spawned_at
-        self.ready_at = None
         self.stderr_tail.clear()
         self.marker_lines.clear()
         reader = asyncio.create_task(self._read_output(proc), name=f"child-{self.name}-output")
@@ -468,7 +544,24 @@ class Child(LifeReader):
             log.warning("[%s] exited: %s (%s)", self.name, record.kind, record.evidence)
             if record.diagnosis is not None:
                 log.warning("[%s] %s", self.name, record.diagnosis.summary())
-        self.engine.post(_ended(record))
+            if record.refusal is not None:
+                log.error("[%s] %s", self.name, record.refusal.summary())
+        self.engine.post(_ended(record, self._roll_back(record)))
+
+    def _roll_back(self, record: ExitRecord) -> str | None:
+        """A new command's first start failed (it ended before READY, of its own or at the
+        start timeout): the child goes back to its last good command, and says why. Not when
+        another reload has asked for yet another command meanwhile (that one is tried)."""
+        trial, good = self._running, self._good
+        if record.planned or self.ready_at is not None or trial is None or good is None or \
+                not command_changed(good, trial) or self.cfg is not trial:
+            return None
+        self.rejected = RejectedCommand(trial, self._argv, record, time.time())
+        self.cfg = with_command_of(trial, good)
+        log.error("[%s] its new command failed its first start (%s): back to its last good "
+                  "command", self.name, self.rejected.why)
+        return f"its new command failed its first start ({self.rejected.why}); back to its " \
+               "last good command"
 
     def _probing(self, waiter: asyncio.Task[int]) -> bool:
         return not waiter.done() and self._ending is None and \
@@ -528,15 +621,17 @@ class Child(LifeReader):
         evidence = f"{note} ({describe_exit(returncode)})" if note else verdict.evidence
         kind = (FailureKind(noted_kind) if noted_kind else FailureKind.CRASH) if note \
             else verdict.kind
-        diagnosis = None
+        diagnosis = refusal = None
         if not planned and not note:  # a death of its own, not one Spillway dealt
             diagnosis = signatures.diagnose(signatures.CrashFacts(
                 returncode=returncode, lines=[*self.marker_lines, *self.stderr_tail],
                 before_ready=self.ready_at is None, cpu_model=self.cpu.describe(),
                 cpu_flags=self.cpu.flags))
+            if self.ready_at is None:  # llama-server refuses a command before it serves
+                refusal = read_refusal(returncode, list(self.stderr_tail), self._argv)
         return ExitRecord(generation, proc.pid, returncode, kind, evidence, time.time(), died,
                           self._clock.now() - spawned, planned=planned, served=served,
-                          diagnosis=diagnosis)
+                          diagnosis=diagnosis, refusal=refusal)
 
     async def _sleep_or_exit(self, waiter: asyncio.Task[int], seconds: float) -> bool:
         """Sleep, cut short by the process exiting or the probes' end. True if the probes'
@@ -593,8 +688,9 @@ class Child(LifeReader):
 _PROBED = frozenset({ChildState.STARTING, ChildState.READY})
 
 
-def _ended(record: ExitRecord) -> lifecycle.Ended:
-    """A process's end, as the lifecycle hears it."""
+def _ended(record: ExitRecord, rollback: str | None = None) -> lifecycle.Ended:
+    """A process's end, as the lifecycle hears it (`rollback`: why it goes back to its last
+    good command)."""
     return lifecycle.Ended(
         record.generation, record.planned,
         what=f"stopped ({describe_exit(record.returncode)})" if record.planned
@@ -602,4 +698,6 @@ def _ended(record: ExitRecord) -> lifecycle.Ended:
         run_s=record.run_s, served=record.served,
         signature=record.signature,
         known_crash=record.known_crash or None, record=record,
-        unfit=record.kind is FailureKind.NO_OFFLOAD and not record.planned)
+        unfit=record.kind is FailureKind.NO_OFFLOAD and not record.planned,
+        refused=record.refusal.summary() if record.refusal is not None else None,
+        rollback=rollback)
