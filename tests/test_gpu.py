@@ -119,17 +119,34 @@ def test_a_split_over_cards_the_child_cannot_see_is_said(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
     figures = tmp_path / "nvml.json"
     write_json(figures, devices=TWO_CARDS)
-    cfg = fake_config(fake_server, tiny_model, gpu={"args": ["-ts", "3,1"]})  # device = 0
+    cfg = fake_config(fake_server, tiny_model, gpu={"args": ["-ts", "3,1"], "device": 0})
     s = spillway(cfg, fake_nvml=figures)
     assert s.status()["gpu"]["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0"]
     assert ("gpu.args split the layers over 2 devices (-dev/-ts) but gpu.device = '0' gives "
-            "the GPU child 1 card(s)") in s.log_path.read_text()
+            "the GPU child 1 card(s): leave gpu.device unset") in s.log_path.read_text()
+
+
+def test_left_unset_a_split_gets_every_card_and_every_card_is_watched(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    """Issue 37: `-ts 3,1` over two cards, gpu.device left unset: the GPU child sees both
+    (by UUID, numbered as llama-server alone numbers them), both are watched, no warning."""
+    figures = tmp_path / "nvml.json"
+    write_json(figures, devices=TWO_CARDS)
+    s = spillway(fake_config(fake_server, tiny_model, gpu={"args": ["-ts", "3,1"]}),
+                 fake_nvml=figures)
+    gpu = s.status()["gpu"]
+    assert gpu["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0", "0000:41:00.0"]
+    assert [d["used_by_gpu_child"] for d in gpu["devices"]] == [True, True]
+    assert gpu["pci_bus_id"] == "0000:41:00.0"  # the tightest of the two, weighed
+    _, props = s.get("/props", {"X-Spillway-Child": "gpu"})
+    assert props["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-first,GPU-second"
+    assert "split the layers" not in s.log_path.read_text()
 
 
 def test_the_users_own_visible_devices_say_which_card_index_0_is(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
-    """`gpu.env.CUDA_VISIBLE_DEVICES = "1"` (as the docs once showed) with gpu.device left at 0:
-    the child sees the second card, so that is the card watched and weighed."""
+    """`gpu.env.CUDA_VISIBLE_DEVICES = "1"` (as the docs once showed) with gpu.device left
+    unset: the child sees the second card, so that is the card watched and weighed."""
     figures = tmp_path / "nvml.json"
     write_json(figures, devices=TWO_CARDS)
     cfg = fake_config(fake_server, tiny_model, gpu={"env": {"CUDA_VISIBLE_DEVICES": "1"}})
