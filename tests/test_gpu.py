@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 from harness import fake_config, write_json
 
 from conftest import SpillwayFactory
+from supervisor.commands import cli
 from supervisor.gpu import GpuMonitor
 
 
@@ -156,3 +158,27 @@ def test_the_users_own_visible_devices_say_which_card_index_0_is(
     assert gpu["name"] == "Second card"
     _, props = s.get("/props", {"X-Spillway-Child": "gpu"})
     assert props["env"]["CUDA_VISIBLE_DEVICES"] == "1"  # the user's own, as given
+
+
+def test_a_two_card_command_line_through_init_gives_the_gpu_child_both_cards(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 37, done when: `spillway init -- llama-server -m M -ngl 99 -ts 1,1` (a two-card
+    user's command line) writes a config, with no warning, under which the GPU child sees both
+    cards and Spillway watches both."""
+    args = cli.build_parser().parse_args(["init", "--print", "--", str(fake_server), "-m",
+                                          str(tiny_model), "-ngl", "99", "-ts", "1,1"])
+    assert args.func(args) == 0
+    written = capsys.readouterr()
+    assert "warning" not in written.err.lower(), written.err
+    doc = tomllib.loads(written.out)
+    assert "device" not in doc["gpu"] and doc["gpu"]["args"] == ["-ngl", "99", "-ts", "1,1"]
+    figures = tmp_path / "nvml.json"
+    write_json(figures, devices=TWO_CARDS)
+    s = spillway({**doc, "server": {}}, fake_nvml=figures)
+    gpu = s.status()["gpu"]
+    assert gpu["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0", "0000:41:00.0"]
+    assert [d["used_by_gpu_child"] for d in gpu["devices"]] == [True, True]
+    _, props = s.get("/props", {"X-Spillway-Child": "gpu"})
+    assert props["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-first,GPU-second"
+    assert "split the layers" not in s.log_path.read_text()
