@@ -123,7 +123,11 @@ def test_a_split_over_cards_the_child_cannot_see_is_said(
     write_json(figures, devices=TWO_CARDS)
     cfg = fake_config(fake_server, tiny_model, gpu={"args": ["-ts", "3,1"], "device": 0})
     s = spillway(cfg, fake_nvml=figures)
-    assert s.status()["gpu"]["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0"]
+    gpu = s.status()["gpu"]
+    assert gpu["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0"]
+    # The status tells the second card, hidden by gpu.device, from one the child leaves idle.
+    assert [d["given_to_gpu_child"] for d in gpu["devices"]] == [True, False]
+    assert gpu["gpu_child_given"] == {"pci_bus_ids": ["0000:01:00.0"], "why": 'gpu.device = "0"'}
     assert ("gpu.args split the layers over 2 devices (-dev/-ts) but gpu.device = '0' gives "
             "the GPU child 1 card(s): leave gpu.device unset") in s.log_path.read_text()
 
@@ -140,6 +144,9 @@ def test_left_unset_a_split_gets_every_card_and_every_card_is_watched(
     assert gpu["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0", "0000:41:00.0"]
     assert [d["used_by_gpu_child"] for d in gpu["devices"]] == [True, True]
     assert gpu["pci_bus_id"] == "0000:41:00.0"  # the tightest of the two, weighed
+    assert gpu["gpu_child_given"] == {
+        "pci_bus_ids": ["0000:01:00.0", "0000:41:00.0"],
+        "why": "gpu.device is not set: every card it can see, as llama-server alone uses them"}
     _, props = s.get("/props", {"X-Spillway-Child": "gpu"})
     assert props["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-first,GPU-second"
     assert "split the layers" not in s.log_path.read_text()
