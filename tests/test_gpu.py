@@ -132,6 +132,17 @@ def test_a_split_over_cards_the_child_cannot_see_is_said(
             "the GPU child 1 card(s): leave gpu.device unset") in s.log_path.read_text()
 
 
+def test_left_unset_a_split_over_more_cards_than_there_are_is_said(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    figures = tmp_path / "nvml.json"
+    write_json(figures, total_mib=16384, free_mib=9000)  # one card
+    s = spillway(fake_config(fake_server, tiny_model, gpu={"args": ["-ts", "1,1"]}),
+                 fake_nvml=figures)
+    assert s.status()["gpu"]["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0"]
+    assert ("gpu.args split the layers over 2 devices (-dev/-ts) but the GPU child can see 1 "
+            "card(s)") in s.log_path.read_text()
+
+
 def test_left_unset_a_split_gets_every_card_and_every_card_is_watched(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
     """Issue 37: `-ts 3,1` over two cards, gpu.device left unset: the GPU child sees both
