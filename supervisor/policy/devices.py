@@ -261,8 +261,8 @@ def given_why(device: str | None, vendors: Iterable[str]) -> str:
     every = f"every {names} card it can see" if names else "every card it can see"
     if device is None:
         return f"gpu.device is not set: {every}, as llama-server alone uses them"
-    if not names_cards(device):
-        return f'gpu.device = "all": {every}'
+    if not names_cards(device):  # "all" (or "", which means the same)
+        return f'gpu.device = "{device.strip()}": {every}'
     return f'gpu.device = "{device.strip()}"'
 
 
@@ -283,16 +283,15 @@ def cuda_visible(given: Sequence[Card], device: str | None, sampled: bool,
     - "all": nothing set, as llama-server alone.
     """
     uuids = [c.uuid for c in given if c.vendor == NVIDIA and c.uuid]
-    if names_cards(device):
-        assert device is not None
-        if uuids:
-            return ",".join(uuids)
-        indices = [t.strip() for t in device.split(",")]
-        if not sampled and all(t.isdigit() for t in indices):
-            return ",".join(indices)  # no figures: the indices as given
+    if device is None:
+        return ",".join(uuids) if uuids and own is None else None
+    if not names_cards(device):
         return None
-    if device is None and uuids and own is None:
+    if uuids:
         return ",".join(uuids)
+    indices = [t.strip() for t in device.split(",")]
+    if not sampled and all(t.isdigit() for t in indices):
+        return ",".join(indices)  # no figures: the indices as given
     return None
 
 
