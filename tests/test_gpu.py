@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
+import tomllib
 from pathlib import Path
 
 import pytest
 from harness import fake_config, write_json
 
 from conftest import SpillwayFactory
+from supervisor.commands import cli
 from supervisor.gpu import GpuMonitor
 
 
@@ -119,17 +121,52 @@ def test_a_split_over_cards_the_child_cannot_see_is_said(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
     figures = tmp_path / "nvml.json"
     write_json(figures, devices=TWO_CARDS)
-    cfg = fake_config(fake_server, tiny_model, gpu={"args": ["-ts", "3,1"]})  # device = 0
+    cfg = fake_config(fake_server, tiny_model, gpu={"args": ["-ts", "3,1"], "device": 0})
     s = spillway(cfg, fake_nvml=figures)
-    assert s.status()["gpu"]["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0"]
+    gpu = s.status()["gpu"]
+    assert gpu["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0"]
+    # The status tells the second card, hidden by gpu.device, from one the child leaves idle.
+    assert [d["given_to_gpu_child"] for d in gpu["devices"]] == [True, False]
+    assert gpu["gpu_child_given"] == {"pci_bus_ids": ["0000:01:00.0"], "why": 'gpu.device = "0"'}
     assert ("gpu.args split the layers over 2 devices (-dev/-ts) but gpu.device = '0' gives "
-            "the GPU child 1 card(s)") in s.log_path.read_text()
+            "the GPU child 1 card(s): leave gpu.device unset") in s.log_path.read_text()
+
+
+def test_left_unset_a_split_over_more_cards_than_there_are_is_said(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    figures = tmp_path / "nvml.json"
+    write_json(figures, total_mib=16384, free_mib=9000)  # one card
+    s = spillway(fake_config(fake_server, tiny_model, gpu={"args": ["-ts", "1,1"]}),
+                 fake_nvml=figures)
+    assert s.status()["gpu"]["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0"]
+    assert ("gpu.args split the layers over 2 devices (-dev/-ts) but the GPU child can see 1 "
+            "card(s)") in s.log_path.read_text()
+
+
+def test_left_unset_a_split_gets_every_card_and_every_card_is_watched(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    """Issue 37: `-ts 3,1` over two cards, gpu.device left unset: the GPU child sees both
+    (by UUID, numbered as llama-server alone numbers them), both are watched, no warning."""
+    figures = tmp_path / "nvml.json"
+    write_json(figures, devices=TWO_CARDS)
+    s = spillway(fake_config(fake_server, tiny_model, gpu={"args": ["-ts", "3,1"]}),
+                 fake_nvml=figures)
+    gpu = s.status()["gpu"]
+    assert gpu["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0", "0000:41:00.0"]
+    assert [d["used_by_gpu_child"] for d in gpu["devices"]] == [True, True]
+    assert gpu["pci_bus_id"] == "0000:41:00.0"  # the tightest of the two, weighed
+    assert gpu["gpu_child_given"] == {
+        "pci_bus_ids": ["0000:01:00.0", "0000:41:00.0"],
+        "why": "gpu.device is not set: every card it can see, as llama-server alone uses them"}
+    _, props = s.get("/props", {"X-Spillway-Child": "gpu"})
+    assert props["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-first,GPU-second"
+    assert "split the layers" not in s.log_path.read_text()
 
 
 def test_the_users_own_visible_devices_say_which_card_index_0_is(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
-    """`gpu.env.CUDA_VISIBLE_DEVICES = "1"` (as the docs once showed) with gpu.device left at 0:
-    the child sees the second card, so that is the card watched and weighed."""
+    """`gpu.env.CUDA_VISIBLE_DEVICES = "1"` (as the docs once showed) with gpu.device left
+    unset: the child sees the second card, so that is the card watched and weighed."""
     figures = tmp_path / "nvml.json"
     write_json(figures, devices=TWO_CARDS)
     cfg = fake_config(fake_server, tiny_model, gpu={"env": {"CUDA_VISIBLE_DEVICES": "1"}})
@@ -139,3 +176,27 @@ def test_the_users_own_visible_devices_say_which_card_index_0_is(
     assert gpu["name"] == "Second card"
     _, props = s.get("/props", {"X-Spillway-Child": "gpu"})
     assert props["env"]["CUDA_VISIBLE_DEVICES"] == "1"  # the user's own, as given
+
+
+def test_a_two_card_command_line_through_init_gives_the_gpu_child_both_cards(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 37, done when: `spillway init -- llama-server -m M -ngl 99 -ts 1,1` (a two-card
+    user's command line) writes a config, with no warning, under which the GPU child sees both
+    cards and Spillway watches both."""
+    args = cli.build_parser().parse_args(["init", "--print", "--", str(fake_server), "-m",
+                                          str(tiny_model), "-ngl", "99", "-ts", "1,1"])
+    assert args.func(args) == 0
+    written = capsys.readouterr()
+    assert "warning" not in written.err.lower(), written.err
+    doc = tomllib.loads(written.out)
+    assert "device" not in doc["gpu"] and doc["gpu"]["args"] == ["-ngl", "99", "-ts", "1,1"]
+    figures = tmp_path / "nvml.json"
+    write_json(figures, devices=TWO_CARDS)
+    s = spillway({**doc, "server": {}}, fake_nvml=figures)
+    gpu = s.status()["gpu"]
+    assert gpu["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0", "0000:41:00.0"]
+    assert [d["used_by_gpu_child"] for d in gpu["devices"]] == [True, True]
+    _, props = s.get("/props", {"X-Spillway-Child": "gpu"})
+    assert props["env"]["CUDA_VISIBLE_DEVICES"] == "GPU-first,GPU-second"
+    assert "split the layers" not in s.log_path.read_text()

@@ -143,8 +143,11 @@ async def test_a_fake_apu_counts_its_gtt(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("device", ["all", None])
 async def test_two_fake_nvidia_cards_one_of_them_short(
-        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, tmp_path: Path,
+        device: str | None) -> None:
+    """gpu.device "all", or left unset (issue 37: as llama-server alone, every card)."""
     nvml = tmp_path / "nvml.json"
 
     def cards(second_free_mib: int) -> list[dict[str, Any]]:
@@ -159,7 +162,8 @@ async def test_two_fake_nvidia_cards_one_of_them_short(
         "  CUDA1: NVIDIA GeForce RTX 3060 (12288 MiB, 11000 MiB free)"], [])
     cfg = real_config(llama_server, tiny_model,
                       gpu={"vram_headroom_mib": 1024, "llama_server": str(wrapper),
-                           "device": "all", "args": ["-ngl", "99", "-ts", "1,1"]},
+                           "args": ["-ngl", "99", "-ts", "1,1"],
+                           **({"device": device} if device else {})},
                       monitor={"sample_interval_s": 0.1})
     s = spillway(cfg, fake_nvml=nvml)
     gpu = s.status()["gpu"]
@@ -168,7 +172,14 @@ async def test_two_fake_nvidia_cards_one_of_them_short(
     assert gpu["gpu_child_devices"]["pci_bus_ids"] == ["0000:01:00.0", "0000:02:00.0"]
     assert gpu["pci_bus_id"] == "0000:02:00.0"  # the tightest, at the top
     gpu_env = environ(s.child("gpu")["pid"])
-    assert "CUDA_VISIBLE_DEVICES" not in gpu_env  # "all": both cards, as llama-server alone
+    if device == "all":
+        assert "CUDA_VISIBLE_DEVICES" not in gpu_env  # both cards, as llama-server alone
+    else:  # both cards by UUID, numbered as CUDA numbers them without it (PCI order)
+        assert gpu_env["CUDA_VISIBLE_DEVICES"] == "GPU-a,GPU-b"
+        assert gpu["gpu_child_given"] == {
+            "pci_bus_ids": ["0000:01:00.0", "0000:02:00.0"],
+            "why": "gpu.device is not set: every NVIDIA card it can see, as llama-server alone "
+                   "uses them"}
     assert gpu_env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
     assert await child_now(s) == "gpu"
     write_json(nvml, devices=cards(700))  # the second card, not the first, runs short

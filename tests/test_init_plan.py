@@ -113,12 +113,13 @@ def test_other_variables_by_kind() -> None:
 
 @pytest.mark.parametrize("argv, env, device", [
     (["-dev", "CUDA1"], {}, 1),
-    (["-mg", "2"], {}, 2),
+    (["-sm", "none", "-mg", "2"], {}, 2),  # one card: the main GPU, alone
+    (["-sm", "none"], {}, 0),  # -mg's default
     ([], {"CUDA_VISIBLE_DEVICES": "3"}, 3),
-    (["-mg", "1"], {"CUDA_VISIBLE_DEVICES": "2,3"}, 3),
+    (["-sm", "none", "-mg", "1"], {"CUDA_VISIBLE_DEVICES": "2,3"}, 3),
     ([], {"CUDA_VISIBLE_DEVICES": "GPU-8d1c0f3e-1111-2222-3333-444455556666"},
      "GPU-8d1c0f3e-1111-2222-3333-444455556666"),
-    (["-dev", "CUDA0,CUDA1"], {}, 0),
+    (["-dev", "CUDA0,CUDA1", "-sm", "none", "-mg", "1"], {}, 1),  # -mg counts -dev's list
 ])
 def test_the_card_becomes_gpu_device(argv: list[str], env: dict[str, str],
                                      device: int | str) -> None:
@@ -126,6 +127,51 @@ def test_the_card_becomes_gpu_device(argv: list[str], env: dict[str, str],
     assert p.gpu_device is not None and p.gpu_device.value == device
     assert "-dev" not in tokens(p.gpu_args) and "-mg" not in tokens(p.gpu_args)
     assert "CUDA_VISIBLE_DEVICES" not in p.env and "CUDA_VISIBLE_DEVICES" not in p.gpu_env
+    assert not p.warnings
+
+
+@pytest.mark.parametrize("argv, env, device, gpu_args", [
+    # Issue 37: a split over two cards, as a two-card user runs llama-server today.
+    (["-ts", "1,1"], {}, None, ["-ts", "1,1"]),
+    (["-dev", "CUDA0,CUDA1"], {}, "0,1", []),
+    (["-dev", "CUDA2,CUDA0", "-ts", "3,1"], {}, "2,0", ["-ts", "3,1"]),  # -dev's order kept
+    (["-dev", "CUDA0,CUDA1"], {"CUDA_VISIBLE_DEVICES": "2,3"}, "2,3", []),
+    ([], {"CUDA_VISIBLE_DEVICES": "0,1"}, "0,1", []),
+    # -mg without -sm none: llama.cpp splits the layers over every card all the same
+    (["-mg", "1"], {}, None, ["-mg", "1"]),
+    (["-sm", "row", "-mg", "1"], {"CUDA_VISIBLE_DEVICES": "2,3"}, "2,3",
+     ["-sm", "row", "-mg", "1"]),
+    (["-dev", "CUDA0,CUDA1", "-mg", "1"], {}, "0,1", ["-mg", "1"]),
+])
+def test_a_split_over_several_cards_gives_the_gpu_child_all_of_them(
+        argv: list[str], env: dict[str, str], device: str | None, gpu_args: list[str]) -> None:
+    p = plan("-m", "/m.gguf", "-ngl", "99", *argv, env=env)
+    assert (p.gpu_device.value if p.gpu_device else None) == device
+    assert tokens(p.gpu_args) == ["-ngl", "99", *gpu_args]
+    assert not p.warnings, p.warnings
+
+
+def test_several_cards_say_how_the_gpu_child_numbers_them() -> None:
+    p = plan("-m", "/m.gguf", "-dev", "CUDA0,CUDA1", "-ts", "1,1")
+    assert p.gpu_device is not None
+    assert p.gpu_device.comment.startswith("from -dev CUDA0,CUDA1 on the command line: the "
+                                           "cards the GPU child sees (as CUDA0 and CUDA1")
+
+
+def test_a_card_the_list_does_not_have_is_refused() -> None:
+    with pytest.raises(InitError, match="card 2 of 2 visible"):
+        plan("-m", "/m.gguf", "-dev", "CUDA2", env={"CUDA_VISIBLE_DEVICES": "0,1"})
+    with pytest.raises(InitError,
+                       match="the main GPU is device 2 of the 2 that -dev CUDA0,CUDA1 names"):
+        plan("-m", "/m.gguf", "-dev", "CUDA0,CUDA1", "-sm", "none", "-mg", "2")
+
+
+def test_other_backends_devices_stay_as_given() -> None:
+    """A Vulkan or ROCm -dev numbers devices in its own order: -sm none's -mg counts those."""
+    p = plan("-m", "/m.gguf", "-dev", "Vulkan1,Vulkan0", "-sm", "none", "-mg", "1")
+    assert p.gpu_device is None
+    assert tokens(p.gpu_args) == ["-ngl", "99", "-dev", "Vulkan1,Vulkan0", "-sm", "none",
+                                  "-mg", "1"]
 
 
 def test_no_card_named_leaves_gpu_device_to_its_default() -> None:

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from supervisor.policy.devices import (
-    AMD, GIB, HIDE_ALL_GPUS, INTEL, MIB, NVIDIA, Card, ChildArgs, Listed, Room,
-    devices_of_child, is_apu, normalize_pci, parse_listing, parse_using_device, pick,
-    short_of, tightest, usable_by_build, visible,
+    AMD, GIB, HIDE_ALL_GPUS, INTEL, MIB, NVIDIA, Card, ChildArgs, Listed, Room, cuda_visible,
+    devices_of_child, given_why, is_apu, names_cards, normalize_pci, parse_listing,
+    parse_using_device, pick, short_of, tightest, usable_by_build, visible,
 )
 
 N1 = Card(NVIDIA, "0000:01:00.0", "GPU-aaa", "RTX 3090")
@@ -169,3 +169,45 @@ def test_the_visible_devices_variables_narrow_what_a_process_sees() -> None:
     # ROCR first, then HIP numbers what ROCR left.
     assert visible(cards, {"ROCR_VISIBLE_DEVICES": "1", "HIP_VISIBLE_DEVICES": "0"}) == [
         N1, N2, A2]
+
+
+def test_gpu_device_left_unset_names_no_card() -> None:
+    assert not names_cards(None) and not names_cards("all") and not names_cards(" ALL ")
+    assert names_cards("0") and names_cards("0,1") and names_cards("GPU-aaa")
+
+
+@pytest.mark.parametrize("given, device, sampled, own, expected", [
+    # unset: every NVIDIA card it is given, by UUID in PCI order (CUDA's own numbering)
+    ([N1, N2], None, True, None, "GPU-aaa,GPU-bbb"),
+    ([N1], None, True, None, "GPU-aaa"),  # one card: as when gpu.device defaulted to 0
+    ([N1, N2, A1], None, True, None, "GPU-aaa,GPU-bbb"),  # AMD's are not CUDA's to hide
+    ([A1, A2], None, True, None, None),
+    ([N2], None, True, "1", None),  # the user's own CUDA_VISIBLE_DEVICES, kept as given
+    ([], None, False, None, None),  # no figures: it sees what llama-server alone would
+    # pinned: those named, in gpu.device's order; without figures, indices as given
+    ([N1], "0", True, None, "GPU-aaa"),
+    ([N2, N1], "1,0", True, None, "GPU-bbb,GPU-aaa"),
+    ([], "1", False, None, "1"),
+    ([], "0, 1", False, None, "0,1"),
+    ([], "GPU-aaa", False, None, None),
+    ([N1, N2], "all", True, None, None),  # "all": nothing set
+])
+def test_which_nvidia_cards_the_gpu_child_sees(given: list[Card], device: str | None,
+                                              sampled: bool, own: str | None,
+                                              expected: str | None) -> None:
+    assert cuda_visible(given, device, sampled, own) == expected
+
+
+def test_why_the_gpu_child_is_given_its_cards() -> None:
+    assert given_why(None, {NVIDIA}) == ("gpu.device is not set: every NVIDIA card it can see, "
+                                         "as llama-server alone uses them")
+    assert given_why(None, set()) == ("gpu.device is not set: every card it can see, as "
+                                      "llama-server alone uses them")
+    assert given_why("all", {AMD, INTEL}) == 'gpu.device = "all": every AMD/Intel card it can see'
+    assert given_why(" 0 ", {NVIDIA}) == 'gpu.device = "0"'
+
+
+def test_what_narrowed_the_cards_is_said() -> None:
+    assert devices_of_child([N1, N2], ChildArgs()).why == "every card it is given"
+    assert devices_of_child([N1, N2], ChildArgs(split_mode="none", main_gpu="1")).why == (
+        "the cards it is given that its -sm none -mg 1 leaves it")

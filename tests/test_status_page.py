@@ -379,12 +379,14 @@ async def test_with_two_cards_the_chart_draws_a_line_for_each_and_the_page_names
         tmp_path: Path, chromium: Path) -> None:
     """The daemon's own routes with a monitor of two cards (no children started): the chart
     has a line per card, from the points' `devices`, the legend and the line under the title
-    name both, the GPU child's marked, the estimate and the assumption said."""
+    name both, the GPU child's marked, the estimate and the assumption said, and which card
+    gpu.device gives the GPU child (the other one not given to it)."""
     routes, _ = make_routes(tmp_path)
     monitor = routes.monitor
     monitor.samplers = [TwoCards()]
     assumed = "the backend numbers its devices in its own order, so every card it may use counts"
-    monitor.chooser = lambda samples: Selection((NVIDIA,), "config (assumed)", assumed)
+    monitor.chooser = lambda samples: Selection((NVIDIA,), "config (assumed)", assumed,
+                                                given=(NVIDIA,), given_why='gpu.device = "0"')
     monitor.owners = lambda: {"gpu": [GPU_PID], "cpu": None}
     monitor.chart = GpuHistory(span_s=600.0, max_points=60_000)  # a point per sample
     await monitor.start()
@@ -438,8 +440,11 @@ async def test_with_two_cards_the_chart_draws_a_line_for_each_and_the_page_names
                                    " · 4 GiB free · nvml · used by the GPU child"), cards
             assert cards[1][2].startswith(f"Intel Arc A770 · {INTEL} · intel · 16 GiB in all · "
                                           "15 GiB free · estimate: SYCL0's listing"), cards
-            assert cards[1][2].endswith(" · estimate") and "GPU child" not in cards[1][2]
-            assert cards[2] == ["gpu-child-devices", None,
+            # The Intel card is not merely idle: gpu.device keeps it from the GPU child.
+            assert cards[1][2].endswith(" · estimate · not given to the GPU child"), cards
+            assert cards[2] == ["gpu-child-given", None,
+                                f'The GPU child is given {NVIDIA}: gpu.device = "0"'], cards
+            assert cards[3] == ["gpu-child-devices", None,
                                 f"The GPU child's cards are assumed: {assumed}"], cards
             assert page.problems == []
     finally:

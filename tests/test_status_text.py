@@ -98,3 +98,30 @@ def test_the_small_child_says_its_model_its_mode_and_whom_it_serves() -> None:
     assert "for every request)" in format_status(s)
     del s["children"]["small"]
     assert "smaller model" not in format_status(s)
+
+
+def test_two_cards_say_which_the_gpu_child_is_given_and_why() -> None:
+    """Issue 37: with two cards, the status says which the GPU child has and why: all of them
+    with gpu.device unset, or the one it pins (the other then not given, rather than merely
+    not its own)."""
+    first, second = "0000:01:00.0", "0000:02:00.0"
+    cards = [card(first, "RTX 3090", 24 * GIB, 4 * GIB, process_bytes={PID: 3 * GIB}),
+             card(second, "RTX 3060", 12 * GIB, 2 * GIB, process_bytes={PID: GIB})]
+    unset = "gpu.device is not set: every NVIDIA card it can see, as llama-server alone uses them"
+    both = Selection((first, second), "its own memory", "where its process holds memory",
+                     given=(first, second), given_why=unset)
+    shown = status(cards, both)
+    assert shown["gpu"]["gpu_child_given"] == {"pci_bus_ids": [first, second], "why": unset}
+    assert [d["given_to_gpu_child"] for d in shown["gpu"]["devices"]] == [True, True]
+    assert gpu_lines(format_status(shown)) == [
+        f"GPU {first} RTX 3090 (nvidia, nvml): 20.0 GiB free of 24.0 GiB; GPU child uses "
+        "3.0 GiB",
+        f"GPU {second} RTX 3060 (nvidia, nvml): 10.0 GiB free of 12.0 GiB; GPU child uses "
+        "1.0 GiB",
+        f"GPU child is given: {first}, {second} ({unset})",
+    ]
+    pinned = Selection((first,), "config", "every card it is given", given=(first,),
+                       given_why='gpu.device = "0"')
+    lines = gpu_lines(format_status(status(cards, pinned)))
+    assert lines[1].endswith("; not given to the GPU child")
+    assert lines[2] == f'GPU child is given: {first} (gpu.device = "0")'

@@ -270,13 +270,16 @@ def _gib(value: object) -> str:
 
 def _format_card(card: dict[str, Any]) -> str:
     """`GPU 0000:01:00.0 NVIDIA RTX 4090 (nvidia, nvml): 2.1 GiB free of 24.0 GiB; GPU child
-    uses 18.3 GiB`: the GPU child's use on its own cards, "not the GPU child's" on the others."""
+    uses 18.3 GiB`: the GPU child's use on its own cards, "not the GPU child's" on the others
+    it was given, "not given to the GPU child" on those it was not (gpu.device's choice)."""
     memory = " VRAM+GTT" if card.get("memory") == "vram+gtt" else ""
     line = (f"GPU {card.get('pci_bus_id')} {card.get('name')} ({card.get('vendor')}, "
             f"{card.get('source')}): {_gib(card.get('free_bytes'))} free of "
             f"{_gib(card.get('total_bytes'))}{memory}")
     if card.get("estimated"):
         line += " (estimate)"
+    if card.get("given_to_gpu_child") is False:  # absent from a daemon that does not say
+        return line + "; not given to the GPU child"
     if not card.get("used_by_gpu_child"):
         return line + "; not the GPU child's"
     used = (card.get("children_used_bytes") or {}).get("gpu")
@@ -285,8 +288,9 @@ def _format_card(card: dict[str, Any]) -> str:
 
 
 def format_gpu(status: dict[str, Any]) -> list[str]:
-    """A line per card, and how the GPU child's cards are known when that is assumed or when it
-    uses none; `GPU: none (why)` without figures."""
+    """A line per card, with several the cards the GPU child is given and why, and how the
+    cards it uses are known when that is assumed or when it uses none; `GPU: none (why)`
+    without figures."""
     gpu = status.get("gpu")
     if not gpu:
         return [f"GPU: none ({status.get('gpu_note')})"]
@@ -294,6 +298,10 @@ def format_gpu(status: dict[str, Any]) -> list[str]:
     if cards is None and gpu.get("pci_bus_id"):  # an older daemon: its one card at the top
         cards = [{**gpu, "used_by_gpu_child": True}]
     out = [_format_card(card) for card in cards or []]
+    given = gpu.get("gpu_child_given")
+    if given and len(cards or []) > 1:  # which of several cards it has, and why those
+        out.append(f"GPU child is given: {', '.join(given['pci_bus_ids']) or 'none'} "
+                   f"({given['why']})")
     chosen = gpu.get("gpu_child_devices") or {}
     why = chosen.get("why")
     if chosen and not chosen.get("pci_bus_ids"):

@@ -287,8 +287,10 @@ class ChildConfig:
     start_timeout_s: float = field(metadata=key("number", 300.0, check=_positive))
     stop_grace_s: float = field(metadata=key("number", 10.0, check=_non_negative))
     max_concurrency: int | None = field(metadata=key("int", check=_positive))  # None: slots
-    # gpu only
-    device: str | None = field(default=None, metadata=key("int_or_str", 0, only=GPU_CHILD))
+    # gpu only. The cards it is given: an index, address or UUID, a list of them, or "all".
+    # Unset (None): every card of its build's vendors it can see, as llama-server alone uses
+    # them, so that its own -dev/-ts/-mg/-sm split them as on the command line.
+    device: str | None = field(default=None, metadata=key("int_or_str", None, only=GPU_CHILD))
     vram_headroom_mib: int = field(default=0, metadata=key("int", 1024, check=_non_negative,
                                                            only=GPU_CHILD))
     # With fewer of its layers on the GPU than asked (none, or some), it failed its start

@@ -203,16 +203,25 @@ class GpuMonitor:
 
     def to_json(self, owners: Mapping[str, Iterable[int] | None]) -> dict[str, Any] | None:
         """The tightest card the GPU child uses, as before several cards (its fields at the
-        top), and every card in `devices`, with which the child uses and how that is known."""
+        top), and every card in `devices`, with which the child uses and how that is known;
+        and, where the chooser says, which cards it was given and why (`gpu_child_given`:
+        gpu.device's, or every card it can see), so that a card it does not use is told
+        apart from one it was never given."""
         latest = self.latest
         if latest is None and not self.devices:
             return None
         now = time.monotonic()
         groups = {name: None if pids is None else list(pids) for name, pids in owners.items()}
         chosen = set(self.selection.pci_bus_ids)
+        given = self.selection.given
         out: dict[str, Any] = latest.to_json(now, groups) if latest is not None else {}
-        out["devices"] = [{**s.to_json(now, groups), "used_by_gpu_child": s.pci_bus_id in chosen}
+        out["devices"] = [{**s.to_json(now, groups), "used_by_gpu_child": s.pci_bus_id in chosen,
+                           **({} if given is None else
+                              {"given_to_gpu_child": s.pci_bus_id in given})}
                           for s in self.devices]
         out["gpu_child_devices"] = {"pci_bus_ids": list(self.selection.pci_bus_ids),
                                     "how": self.selection.how, "why": self.selection.why}
+        if given is not None:
+            out["gpu_child_given"] = {"pci_bus_ids": list(given),
+                                      "why": self.selection.given_why}
         return out

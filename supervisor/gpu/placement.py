@@ -1,18 +1,21 @@
-"""Which cards the GPU child uses, from what Spillway knows of it: `gpu.device`, its build's own
-listing (`--list-devices`), its args, its load log and its own memory on each card. The rule is
-policy/devices.py's; this gathers its inputs, and gives the GPU child its environment.
+"""Which cards the GPU child is given and which of them it uses, from what Spillway knows of it:
+`gpu.device` (left unset: every card of its build's vendors it can see, as llama-server alone),
+its build's own listing (`--list-devices`), its args, its load log and its own memory on each
+card. The rules are policy/devices.py's; this gathers their inputs, and gives the GPU child its
+environment.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Iterable, Sequence
 
 from ..config import llama_args
 from ..config.schema import ChildConfig
 from ..policy.devices import (
-    NVIDIA, VISIBILITY, Card, ChildArgs, Listed, Selection, devices_of_child, parse_using_device,
-    pick, usable_by_build, visible,
+    VISIBILITY, Card, ChildArgs, Listed, Selection, build_vendors, cuda_visible, devices_of_child,
+    given_why, parse_using_device, pick, usable_by_build, visible,
 )
 from .sampler import GpuSample
 
@@ -50,9 +53,10 @@ class Placement:
         self.logged = []
 
     def candidates(self, cards: Sequence[Card]) -> list[Card]:
-        """The cards gpu.device picks among those its build can use and its environment lets
-        it see (the visible-devices variables of Spillway's own environment, or of gpu.env,
-        which wins): an index counts the cards it sees."""
+        """The cards it is given: those gpu.device picks (all of them when it is unset or
+        "all") among the cards its build can use and its environment lets it see (the
+        visible-devices variables of Spillway's own environment, or of gpu.env, which wins): an
+        index counts the cards it sees."""
         seen = visible(usable_by_build(cards, self.listed()), self.visibility_env())
         chosen, self.missing = pick(seen, self.settings.device)
         return chosen
@@ -70,20 +74,24 @@ class Placement:
         cards = [s.card for s in samples]
         candidates = self.candidates(cards)
         if self.missing and not candidates:
-            return Selection((), "none", f"gpu.device names {self.missing!r}: no such card "
-                             f"here (cards: {', '.join(c.pci_bus_id for c in cards)})")
-        return devices_of_child(candidates, child_args(self.settings), self.logged, holdings)
+            selection = Selection((), "none", f"gpu.device names {self.missing!r}: no such "
+                                  f"card here (cards: {', '.join(c.pci_bus_id for c in cards)})")
+        else:
+            selection = devices_of_child(candidates, child_args(self.settings), self.logged,
+                                         holdings)
+        return dataclasses.replace(
+            selection, given=tuple(c.pci_bus_id for c in candidates),
+            given_why=given_why(self.settings.device, build_vendors(self.listed())))
 
     def env(self, samples: Sequence[GpuSample]) -> dict[str, str]:
-        """The GPU child's environment: CUDA numbers cards as NVML and nvidia-smi do, and
-        when gpu.device names NVIDIA cards it sees those alone (by UUID). Other vendors'
-        cards are not hidden by Spillway: their order is their runtime's (`-dev` picks)."""
+        """The GPU child's environment: CUDA numbers cards as NVML and nvidia-smi do, and it
+        sees the NVIDIA cards it is given, by UUID (policy/devices.cuda_visible). Other
+        vendors' cards are not hidden by Spillway: their order is their runtime's (`-dev`
+        picks)."""
         env = {"CUDA_DEVICE_ORDER": "PCI_BUS_ID"}
-        device = self.settings.device
-        chosen = self.candidates([s.card for s in samples])
-        uuids = [c.uuid for c in chosen if c.vendor == NVIDIA and c.uuid]
-        if device is not None and device.strip().lower() not in ("", "all") and uuids:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(uuids)
-        elif not samples and device is not None and device.strip().isdigit():
-            env["CUDA_VISIBLE_DEVICES"] = device.strip()  # no figures: the index as given
+        given = self.candidates([s.card for s in samples])
+        value = cuda_visible(given, self.settings.device, bool(samples),
+                             self.visibility_env().get("CUDA_VISIBLE_DEVICES"))
+        if value is not None:
+            env["CUDA_VISIBLE_DEVICES"] = value
         return env

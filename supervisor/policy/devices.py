@@ -15,10 +15,14 @@ What the GPU child uses, most certain first (`devices_of_child`):
 2. the cards where its process holds memory (NVML's per-process list, fdinfo's `drm-pdev`),
    leaving out a card where it holds no more than a context's worth while it holds much more
    on another (a CUDA process opens a context on every card it sees: llama.cpp#20595);
-3. before either is known: the cards `gpu.device` picks among those its build can use, narrowed
-   by its `-dev`, `-sm none` with `-mg`, and the zeros of `-ts`. An index there is trusted only
-   where the order is known (CUDA under CUDA_DEVICE_ORDER=PCI_BUS_ID, which Spillway sets, or
-   one card of that vendor); otherwise every such card counts, and the selection says so.
+3. before either is known: the cards it is given (`given`), narrowed by its `-dev`, `-sm none`
+   with `-mg`, and the zeros of `-ts`. An index there is trusted only where the order is known
+   (CUDA under CUDA_DEVICE_ORDER=PCI_BUS_ID, which Spillway sets, or one card of that vendor);
+   otherwise every such card counts, and the selection says so.
+
+The cards it is given: those `gpu.device` names among the cards of its build's vendors that it
+can see; `gpu.device` left unset gives it every one of them, as llama-server alone uses every
+card it sees (a `-ts 1,1` split over two cards then works as on the command line).
 """
 
 from __future__ import annotations
@@ -158,6 +162,12 @@ class ChildArgs:
         except ValueError:
             return None
 
+    def said(self) -> str:
+        """The flags that place the layers, as a command line writes them: `-sm none -mg 1`."""
+        flags = (("-dev", self.device), ("-sm", self.split_mode), ("-mg", self.main_gpu),
+                 ("-ts", self.tensor_split))
+        return " ".join(f"{flag} {value}" for flag, value in flags if value is not None)
+
     def splits_across(self) -> int:
         """How many devices the args name for the layers (0: they do not say)."""
         if self.split_mode is not None and self.split_mode.strip() == "none":
@@ -183,6 +193,10 @@ class Selection:
     how: str  # "load log", "its own memory", "config", "config (assumed)", "none"
     why: str = ""  # for people: what decided it, and what is assumed
     shares: Mapping[str, float] | None = None  # -ts ratios by address; None: by free memory
+    # The cards it was given to use (`given`), by address, and why those (`given_why`); None
+    # where the chooser does not say (a test's, or before the daemon knows the child).
+    given: tuple[str, ...] | None = None
+    given_why: str = ""
 
     @property
     def exact(self) -> bool:
@@ -218,13 +232,67 @@ def _find(cards: Sequence[Card], token: str) -> Card | None:
     return None
 
 
+def build_vendors(listed: Sequence[Listed]) -> set[str]:
+    """The vendors whose cards the build lists (empty: it lists none, or none Spillway knows)."""
+    return {v for v in (d.vendor for d in listed) if v is not None}
+
+
 def usable_by_build(cards: Sequence[Card], listed: Sequence[Listed]) -> list[Card]:
     """The cards of the vendors the build lists devices of; all of them when it lists none
     or its listing names no vendor Spillway knows (the figures still say something)."""
-    vendors = {d.vendor for d in listed} - {None}
+    vendors = build_vendors(listed)
     if not vendors:
         return list(cards)
     return [c for c in cards if c.vendor in vendors]
+
+
+def names_cards(device: str | None) -> bool:
+    """Whether gpu.device names cards (an index, an address, a UUID, a list of them), rather
+    than being left unset (None) or "all"."""
+    return device is not None and device.strip().lower() not in ("", "all")
+
+
+_VENDOR_NAMES = {NVIDIA: "NVIDIA", AMD: "AMD", INTEL: "Intel", APPLE: "Apple"}
+
+
+def given_why(device: str | None, vendors: Iterable[str]) -> str:
+    """Why the GPU child is given the cards it is, for people (the status says it)."""
+    names = "/".join(_VENDOR_NAMES.get(v, v) for v in sorted(vendors))
+    every = f"every {names} card it can see" if names else "every card it can see"
+    if device is None:
+        return f"gpu.device is not set: {every}, as llama-server alone uses them"
+    if not names_cards(device):  # "all" (or "", which means the same)
+        return f'gpu.device = "{device.strip()}": {every}'
+    return f'gpu.device = "{device.strip()}"'
+
+
+def cuda_visible(given: Sequence[Card], device: str | None, sampled: bool,
+                 own: str | None) -> str | None:
+    """The GPU child's CUDA_VISIBLE_DEVICES, or None to leave what its environment has.
+
+    `given`: the cards it is given, in gpu.device's order (PCI order when it names none);
+    `sampled`: whether the cards were found (without figures there are no UUIDs); `own`: a
+    CUDA_VISIBLE_DEVICES of Spillway's environment or of gpu.env.
+    - gpu.device names cards: the NVIDIA ones among them, by UUID, in its order (CUDA0 is the
+      first named); without figures an index, or a list of them, as given.
+    - gpu.device unset: every NVIDIA card it is given, by UUID in PCI order. Under
+      CUDA_DEVICE_ORDER=PCI_BUS_ID that is the numbering CUDA gives them anyway, so its own
+      `-dev CUDA1`, `-mg`, `-ts` mean what they meant on the command line; a single card is
+      named as it was when gpu.device defaulted to 0. A CUDA_VISIBLE_DEVICES of the user's own
+      already says which cards, in the user's order: it is kept as it is.
+    - "all": nothing set, as llama-server alone.
+    """
+    uuids = [c.uuid for c in given if c.vendor == NVIDIA and c.uuid]
+    if device is None:
+        return ",".join(uuids) if uuids and own is None else None
+    if not names_cards(device):
+        return None
+    if uuids:
+        return ",".join(uuids)
+    indices = [t.strip() for t in device.split(",")]
+    if not sampled and all(t.isdigit() for t in indices):
+        return ",".join(indices)  # no figures: the indices as given
+    return None
 
 
 def devices_of_child(candidates: Sequence[Card], args: ChildArgs,
@@ -266,7 +334,9 @@ def _from_args(candidates: Sequence[Card], args: ChildArgs,
         return Selection(ids, "config (assumed)",
                          "the backend numbers its devices in its own order, so every card it "
                          "may use counts (at -lv 4 its load log names them exactly)")
-    return Selection(ids, "config", "gpu.device and its args",
+    why = ("every card it is given" if len(ids) == len(candidates) else
+           f"the cards it is given that its {args.said()} leaves it")
+    return Selection(ids, "config", why,
                      _shares(ids, ratios) if len(ids) == len(slots or candidates) else None)
 
 

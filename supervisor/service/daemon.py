@@ -198,12 +198,13 @@ class Daemon:
     # --- wiring -----------------------------------------------------------------------------------
 
     def _gpu_env(self) -> dict[str, str]:
-        """The GPU child's: the NVIDIA cards gpu.device names, numbered as NVML does."""
+        """The GPU child's: the NVIDIA cards it is given (gpu.device's, or unset every one it
+        can see), numbered as NVML does."""
         return self.placement.env(self.monitor.devices)
 
     def _give_cards(self) -> None:
         """The children on the GPU (the GPU child, the small child beside it) see the cards
-        gpu.device names, as the listing numbers them."""
+        the GPU child is given, as the listing numbers them."""
         for cfg in self.config.children:
             if cfg.uses_gpu:
                 self.children[cfg.name].extra_env.update(self._gpu_env())
@@ -649,15 +650,22 @@ class Daemon:
             log.info("the GPU child's llama-server sees %s", "; ".join(self.gpu_devices))
 
     def _warn_if_split_over_hidden_cards(self) -> None:
-        """Args that split the layers over several devices while gpu.device gives the child
-        fewer cards: it would load on what it sees, not as asked."""
+        """Args that split the layers over several devices while the child is given fewer
+        cards: it would load on what it sees, not as asked."""
         wanted = child_args(self.config.gpu_settings).splits_across()
         cards = [s.card for s in self.monitor.devices]
         given = self.placement.candidates(cards)
-        if cards and wanted > len(given):
+        device = self.config.gpu_settings.device
+        if not cards or wanted <= len(given):
+            return
+        if device is None:  # every card it can see: the machine (or its environment) has fewer
+            log.warning("gpu.args split the layers over %d devices (-dev/-ts) but the GPU "
+                        "child can see %d card(s) of its build's vendor", wanted, len(given))
+        else:
             log.warning("gpu.args split the layers over %d devices (-dev/-ts) but gpu.device = "
-                        "%r gives the GPU child %d card(s): set gpu.device = \"all\" or list "
-                        "the cards", wanted, self.config.gpu_settings.device, len(given))
+                        "%r gives the GPU child %d card(s): leave gpu.device unset (every card "
+                        "it can see, as llama-server alone) or list the cards", wanted, device,
+                        len(given))
 
     async def _shutdown(self) -> None:
         self.notifier.stopping()

@@ -11,8 +11,12 @@ Every flag lands somewhere, with where it came from:
   machine without a key is refused by Spillway, so it falls back to loopback on the same port,
   with a comment and a warning (or keeps the address with `--new-key`, a fresh key);
 - GPU-only flags (flags.GPU_ONLY) are gpu.args; `-ngl 99` is added when the source sets no
-  layers (Spillway's default). `-dev CUDAn` and `-mg n` become gpu.device (Spillway shows the
-  GPU child one card, which it sees as CUDA0), and so does CUDA_VISIBLE_DEVICES;
+  layers (Spillway's default). The CUDA cards llama-server would use become gpu.device, which
+  shows the GPU child those alone, in the same order (`_device`): `-dev CUDA0,CUDA1`, or the one
+  card of `-sm none` (`-mg`'s), counted in CUDA_VISIBLE_DEVICES when that is set, or
+  CUDA_VISIBLE_DEVICES itself. Without them (`-ts 1,1`, `-mg` with a layer or row split, no
+  flag at all) llama-server uses every card it sees, and so does the GPU child with gpu.device
+  left unset;
 - flags Spillway cannot carry over (flags.NOT_CARRIED) are comments saying why;
 - everything else is model.args, given to both children, paths made absolute;
 - `LLAMA_ARG_*` variables are the flags they stand for (llama_env.py), the command line's own
@@ -182,7 +186,10 @@ class _Planner:
         self.one: dict[str, _Group] = {}  # the flags Spillway owns: the last one given
         self.keys: list[tuple[str, str]] = []  # (key, described)
         self.cuda_visible: EnvVar | None = None
-        self.card: _Group | None = None  # -dev CUDAn or -mg n
+        self.dev: _Group | None = None  # -dev naming CUDA devices alone: CUDA0,CUDA1
+        self.other_dev = False  # a -dev of another backend's devices (kept in gpu.args)
+        self.mg: _Group | None = None  # -mg n
+        self.sm: _Group | None = None  # -sm (in gpu.args too)
         self.handlers: dict[str, Callable[[_Group], None]] = {
             "--host": self._owned, "--port": self._owned, "-m": self._owned,
             "-hf": self._owned, "-hff": self._owned,
@@ -374,19 +381,23 @@ class _Planner:
                         "and give -m with the file instead")
 
     def _gpu(self, g: _Group) -> None:
-        cards = [_CUDA.match(d) for d in _csv(g.value)] if g.flag in ("-dev", "-mg") else []
-        if g.flag == "-dev" and cards and all(cards):
-            self.card = g  # Spillway shows the child one card: gpu.device
-        elif g.flag == "-mg" and g.value.isdigit():
-            self.card = self.card if self.card and self.card.flag == "-dev" else g
-        else:
-            if g.flag == "-dev" and g.value == "none":
-                self.plan.warnings.append(f"{g.described}: the GPU child would run without a "
-                                          "card; Spillway's GPU child is meant to use one")
-            if g.flag == "-ts":
-                self.plan.warnings.append(f"{g.described}: Spillway shows the GPU child one "
-                                          "card (gpu.device), so a split across cards fails")
-            self.plan.gpu_args.append(self._line(g))
+        """gpu.args, but for -dev naming CUDA devices and -mg n: which cards those name is
+        worked out once every flag is known (`_device`), as llama-server takes the last."""
+        names = _csv(g.value) if g.flag == "-dev" else []
+        if names and all(_CUDA.match(d) for d in names):
+            self.dev = g
+            return
+        if g.flag == "-mg" and g.value.isdigit():
+            self.mg = g
+            return
+        if g.flag == "-sm":
+            self.sm = g
+        if g.flag == "-dev" and g.value == "none":
+            self.plan.warnings.append(f"{g.described}: the GPU child would run without a "
+                                      "card; Spillway's GPU child is meant to use one")
+        elif g.flag == "-dev":
+            self.other_dev = True
+        self.plan.gpu_args.append(self._line(g))
 
     # --- what the flags add up to -------------------------------------------------------------
 
@@ -430,33 +441,63 @@ class _Planner:
                 ("-mm", found.mmproj), "the projector llama-server loads with -hf, from the "
                                        "same cache"))
 
-    def _card_index(self) -> int:
-        """The card -dev CUDAn or -mg n picks, among those the child may see."""
-        if self.card is None:
-            return 0
-        cards = _csv(self.card.value)
-        m = _CUDA.match(cards[0])
-        if len(cards) > 1:
-            self.plan.warnings.append(f"{self.card.described}: Spillway runs the GPU child on "
-                                      f"one card; it takes the first, {cards[0]}")
-        return int(m.group(1)) if m else int(cards[0])
+    def _used(self) -> list[int] | None:
+        """The CUDA devices llama-server would use, by its own numbers, or None for every one
+        it sees. As llama.cpp's llama_model_load_from_file_impl: -dev's list (or every GPU),
+        of which -sm none keeps -mg's alone; a layer or row split uses them all."""
+        names = None if self.dev is None else [
+            int(m.group(1)) for m in (_CUDA.match(d) for d in _csv(self.dev.value)) if m]
+        if self.sm is None or self.sm.value != "none":
+            return names
+        main = int(self.mg.value) if self.mg else 0
+        if names is None:
+            return [main]
+        if main >= len(names):
+            assert self.mg is not None and self.dev is not None
+            raise InitError(f"{self.mg.described}: with -sm none the main GPU is device "
+                            f"{main} of the {len(names)} that -dev {self.dev.value} names, "
+                            "counted from 0")
+        return [names[main]]
 
     def _device(self) -> None:
+        """gpu.device: the cards llama-server would use, where the command line says which
+        (the GPU child then sees those alone, in the same order: no CUDA context on the
+        others, llama.cpp#20595). Every card it sees leaves gpu.device unset, which gives the
+        child every card, as llama-server alone. -mg stays in gpu.args unless the child is
+        shown one card (then that card is its CUDA0, the main GPU by default)."""
         visible = _csv(self.cuda_visible.value) if self.cuda_visible else []
-        index = self._card_index()
-        if not visible and self.card is None:
+        used = None if self.other_dev else self._used()  # another backend counts its own
+        if self.mg is not None and (used is None or len(used) > 1):
+            self.plan.gpu_args.append(self._line(self.mg))
+        if used is None and not visible:
             return
-        said = [s.described for s in (self.card,) if s] + [
-            f"CUDA_VISIBLE_DEVICES={v.value} {v.origin}" for v in (self.cuda_visible,) if v]
-        if visible and index >= len(visible):
-            raise InitError(f"{' and '.join(said)}: card {index} of {len(visible)} visible")
-        device = visible[index] if visible else str(index)
-        value: int | str = int(device) if device.isdigit() else device
-        note = "" if isinstance(value, str) else (
+        one = self.sm is not None and self.sm.value == "none"
+        deciding = (self.dev, self.sm, self.mg) if one else (self.dev,)
+        said = [g.described for g in deciding if g is not None and used is not None]
+        said += [f"CUDA_VISIBLE_DEVICES={v.value} {v.origin}" for v in (self.cuda_visible,) if v]
+        cards = self._named(visible, used, said)
+        indices = all(c.isdigit() for c in cards)
+        value: int | str = int(cards[0]) if len(cards) == 1 and indices else ",".join(cards)
+        names = [f"CUDA{i}" for i in range(len(cards))]
+        seen = "the card the GPU child sees (as CUDA0)" if len(cards) == 1 else (
+            f"the cards the GPU child sees (as {', '.join(names[:-1])} and {names[-1]}, in "
+            "this order)")
+        note = "" if not indices else (
             "; an index as nvidia-smi numbers cards (CUDA numbers them fastest first unless "
             "CUDA_DEVICE_ORDER=PCI_BUS_ID): check `nvidia-smi -L`")
-        self.plan.gpu_device = Setting(value, f"from {' and '.join(said)}: the card the GPU "
-                                              f"child sees (as CUDA0){note}")
+        self.plan.gpu_device = Setting(value, f"from {' and '.join(said)}: {seen}{note}")
+
+    def _named(self, visible: list[str], used: list[int] | None, said: list[str]) -> list[str]:
+        """The cards as gpu.device names them: CUDA's numbers counted in CUDA_VISIBLE_DEVICES
+        when that is set (its entries as given), else as they are."""
+        if used is None:
+            return visible
+        if not visible:
+            return [str(i) for i in used]
+        for i in used:
+            if i >= len(visible):
+                raise InitError(f"{' and '.join(said)}: card {i} of {len(visible)} visible")
+        return [visible[i] for i in used]
 
     def _gpu_defaults(self) -> None:
         if not any(flags.canonical(a.tokens[0]) == "-ngl" for a in self.plan.gpu_args):
