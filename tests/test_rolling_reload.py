@@ -191,9 +191,10 @@ async def test_a_new_command_that_fails_its_first_start_is_rolled_back(
     gpu = s.child("gpu")
     assert gpu["pid"] == gpu_pid and bad not in gpu["command"]  # never touched
     # The operator's view names it too.
-    shown = subprocess.run([sys.executable, "-m", "supervisor", "status", "--config",
-                            str(s.config_path)], capture_output=True, text=True, cwd=REPO,
-                           env=s.env, timeout=30)
+    shown = await asyncio.to_thread(
+        subprocess.run, [sys.executable, "-m", "supervisor", "status", "--config",
+                         str(s.config_path)], capture_output=True, text=True, cwd=REPO,
+        env=s.env, timeout=30)
     assert f"--chat-template-file {bad}" in shown.stdout, shown.stdout
     assert "rolled back" in shown.stdout and "failed to open file" in shown.stdout
 
