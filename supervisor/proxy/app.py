@@ -10,7 +10,7 @@ from aiohttp import web
 
 from . import errors
 from .auth import AuthSettings, auth_middleware
-from .browser_guard import own_routes_guard
+from .browser_guard import browser_guard
 from .handler import ProxyHandler
 from .identity import request_id_of
 
@@ -46,7 +46,7 @@ def build_app(proxy: ProxyHandler, auth: AuthSettings,
     told the reason of each request the browser checks refuse."""
     # The body limit is enforced by the proxy handler itself (it can change on reload); the
     # framework's own limit only applies to Spillway's small routes.
-    guard = own_routes_guard(lambda: auth.browser, on_refused)
+    guard = browser_guard(lambda: auth.browser, on_refused)
     app = web.Application(middlewares=[auth_middleware(auth, (header_budget,), (guard,))],
                           client_max_size=1024 * 1024,
                           handler_args={"max_field_size": 16384, "max_line_size": 16384})
