@@ -109,6 +109,11 @@ TABLE: list[Row] = [
         readme="a child failed"),
     Row("an Idempotency-Key, X-Conversation-Id or Spillway's own routes", Kind.NO_COUNTERPART,
         status=400, readme="an Idempotency-Key"),
+    # llama-server checks neither (test_browser_guard, test_browser_attack).
+    Row("a Host that names no address of Spillway's, listening on loopback only",
+        Kind.NO_COUNTERPART, status=403, readme="a `Host` that names none of Spillway's"),
+    Row("a DELETE /v1/stream from a page of another origin", Kind.NO_COUNTERPART, status=403,
+        readme="a browser's `DELETE /v1/stream` from another origin"),
 ]
 
 
