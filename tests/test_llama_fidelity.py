@@ -114,6 +114,11 @@ TABLE: list[Row] = [
         Kind.NO_COUNTERPART, status=403, readme="a `Host` that names none of Spillway's"),
     Row("a DELETE /v1/stream from a page of another origin", Kind.NO_COUNTERPART, status=403,
         readme="a browser's `DELETE /v1/stream` from another origin"),
+    # Vertex AI's contract (test_vertex, which holds the predictions to the real binary's).
+    Row("Vertex AI's health route without a key, with server.api_key set",
+        Kind.NO_COUNTERPART, status=200, readme="Vertex AI's health route (`AIP_HEALTH_ROUTE`)"),
+    Row("an instance of a prediction that Spillway cannot take now", Kind.NO_COUNTERPART,
+        status=503, readme="an instance of a prediction"),
 ]
 
 
