@@ -156,6 +156,7 @@ def test_the_health_route_is_added_only_where_llama_server_answers_nothing_else(
     assert vertex.health_alias(Contract(1, "/predict", None)) is None
     assert vertex.health_alias(Contract(1, "/predict", "/health")) is None
     assert vertex.health_alias(Contract(1, "/predict", "/props")) is None  # its own comes first
+    assert vertex.health_alias(Contract(1, "/predict", "/")) is None  # the web UI
     assert vertex.health_alias(Contract(1, "/predict", "/hc")) == "/hc"
     assert vertex.open_reads(Contract(1, "/predict", "/hc")) == {"/hc"}
     assert vertex.open_reads(None) == frozenset()

@@ -272,8 +272,8 @@ def check_origin(host_header: str | None, origin: str | None, fetch_site: str | 
     who = f"from {origin!r}" if origin is not None else f"({fetch_site})"
     return Refusal(
         403, "cross_site",
-        f"a browser's request {who} to a route that changes something must come from "
-        f"Spillway's own page: refused (a guard against cross-site requests). To allow a "
+        f"a browser's request {who} to a route that changes something must come from a page "
+        f"of Spillway's own origin: refused (a guard against cross-site requests). To allow a "
         f"page of yours, list its origin in {ORIGINS_SETTING}.", ORIGINS_SETTING)
 
 

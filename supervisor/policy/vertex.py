@@ -116,7 +116,9 @@ def health_alias(contract: Contract) -> str | None:
     unset, nor when llama-server answers GET on that path already (its own handler comes first
     there: /health is /health)."""
     route = contract.health_route
-    if route is None or route in {p for m, p in ROUTES + LATER_ROUTES if m == "GET"}:
+    # "/": the web UI, which llama-server serves before any of these routes.
+    if route is None or route == "/" or route in {p for m, p in ROUTES + LATER_ROUTES
+                                                   if m == "GET"}:
         return None
     return route
 
