@@ -38,7 +38,8 @@ Switches come from environment variables (a child's `env` table in the Spillway 
 
 Every request needs `Authorization: Bearer $LLAMA_API_KEY` (or X-Api-Key), like the real
 server started with --api-key; /health is open. One `launch_slot_` line goes to stderr per
-generation task, like the real server's log.
+generation task, like the real server's log. Like the real one, it takes Vertex AI's port: with
+AIP_MODE=PREDICTION it listens on AIP_HTTP_PORT (8080 when unset), whatever --port says.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from typing import Any
 from aiohttp import web
 
 ENV = os.environ
+AIP = ("AIP_MODE", "AIP_HTTP_PORT", "AIP_PREDICT_ROUTE", "AIP_HEALTH_ROUTE")
 API_KEY = ENV.get("LLAMA_API_KEY", "")
 START = time.monotonic()
 CUDA_FULL = [
@@ -253,7 +255,7 @@ async def props(request: web.Request) -> web.Response:
         "total_slots": int(ENV.get("FAKE_SLOTS", "2")),
         "model_path": "fake.gguf",
         "env": {k: ENV[k] for k in ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER",
-                                    "GGML_NO_BACKTRACE", "LLAMA_ARG_HOST") if k in ENV},
+                                    "GGML_NO_BACKTRACE", "LLAMA_ARG_HOST", *AIP) if k in ENV},
     })
 
 
@@ -284,6 +286,8 @@ def main() -> None:
             host = args[i + 1]
         elif a == "--port":
             port = int(args[i + 1])
+    if ENV.get("AIP_MODE") == "PREDICTION":  # Vertex AI's contract, followed as llama-server does
+        port = int(ENV.get("AIP_HTTP_PORT") or 8080)
     if ENV.get("FAKE_IGNORE_SIGTERM") == "1":
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     code = ENV.get("FAKE_EXIT_AT_START")

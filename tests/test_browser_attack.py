@@ -1,14 +1,17 @@
-"""A web page against Spillway's own routes, in a real headless Chromium, against a real daemon
-with real llama-server children (issue 26).
+"""A web page against Spillway, in a real headless Chromium, against a real daemon with real
+llama-server children listening on loopback (issues 26 and 37).
 
 An attacker's page, served from another origin (another port of 127.0.0.1: the same site, so
 `Sec-Fetch-Site: same-site`), tries what any page can do without a CORS preflight: `fetch` with
 `mode: "no-cors"`, form POSTs (text/plain with a JSON-looking body, and urlencoded) into a hidden
-frame, images, and a JSON `fetch` that needs a preflight. Then a page at a name that resolves to
-127.0.0.1 (DNS rebinding, with Chromium's `--host-resolver-rules`) runs its script in that
-origin, same-origin with Spillway as far as the browser knows. The GPU child stays READY and
-unpaused, no drill opens, every POST arrived and was refused (the daemon's own counter, read
-with Prometheus's parser), and Spillway's own page still pauses and resumes the GPU child.
+frame, images, and a JSON `fetch` that needs a preflight; and the Stop of another client's
+resumable stream (a DELETE, whose preflight the child grants). Then a page at a name that
+resolves to 127.0.0.1 (DNS rebinding, with Chromium's `--host-resolver-rules`) runs its script in
+that origin, same-origin with Spillway as far as the browser knows, and tries Spillway's routes
+and llama-server's (`/props`, the prompts in `/slots`, the model's path in `/v1/models`, a
+completion). The GPU child stays READY and unpaused, no drill opens, the stream is still there
+to resume, every request arrived and was refused (the daemon's own counter, read with
+Prometheus's parser), and Spillway's own page still pauses and resumes the GPU child.
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ function image(path) {
   // A real JSON POST needs a preflight, which Spillway never grants: it is never sent.
   results.cors = await fetch(T + '/spillway/gpu/pause', {method: 'POST', body: '{}',
       headers: {'Content-Type': 'application/json'}}).then(() => 'answered', () => 'blocked');
+  // Another client's resumable stream: the child grants the DELETE's preflight (llama-server's
+  // default CORS), so the DELETE itself reaches Spillway, which answers it.
+  posts.push('/v1/stream');
+  results.stop = await fetch(T + '/v1/stream?conv_id=victim', {method: 'DELETE'})
+    .then((r) => r.status, () => 'blocked');
   results.posts = posts.length;
   document.body.dataset.results = JSON.stringify(results);
 })();
@@ -92,9 +100,17 @@ REBOUND_SCRIPT = """(async () => {
   const status = await fetch('/spillway/status');
   const pause = await fetch('/spillway/gpu/pause', {method: 'POST', body: '{}',
                             headers: {'Content-Type': 'application/json'}});
-  const models = await fetch('/v1/models');
+  const llama = {};
+  for (const path of ['/props', '/slots', '/v1/models']) {
+    const r = await fetch(path);
+    llama[path] = [r.status, await r.text()];
+  }
+  const run = await fetch('/v1/chat/completions', {method: 'POST', headers: {'Content-Type':
+      'application/json'}, body: JSON.stringify({messages: [{role: 'user', content: 'hi'}],
+      max_tokens: 2})});
+  llama.run = [run.status, await run.text()];
   return {status: status.status, status_body: await status.json(), pause: pause.status,
-          pause_body: await pause.json(), models: models.status};
+          pause_body: await pause.json(), llama};
 })()"""
 
 
@@ -142,6 +158,12 @@ async def test_a_web_page_cannot_stop_the_gpu_and_the_status_page_still_can(
         spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, tmp_path: Path,
         chromium: Path) -> None:
     s = await asyncio.to_thread(spillway, real_config(llama_server, tiny_model))
+    # Another client's resumable stream, done and kept for it to read again.
+    code, _ = await asyncio.to_thread(s.post, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True},
+        {"X-Conversation-Id": "victim"})
+    assert code == 200
+    assert (await asyncio.to_thread(s.get, "/v1/stream?conv_id=victim"))[0] == 200
     flags = (f"--host-resolver-rules=MAP {REBOUND} 127.0.0.1",)
     async with attacker(s.url) as evil, Browser.launch(chromium, tmp_path, flags=flags) as page:
         # 1. Cross-site: the attacker's page on another port.
@@ -150,8 +172,10 @@ async def test_a_web_page_cannot_stop_the_gpu_and_the_status_page_still_can(
         assert results["cors"] == "blocked", results  # the preflight was refused
         assert results["form_text"] == results["form_arm"] == "loaded", results
         assert await asyncio.to_thread(refusals, s) == {"cross_site": results["posts"]} \
-            and results["posts"] == 6, results
+            and results["posts"] == 7, results
         await asyncio.to_thread(untouched, s)
+        # The stream was not stopped: its client can still read it.
+        assert (await asyncio.to_thread(s.get, "/v1/stream?conv_id=victim"))[0] == 200
 
         # 2. DNS rebinding: a page at the attacker's name, now resolving to 127.0.0.1.
         rebound = f"http://{REBOUND}:{s.port}"
@@ -162,12 +186,16 @@ async def test_a_web_page_cannot_stop_the_gpu_and_the_status_page_still_can(
         assert seen["status"] == 403 and seen["pause"] == 403, seen
         assert "children" not in seen["status_body"]
         assert seen["pause_body"]["error"]["setting"] == "server.allowed_hosts"
-        # llama-server's own routes pass through as llama-server has them (it checks no Host;
-        # see docs/operations.md): the rebound page can use the model, as it could llama-server.
-        assert seen["models"] == 200
+        # llama-server's routes too, while Spillway listens on loopback only: the rebound page
+        # reads no prompt, no model path, and runs nothing.
+        for path, (code, text) in seen["llama"].items():
+            assert code == 403 and json.loads(text)["error"]["setting"] == \
+                "server.allowed_hosts", (path, code, text)
+            assert "tiny.gguf" not in text
         await asyncio.to_thread(untouched, s)
-        # The page itself, and its two fetches of Spillway's routes.
-        assert (await asyncio.to_thread(refusals, s))["foreign_host"] == 3
+        # The page itself, its two fetches of Spillway's routes and four of llama-server's; and
+        # the browser's own /favicon.ico for the rebound origin, if it asked yet.
+        assert (await asyncio.to_thread(refusals, s))["foreign_host"] in (7, 8)
 
         # 3. Spillway's own page still pauses and resumes the GPU child.
         await page.navigate(f"{s.url}/spillway/")

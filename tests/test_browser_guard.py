@@ -1,7 +1,8 @@
-"""Spillway's own routes against web pages, on the app alone (the real middleware, the real own
-routes with children never started, a stand-in for the proxy): the Host check, the cross-site
-check of the routes that change something, the drill's window, and the settings behind them.
-The same against a real daemon in a real browser is in test_browser_attack.py."""
+"""Spillway against web pages, on the app alone (the real middleware, the real own routes with
+children never started, the real resumable streams' routes, a stand-in for the proxy): the Host
+check (own routes always, every route on loopback only), the cross-site check of the routes that
+change something, the drill's window, and the settings behind them. The same against a real
+daemon in a real browser is in test_browser_attack.py."""
 
 from __future__ import annotations
 
@@ -22,6 +23,9 @@ from supervisor.policy.browser import BrowserRules
 from supervisor.proxy.app import build_app
 from supervisor.proxy.auth import AuthSettings
 from supervisor.proxy.browser_guard import MachineAddresses
+from supervisor.proxy.stream_routes import StreamRoutes
+from supervisor.records.metrics import Metrics
+from supervisor.records.stream_sessions import StreamSessions
 
 KEY = "sekret"
 EVIL = {"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site",
@@ -36,23 +40,27 @@ class Rig:
         self.refused: list[str] = []
         self.clock = [1000.0]
         routes.drill = DrillWindow(clock=lambda: self.clock[0], idle_s=60.0)
+        self.streams = StreamSessions()
 
     @property
     def gpu(self) -> Any:
         return self.routes.children["gpu"]
 
 
-async def rig_client(tmp_path: Path, api_key: str | None = None
+async def rig_client(tmp_path: Path, api_key: str | None = None,
+                     listen: tuple[str, ...] = ("127.0.0.1",)
                      ) -> AsyncIterator[tuple[TestClient[web.Request, web.Application], Rig]]:
     routes, _ = make_routes(tmp_path)
-    auth = AuthSettings(api_key=api_key, browser=BrowserRules.build(["127.0.0.1"]))
+    auth = AuthSettings(api_key=api_key, browser=BrowserRules.build(listen))
     rig = Rig(routes, auth)
 
     async def proxy(request: web.Request) -> web.StreamResponse:
         rig.proxied.append(request.path)
         return web.Response(text="proxied")
 
-    app = build_app(cast(Any, proxy), auth, routes.table(), on_refused=rig.refused.append)
+    answered = StreamRoutes(rig.streams, Metrics(), lambda: rig.clock[0]).table()
+    app = build_app(cast(Any, proxy), auth, routes.table(), answered,
+                    on_refused=rig.refused.append)
     async with TestClient(TestServer(app)) as c:
         yield c, rig
 
@@ -61,6 +69,14 @@ async def rig_client(tmp_path: Path, api_key: str | None = None
 async def open_app(tmp_path: Path
                    ) -> AsyncIterator[tuple[TestClient[web.Request, web.Application], Rig]]:
     async for pair in rig_client(tmp_path):
+        yield pair
+
+
+@pytest.fixture
+async def everywhere_app(tmp_path: Path
+                         ) -> AsyncIterator[tuple[TestClient[web.Request, web.Application], Rig]]:
+    """Listening beyond loopback too (the test client still reaches it on 127.0.0.1)."""
+    async for pair in rig_client(tmp_path, listen=("127.0.0.1", "0.0.0.0")):
         yield pair
 
 
@@ -165,9 +181,6 @@ async def test_a_foreign_host_reads_and_changes_nothing_of_spillways(
         "same-origin", "Content-Type": "application/json"})
     await refused_as(resp, 403, "server.allowed_hosts")
     assert not rig.routes.operator.gpu_paused
-    # llama-server's routes pass through as llama-server has them (see docs/operations.md).
-    assert (await client.get("/v1/models", headers=rebound)).status == 200
-    assert rig.proxied == ["/v1/models"]
     for host in ("localhost", f"127.0.0.1:{client.port}", "[::1]:1"):
         assert (await client.get("/spillway/status", headers={"Host": host})).status == 200
     rig.auth.browser = BrowserRules.build(["127.0.0.1"], ["evil.example"])
@@ -191,6 +204,87 @@ async def test_with_a_key_the_key_comes_first_and_the_checks_still_hold(
                  "/spillway/drill/end"):
         assert (await client.post(path, json={})).status == 401, path
     assert not rig.routes.drill.running
+
+
+# --- llama-server's routes ----------------------------------------------------------------
+
+LLAMA_READS = ("/props", "/slots", "/v1/models", "/metrics", "/health", "/",
+               "/v1/stream?conv_id=c")
+
+
+async def test_on_loopback_a_rebinding_page_reads_and_runs_nothing(
+        open_app: tuple[TestClient[web.Request, web.Application], Rig]) -> None:
+    client, rig = open_app
+    rebound = {"Host": f"evil.example:{client.port}"}
+    for path in LLAMA_READS:
+        body = await refused_as(await client.get(path, headers=rebound), 403,
+                                "server.allowed_hosts")
+        assert "'evil.example:" in body["error"]["message"]
+    resp = await client.post("/v1/chat/completions", json={"messages": []}, headers={
+        **rebound, "Origin": f"http://evil.example:{client.port}"})
+    await refused_as(resp, 403, "server.allowed_hosts")
+    assert rig.proxied == []
+    assert rig.refused == ["foreign_host"] * (len(LLAMA_READS) + 1)
+
+
+async def test_on_loopback_curl_and_the_sdks_names_still_reach_llama_servers_routes(
+        open_app: tuple[TestClient[web.Request, web.Application], Rig]) -> None:
+    client, rig = open_app
+    # What curl, the OpenAI SDK and a browser on this machine send, and an HTTP/1.0 probe's
+    # nothing (aiohttp's client always sends a Host: skipped to send none).
+    for host in (f"127.0.0.1:{client.port}", f"localhost:{client.port}", "localhost",
+                 f"[::1]:{client.port}", f"LOCALHOST.:{client.port}", None):
+        headers = {"Host": host} if host is not None else {}
+        resp = await client.get("/props", headers=headers,
+                                skip_auto_headers=() if host else ("Host",))
+        assert resp.status == 200 and await resp.text() == "proxied", host
+    assert rig.proxied == ["/props"] * 6 and rig.refused == []
+    # A name the operator listed (nginx in front, by a name of its own), and "*".
+    rig.auth.browser = BrowserRules.build(["127.0.0.1"], ["spillway.lan"])
+    assert (await client.get("/props", headers={"Host": "spillway.lan"})).status == 200
+    rig.auth.browser = BrowserRules.build(["127.0.0.1"], ["*"])
+    assert (await client.get("/props", headers={"Host": "evil.example"})).status == 200
+
+
+async def test_beyond_loopback_llama_servers_routes_take_any_host_and_spillways_do_not(
+        everywhere_app: tuple[TestClient[web.Request, web.Application], Rig]) -> None:
+    client, rig = everywhere_app
+    named = {"Host": f"gpu-box.example:{client.port}"}
+    assert (await client.get("/v1/models", headers=named)).status == 200
+    assert (await client.post("/v1/chat/completions", json={}, headers=named)).status == 200
+    assert rig.proxied == ["/v1/models", "/v1/chat/completions"]
+    await refused_as(await client.get("/spillway/status", headers=named), 403,
+                     "server.allowed_hosts")
+
+
+async def test_a_page_of_another_site_cannot_stop_a_resumable_stream(
+        everywhere_app: tuple[TestClient[web.Request, web.Application], Rig]) -> None:
+    client, rig = everywhere_app
+    session = rig.streams.start("chat-1", "r1", rig.clock[0])
+    stops: list[int] = []
+    session.stop = lambda: stops.append(1)
+    for headers in (EVIL, {"Origin": "null"},
+                    {"Origin": f"http://127.0.0.1:{(client.port or 0) + 1}",
+                     "Sec-Fetch-Site": "same-site"}):
+        resp = await client.delete("/v1/stream?conv_id=chat-1", headers=headers)
+        await refused_as(resp, 403, "server.allowed_origins")
+    assert rig.streams.get("chat-1", rig.clock[0]) is session and not session.cancelled
+    assert stops == [] and rig.refused == ["cross_site"] * 3
+    # Reads change nothing: a lookup from another page is answered (as llama-server does).
+    resp = await client.post("/v1/streams/lookup", json={"conversation_ids": ["chat-1"]},
+                             headers={"Origin": "http://evil.example"})
+    assert resp.status == 200 and len(await resp.json()) == 1
+    # llama-server's web UI, served through Spillway, stops it: same origin, no body, no type.
+    resp = await client.delete("/v1/stream?conv_id=chat-1", headers={
+        "Origin": own(client), "Sec-Fetch-Site": "same-origin"})
+    assert resp.status == 204 and session.cancelled and stops == [1]
+    # curl, and a page the operator listed.
+    rig.streams.start("chat-2", "r2", rig.clock[0])
+    assert (await client.delete("/v1/stream?conv_id=chat-2")).status == 204
+    assert rig.streams.get("chat-2", rig.clock[0]) is None
+    rig.auth.browser = BrowserRules.build(["127.0.0.1", "0.0.0.0"],
+                                          allowed_origins=["http://evil.example"])
+    assert (await client.delete("/v1/stream?conv_id=chat-3", headers=EVIL)).status == 204
 
 
 # --- the drill's window -------------------------------------------------------------------

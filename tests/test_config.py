@@ -202,8 +202,9 @@ def test_each_key_is_declared_once_on_the_field_it_fills() -> None:
 def test_only_these_fields_are_worked_out_by_build() -> None:
     derived = {f"{cls.__name__}.{f.name}" for cls in config.SECTIONS.values()
                for f in dataclasses.fields(cls) if f.metadata.get(config.DERIVED)}
-    assert derived == {"ServerConfig.listen", "ServerConfig.api_key", "ChildConfig.name",
-                       "ChildConfig.args", "ChildConfig.llama_server", "ChildConfig.model_path"}
+    assert derived == {"ServerConfig.listen", "ServerConfig.api_key", "ServerConfig.vertex",
+                       "ChildConfig.name", "ChildConfig.args", "ChildConfig.llama_server",
+                       "ChildConfig.model_path"}
 
 
 def test_sizes_in_mib_become_bytes_and_child_only_keys_stay_with_their_child(

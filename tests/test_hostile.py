@@ -155,7 +155,7 @@ def test_missing_wrong_and_malformed_keys_reach_no_child_on_any_route(
             assert status == 401 or (path.endswith(".js") and status in (401, 404)), \
                 (method, path, headers, response[:200])
     # Two keys at once, one of them right: ambiguous, refused.
-    response = raw(s, b"GET /props HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer wrong\r\n"
+    response = raw(s, b"GET /props HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer wrong\r\n"
                       b"Authorization: Bearer " + KEY.encode() + b"\r\nConnection: close\r\n\r\n")
     assert status_of(response) == 401
     # Nothing got through with authority: what reached a child (a public-looking path) came
@@ -190,7 +190,7 @@ def test_http_1_0_and_pipelined_requests_are_served(guarded: tuple[Spillway, Pat
     old = raw(s, b"POST /v1/chat/completions HTTP/1.0\r\nAuthorization: Bearer " + KEY.encode()
               + b"\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     assert status_of(old) == 200 and b'"choices"' in old
-    one = (b"GET /props HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+    one = (b"GET /props HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer " + KEY.encode() +
            b"\r\n\r\n")
     last = one.replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
     both = raw(s, one + one + last)
@@ -203,7 +203,7 @@ def test_a_slowloris_is_bounded_by_timeouts(guarded: tuple[Spillway, Path]) -> N
     # Headers, a byte every half second: closed after server.idle_timeout_s (2 s here).
     began = time.monotonic()
     with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
-        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n")
         closed = False
         for _ in range(40):
             try:
@@ -224,8 +224,9 @@ def test_a_slowloris_is_bounded_by_timeouts(guarded: tuple[Spillway, Path]) -> N
     assert closed and time.monotonic() - began < 8
     # A body, trickled: 408 after server.body_timeout_s (1 s here).
     with socket.create_connection(("127.0.0.1", s.port), timeout=10) as c:
-        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " +
-                  KEY.encode() + b"\r\nContent-Length: 1000\r\n\r\n{\"messages\"")
+        c.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                  b"Authorization: Bearer " + KEY.encode() +
+                  b"\r\nContent-Length: 1000\r\n\r\n{\"messages\"")
         began = time.monotonic()
         response = c.recv(65536)
     assert status_of(response) == 408 and time.monotonic() - began < 5

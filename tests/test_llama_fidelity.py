@@ -109,6 +109,16 @@ TABLE: list[Row] = [
         readme="a child failed"),
     Row("an Idempotency-Key, X-Conversation-Id or Spillway's own routes", Kind.NO_COUNTERPART,
         status=400, readme="an Idempotency-Key"),
+    # llama-server checks neither (test_browser_guard, test_browser_attack).
+    Row("a Host that names no address of Spillway's, listening on loopback only",
+        Kind.NO_COUNTERPART, status=403, readme="a `Host` that names none of Spillway's"),
+    Row("a DELETE /v1/stream from a page of another origin", Kind.NO_COUNTERPART, status=403,
+        readme="a browser's `DELETE /v1/stream` from another origin"),
+    # Vertex AI's contract (test_vertex, which holds the predictions to the real binary's).
+    Row("Vertex AI's health route without a key, with server.api_key set",
+        Kind.NO_COUNTERPART, status=200, readme="Vertex AI's health route (`AIP_HEALTH_ROUTE`)"),
+    Row("an instance of a prediction that Spillway cannot take now", Kind.NO_COUNTERPART,
+        status=503, readme="an instance of a prediction"),
 ]
 
 

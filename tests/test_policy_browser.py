@@ -1,12 +1,14 @@
-"""The browser checks of Spillway's own routes (policy/browser.py), table-driven: the Host check
-against DNS rebinding, and the cross-site check of the routes that change something."""
+"""The browser checks (policy/browser.py), table-driven: the Host check against DNS rebinding, the
+cross-site check of the routes that change something, and which routes take which while
+Spillway listens on loopback only or beyond it."""
 
 from __future__ import annotations
 
 import pytest
 
 from supervisor.policy.browser import (
-    BrowserRules, check_cross_site, check_host, normal_origin, split_host, valid_host_entry,
+    BrowserRules, check_cross_site, check_host, check_request, normal_origin, split_host,
+    valid_host_entry,
 )
 
 LOOPBACK = BrowserRules.build(["127.0.0.1"])
@@ -179,3 +181,95 @@ def test_normal_origin(text: str, normal: str | None) -> None:
 ])
 def test_allowed_hosts_entries(entry: str, valid: bool) -> None:
     assert valid_host_entry(entry) is valid
+
+
+# --- which routes take which check ------------------------------------------------------------
+
+@pytest.mark.parametrize(("listen", "allowed", "loopback_only"), [
+    (["127.0.0.1"], [], True),
+    (["127.0.0.2"], [], True),  # all of 127/8
+    (["::1"], [], True),
+    (["localhost"], [], True),
+    (["127.0.0.1", "::1", "localhost"], [], True),  # several addresses, all of them loopback
+    (["127.0.0.1"], ["spillway.lan"], True),  # names allowed: still only this machine reaches it
+    (["127.0.0.1"], ["*"], True),  # (but "*" turns the Host check off, below)
+    (["127.0.0.1", "0.0.0.0"], [], False),  # one address beyond loopback is enough
+    (["127.0.0.1", "192.168.1.5"], [], False),
+    (["0.0.0.0"], [], False),
+    (["::"], [], False),
+    (["box.lan"], [], False),  # a name Spillway cannot tell is loopback
+    ([], [], False),  # not known: as before, only the own routes are checked
+])
+def test_loopback_only_is_every_listen_address(listen: list[str], allowed: list[str],
+                                               loopback_only: bool) -> None:
+    assert BrowserRules.build(listen, allowed).loopback_only is loopback_only
+
+
+V6_LOOPBACK = BrowserRules.build(["::1"])
+BOTH = BrowserRules.build(["127.0.0.1", "192.168.1.5"])
+EVIL_ORIGIN = {"Origin": "http://evil.example", "Sec-Fetch-Site": "cross-site"}
+
+REQUESTS = [
+    # (method, path, headers, rules, expected (status, reason) or None)
+    # On loopback only, llama-server's routes take the Host check: a rebinding page is refused.
+    ("GET", "/props", {"Host": "evil.example:8080"}, LOOPBACK, (403, "foreign_host")),
+    ("GET", "/slots", {"Host": "evil.example:8080"}, LOOPBACK, (403, "foreign_host")),
+    ("GET", "/v1/models", {"Host": "evil.example:8080"}, LOOPBACK, (403, "foreign_host")),
+    ("POST", "/v1/chat/completions", {"Host": "evil.example:8080"}, LOOPBACK,
+     (403, "foreign_host")),
+    ("GET", "/", {"Host": "evil.example:8080"}, LOOPBACK, (403, "foreign_host")),
+    ("GET", "/health", {"Host": "evil.example:8080"}, LOOPBACK, (403, "foreign_host")),
+    ("GET", "/v1/stream", {"Host": "evil.example:8080"}, LOOPBACK, (403, "foreign_host")),
+    ("GET", "/props", {"Host": "evil.example:8080"}, V6_LOOPBACK, (403, "foreign_host")),
+    # ... while what curl and the OpenAI SDK send passes, with the port or without.
+    ("GET", "/props", {"Host": "127.0.0.1:8080"}, LOOPBACK, None),
+    ("GET", "/props", {"Host": "localhost:8080"}, LOOPBACK, None),
+    ("GET", "/props", {"Host": "localhost"}, LOOPBACK, None),
+    ("POST", "/v1/chat/completions", {"Host": "[::1]:8080"}, V6_LOOPBACK, None),
+    ("POST", "/v1/chat/completions", {"Host": "127.0.0.1:8080"}, V6_LOOPBACK, None),
+    ("GET", "/props", {}, LOOPBACK, None),  # HTTP/1.0: no Host, not a browser's
+    ("GET", "/props", {"Host": "spillway.lan"}, NAMED, None),  # a name the operator listed
+    ("GET", "/props", {"Host": "box.lan:8080"}, SUFFIX, None),
+    ("GET", "/props", {"Host": "evil.example"}, ANY, None),  # "*": the check is off
+    # Beyond loopback, llama-server's routes take any Host, as llama-server does...
+    ("GET", "/props", {"Host": "evil.example:8080"}, EVERYWHERE, None),
+    ("GET", "/props", {"Host": "evil.example:8080"}, BOTH, None),
+    ("POST", "/v1/chat/completions", {"Host": "my.server.example"}, ONE_ADDRESS, None),
+    # ... and Spillway's own still do not.
+    ("GET", "/spillway/status", {"Host": "evil.example:8080"}, EVERYWHERE,
+     (403, "foreign_host")),
+    ("GET", "/spillway/status", {"Host": "evil.example:8080"}, LOOPBACK, (403, "foreign_host")),
+    ("POST", "/spillway/gpu/pause", {"Host": OWN, **EVIL_ORIGIN}, LOOPBACK, (403, "cross_site")),
+    ("POST", "/spillway/gpu/pause", {"Host": OWN, "Origin": "http://127.0.0.1:8080"}, LOOPBACK,
+     (415, "not_json")),
+    # A page's own requests to llama-server's routes are not judged by their origin: llama-server
+    # answers them by its CORS settings (the children's answers are passed on).
+    ("POST", "/v1/chat/completions", {"Host": OWN, **EVIL_ORIGIN}, LOOPBACK, None),
+    ("POST", "/v1/streams/lookup", {"Host": OWN, **EVIL_ORIGIN}, LOOPBACK, None),
+    # The Stop of a resumable stream, which Spillway answers itself, is refused to another site
+    # wherever Spillway listens, as the operator's routes are...
+    ("DELETE", "/v1/stream", {"Host": OWN, **EVIL_ORIGIN}, LOOPBACK, (403, "cross_site")),
+    ("DELETE", "/v1/stream", {"Host": "box.example:8080", **EVIL_ORIGIN}, EVERYWHERE,
+     (403, "cross_site")),
+    ("DELETE", "/v1/stream", {"Host": OWN, "Origin": "http://127.0.0.1:9999",
+                              "Sec-Fetch-Site": "same-site"}, LOOPBACK, (403, "cross_site")),
+    ("DELETE", "/v1/stream", {"Host": OWN, "Origin": "null"}, LOOPBACK, (403, "cross_site")),
+    # ... but the page it came from (llama-server's web UI, through Spillway) stops its stream
+    # without a body or a Content-Type, as that UI sends it; so do curl and a listed origin.
+    ("DELETE", "/v1/stream", {"Host": OWN, "Origin": "http://127.0.0.1:8080",
+                              "Sec-Fetch-Site": "same-origin"}, LOOPBACK, None),
+    ("DELETE", "/v1/stream", {"Host": OWN}, LOOPBACK, None),
+    ("DELETE", "/v1/stream", {"Host": OWN, "Origin": "http://dash.lan:3000",
+                              "Sec-Fetch-Site": "cross-site"}, ALLOWING, None),
+    ("GET", "/v1/stream", {"Host": OWN, **EVIL_ORIGIN}, LOOPBACK, None),  # a read
+]
+
+
+@pytest.mark.parametrize(("method", "path", "headers", "rules", "expected"), REQUESTS)
+def test_which_routes_take_which_check(method: str, path: str, headers: dict[str, str],
+                                       rules: BrowserRules,
+                                       expected: tuple[int, str] | None) -> None:
+    refusal = check_request(method, path, headers, rules, lambda: MACHINE)
+    assert (None if refusal is None else (refusal.status, refusal.reason)) == expected
+    if refusal is not None and refusal.reason == "foreign_host":
+        assert "server.allowed_hosts" in refusal.message and "own routes" not in refusal.message

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import flag_values, llama_args, models_dir
+from ..policy import vertex
 from ..policy.browser import normal_origin, valid_host_entry
+from ..policy.vertex import Contract as VertexContract
 from ..policy.lifecycle import DRAIN_TIMEOUT_S
 
 if sys.version_info >= (3, 11):
@@ -255,6 +257,9 @@ class ServerConfig:
     log_level: str = field(metadata=key("str", "info",
                                         check=_one_of("debug", "info", "warning", "error")))
     access_log: bool = field(metadata=key("bool", True))
+    # Vertex AI's contract (AIP_MODE=PREDICTION in the environment; policy/vertex.py): its port
+    # is every listen address's, and the app answers its predict and health routes.
+    vertex: VertexContract | None = field(default=None, metadata=derived())
 
 
 @dataclass(frozen=True)
@@ -743,9 +748,27 @@ def _listen(s: Mapping[str, Any], problems: list[Problem]) -> list[ListenAddress
     return listen
 
 
+def _vertex(environ: Mapping[str, str], listen: list[ListenAddress],
+            problems: list[Problem]) -> tuple[VertexContract | None, list[ListenAddress]]:
+    """Vertex AI's contract, and the listen addresses under it: each host as given, on
+    AIP_HTTP_PORT, as llama-server keeps --host and takes that port."""
+    try:
+        contract = vertex.read(environ)
+    except ValueError as e:
+        problems.append(Problem("server.listen", f"{e} (Vertex AI's contract: "
+                                                 f"{vertex.MODE}={vertex.PREDICTION})"))
+        return None, listen
+    if contract is None:
+        return None, listen
+    moved = [ListenAddress(a.host, contract.port) for a in listen]
+    return contract, [a for i, a in enumerate(moved) if a not in moved[:i]]
+
+
 def _api_key(s: Mapping[str, Any], environ: Mapping[str, str], listen: list[ListenAddress],
-             problems: list[Problem]) -> str | None:
-    """server.api_key or the variable server.api_key_env names; none only on loopback."""
+             problems: list[Problem], contract: VertexContract | None = None) -> str | None:
+    """server.api_key or the variable server.api_key_env names; none only on loopback, or
+    under Vertex AI's contract (its front end is what clients reach: it authenticates them,
+    and sends the container no key of Spillway's)."""
     api_key: str | None = s["api_key"] or None
     if s["api_key"] is not None and s["api_key_env"]:
         problems.append(Problem("server.api_key_env", "set either server.api_key or "
@@ -758,7 +781,7 @@ def _api_key(s: Mapping[str, Any], environ: Mapping[str, str], listen: list[List
                                     "empty"))
     elif s["api_key"] is not None and not s["api_key"]:
         problems.append(Problem("server.api_key", "is empty; remove it to run without a key"))
-    if api_key is None:
+    if api_key is None and contract is None:
         for addr in listen:
             if not addr.is_loopback:
                 problems.append(Problem("server.listen", f"{addr} is not a loopback address; "
@@ -973,8 +996,8 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
     problems: list[Problem] = []
     values = _read_sections(raw, problems)
 
-    listen = _listen(values["server"], problems)
-    api_key = _api_key(values["server"], environ, listen, problems)
+    contract, listen = _vertex(environ, _listen(values["server"], problems), problems)
+    api_key = _api_key(values["server"], environ, listen, problems, contract)
     model = _make(ModelConfig, "model", values["model"], base_dir)
     _check_across(values, problems)
     children = {name: _build_child(name, values[name], model, base_dir) for name in CHILDREN}
@@ -988,7 +1011,7 @@ def build(raw: Mapping[str, Any], source: str = "<config>", base_dir: Path | Non
     sections = {name: _make(cls, name, values[name], base_dir)
                 for name, cls in SECTIONS.items() if name not in special}
     server = _make(ServerConfig, "server", values["server"], base_dir, listen=tuple(listen),
-                   api_key=api_key)
+                   api_key=api_key, vertex=contract)
     return Config(path=None, server=server, model=model, gpu=children[GPU_CHILD],
                   small=children[SMALL_CHILD], cpu=children[CPU_CHILD], **sections)
 

@@ -1,30 +1,41 @@
-"""What Spillway's own routes (/spillway/*) take from a web browser: two checks, pure.
+"""What Spillway takes from a web browser: two checks, pure.
 
 Any web page the user visits can send requests to a server on the user's machine:
 - Cross-site requests (CSRF). A "simple" request (a form POST, `fetch` with `mode: "no-cors"`, an
   image) needs no CORS preflight: the browser sends it and only hides the answer from the page.
   For a route that changes something, sending is enough. So such a route refuses a browser's
   request from another site or origin (`Sec-Fetch-Site`, `Origin`), unless the operator listed
-  that origin; and a browser's request must say its body is JSON, which a page can only say
-  after a preflight, which Spillway never grants.
+  that origin; and on Spillway's own routes a browser's request must say its body is JSON,
+  which a page can only say after a preflight, which Spillway never grants there.
 - DNS rebinding. A page at attacker.example whose name is made to resolve to 127.0.0.1 is
   same-origin with Spillway as far as the browser knows; the one trace is the `Host` header,
-  which still says attacker.example. So the own routes answer only to the names Spillway is
-  reached by: its listen addresses, localhost, the loopback addresses, and what the operator
-  listed.
+  which still says attacker.example. So Spillway answers only to the names it is reached by:
+  its listen addresses, localhost, the loopback addresses, and what the operator listed.
+
+Which routes take which check (`check_request`): Spillway's own (/spillway/*) both, always.
+llama-server's routes, passed through or answered here, take the Host check while Spillway
+listens on loopback only: there nothing but this machine can reach it, so a foreign name can
+only be a rebinding page's (llama-server checks no Host; without a key, that page could read
+/props, the prompts in /slots and run the model). Listening beyond loopback, they take any Host,
+as llama-server does (clients name the machine as they know it). The one llama-server route
+Spillway answers itself that changes something, the Stop of a resumable stream, takes the
+cross-site check.
 
 A request with neither `Origin` nor `Sec-Fetch-Site` is not a browser's (curl, `spillway gpu`,
 scripts; browsers send `Origin` on every POST), and a request without `Host` is not one either
-(HTTP/1.0 health probes): both pass. This is Ollama's fix for CVE-2024-28224, and what Jupyter
-and Vite check.
+(HTTP/1.0 health probes): both pass. This is Ollama's fix for CVE-2024-28224 (a Host check while
+it listens on loopback), and what Jupyter and Vite check.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
+from functools import cached_property
+
+from .routes import ANSWERED_CHANGES, RouteClass, classify_route
 
 # Methods that never change anything on Spillway's own routes: only the others are checked for
 # cross-site use (a page can read nothing cross-origin anyway: Spillway sends no CORS headers).
@@ -77,6 +88,14 @@ class BrowserRules:
     def listens_everywhere(self) -> bool:
         """Listening on 0.0.0.0 or ::: every address of the machine is a listen address."""
         return bool(self.listen_hosts & {"0.0.0.0", "::", ""})
+
+    @cached_property
+    def loopback_only(self) -> bool:
+        """Every listen address is a loopback one (127.0.0.1, [::1], localhost): nothing but
+        this machine reaches Spillway, so every route takes the Host check. One address beyond
+        loopback (0.0.0.0 among them) and llama-server's routes take any Host. No listen
+        address known (rules built without them): not said, no check beyond the own routes."""
+        return bool(self.listen_hosts) and all(map(is_loopback, self.listen_hosts))
 
 
 # --- parsing ----------------------------------------------------------------------------------
@@ -206,9 +225,9 @@ def check_host(host_header: str | None, rules: BrowserRules,
     shown = host_header if len(host_header) <= 100 else host_header[:100] + "..."
     return Refusal(
         403, "foreign_host",
-        f"Host {shown!r} is not a name this Spillway is reached by, so its own routes refuse "
-        f"it (a guard against DNS rebinding). If you reach Spillway by that name, add it to "
-        f"{HOSTS_SETTING} in the config.", HOSTS_SETTING)
+        f"Host {shown!r} is not a name this Spillway is reached by: refused (a guard against "
+        f"DNS rebinding). If you reach Spillway by that name, add it to {HOSTS_SETTING} in the "
+        f"config.", HOSTS_SETTING)
 
 
 def _names_spillway(host: str, rules: BrowserRules,
@@ -223,25 +242,59 @@ def _names_spillway(host: str, rules: BrowserRules,
 def check_cross_site(method: str, host_header: str | None, origin: str | None,
                      fetch_site: str | None, content_type: str | None,
                      rules: BrowserRules) -> Refusal | None:
-    """The cross-site check for a route that changes something: None when the request is not a
-    browser's, or is one from Spillway's own page (or an allowed origin) with a JSON body."""
+    """The cross-site check for one of Spillway's own routes that changes something: None when
+    the request is not a browser's, or is one from Spillway's own page (or an allowed origin)
+    with a JSON body."""
     if method.upper() in SAFE_METHODS:
         return None
     if origin is None and fetch_site is None:
         return None  # not a browser's: curl, the CLI, a script
-    trusted = origin is not None and normal_origin(origin) in rules.allowed_origins
-    if not trusted and _foreign(origin, fetch_site, host_header):
-        who = f"from {origin!r}" if origin is not None else f"({fetch_site})"
-        return Refusal(
-            403, "cross_site",
-            f"a browser's request {who} to a route that changes something must come from "
-            f"Spillway's own page: refused (a guard against cross-site requests). To allow a "
-            f"page of yours, list its origin in {ORIGINS_SETTING}.", ORIGINS_SETTING)
+    refusal = check_origin(host_header, origin, fetch_site, rules)
+    if refusal is not None:
+        return refusal
     media = (content_type or "").split(";", 1)[0].strip().lower()
     if media != "application/json":
         return Refusal(415, "not_json",
                        f"a browser's request to a route that changes something must send "
                        f"Content-Type: application/json (got {media or 'none'!r})", None)
+    return None
+
+
+def check_origin(host_header: str | None, origin: str | None, fetch_site: str | None,
+                 rules: BrowserRules) -> Refusal | None:
+    """The cross-site check's first half: a 403 for a browser's request from a page of another
+    origin that the operator did not list; None for one that is not a browser's."""
+    if origin is None and fetch_site is None:
+        return None
+    trusted = origin is not None and normal_origin(origin) in rules.allowed_origins
+    if trusted or not _foreign(origin, fetch_site, host_header):
+        return None
+    who = f"from {origin!r}" if origin is not None else f"({fetch_site})"
+    return Refusal(
+        403, "cross_site",
+        f"a browser's request {who} to a route that changes something must come from a page "
+        f"of Spillway's own origin: refused (a guard against cross-site requests). To allow a "
+        f"page of yours, list its origin in {ORIGINS_SETTING}.", ORIGINS_SETTING)
+
+
+def check_request(method: str, path: str, headers: Mapping[str, str], rules: BrowserRules,
+                  machine_addresses: Callable[[], Collection[str]] = frozenset
+                  ) -> Refusal | None:
+    """Every browser check that applies to one request (see the module's doc): None to go on,
+    or the refusal. `headers` as the request has them (a case-insensitive mapping)."""
+    own = classify_route(path) is RouteClass.OWN
+    host = headers.get("Host")
+    if own or rules.loopback_only:
+        refusal = check_host(host, rules, machine_addresses)
+        if refusal is not None:
+            return refusal
+    origin, site = headers.get("Origin"), headers.get("Sec-Fetch-Site")
+    if own:
+        return check_cross_site(method, host, origin, site, headers.get("Content-Type"), rules)
+    if (method.upper(), path) in ANSWERED_CHANGES:
+        # No JSON rule here: a DELETE always needs a CORS preflight (there is no simple form of
+        # it), and llama-server's web UI sends its Stop without a body or a Content-Type.
+        return check_origin(host, origin, site, rules)
     return None
 
 

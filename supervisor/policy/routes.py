@@ -22,6 +22,12 @@ DONE_SENTINEL_ROUTES = frozenset({
     "/completions", "/v1/completions", "/chat/completions", "/v1/chat/completions",
 })
 
+# llama-server's routes that Spillway answers itself (proxy/stream_routes.py) and that change
+# something: a browser's request to one must come from the page's own origin, as on Spillway's
+# own routes (policy/browser.py). Without it a page of another site cut a client's resumable
+# stream: the child, not Spillway, answers the preflight, and grants it by default.
+ANSWERED_CHANGES = frozenset({("DELETE", "/v1/stream")})
+
 # The open routes: llama-server answers them without a key, and so does Spillway.
 PUBLIC_ROUTES = frozenset({"/health", "/v1/health", "/spillway/health"})
 

@@ -10,9 +10,11 @@ from aiohttp import web
 
 from . import errors
 from .auth import AuthSettings, auth_middleware
-from .browser_guard import own_routes_guard
+from .browser_guard import browser_guard
 from .handler import ProxyHandler
 from .identity import request_id_of
+from .vertex import VertexRoutes
+from ..policy.vertex import Contract
 
 
 # All of a request's headers together; each one alone is bounded by the parser (16 KiB).
@@ -40,13 +42,15 @@ OwnRoute = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def build_app(proxy: ProxyHandler, auth: AuthSettings,
               own_routes: dict[tuple[str, str], OwnRoute],
               answered_here: dict[tuple[str, str], OwnRoute] | None = None,
-              on_refused: Callable[[str], None] | None = None) -> web.Application:
+              on_refused: Callable[[str], None] | None = None,
+              vertex: Contract | None = None) -> web.Application:
     """`own_routes` maps (method, path under /spillway/) to a handler; `answered_here`, llama-
     server routes that Spillway answers itself (the resumable streams' routes); `on_refused` is
-    told the reason of each request the browser checks refuse."""
+    told the reason of each request the browser checks refuse; `vertex`, Vertex AI's contract,
+    whose predict and health routes Spillway answers as llama-server does."""
     # The body limit is enforced by the proxy handler itself (it can change on reload); the
     # framework's own limit only applies to Spillway's small routes.
-    guard = own_routes_guard(lambda: auth.browser, on_refused)
+    guard = browser_guard(lambda: auth.browser, on_refused)
     app = web.Application(middlewares=[auth_middleware(auth, (header_budget,), (guard,))],
                           client_max_size=1024 * 1024,
                           handler_args={"max_field_size": 16384, "max_line_size": 16384})
@@ -71,6 +75,10 @@ def build_app(proxy: ProxyHandler, auth: AuthSettings,
 
     for (method, path), handler in (answered_here or {}).items():
         app.router.add_route(method, path, handler)
+    if vertex is not None:
+        routes = VertexRoutes(vertex, proxy, proxy.settings, proxy.pools.router)
+        for (method, path), handler in routes.table().items():
+            app.router.add_route(method, path, handler)
     app.router.add_route("*", "/spillway/{tail:.*}", unknown_own)
     app.router.add_route("*", "/spillway", unknown_own)
     app.router.add_route("*", "/{tail:.*}", proxy)

@@ -28,15 +28,21 @@ class AuthSettings:
     api_key: str | None
     # What Spillway's own routes take from a browser (proxy/browser_guard.py)
     browser: BrowserRules = field(default_factory=BrowserRules)
+    # Open for GET and HEAD beside PUBLIC_ROUTES: Vertex AI's health route, which answers as
+    # /health does (its health checks carry no key; llama-server asks one there, so a keyed
+    # container never became healthy). Not POST: the predict route may be the same path.
+    public_reads: frozenset[str] = frozenset()
 
 
-def _is_public(request: web.Request) -> bool:
+def _is_public(request: web.Request, settings: AuthSettings) -> bool:
     if request.method == "OPTIONS":  # CORS preflight: browsers send no credentials
         return True
     if request.path in PUBLIC_ROUTES:
         return True
     if request.method not in ("GET", "HEAD"):
         return False
+    if request.path in settings.public_reads:
+        return True
     if request.path.startswith("/spillway"):
         return request.path in PUBLIC_PAGES  # the page, never the data it reads
     return request.path == "/" or bool(_UI_ASSET.match(request.path))
@@ -76,7 +82,7 @@ def auth_middleware(settings: AuthSettings, prechecks: Sequence[Precheck] = (),
         key = settings.api_key
         if key is None:
             request[AUTHENTICATED] = True
-        elif _is_public(request):
+        elif _is_public(request, settings):
             # Open, but not trusted: forwarded without the child's key, so that a path that
             # looks public here and means something else to llama-server is refused there.
             request[AUTHENTICATED] = False

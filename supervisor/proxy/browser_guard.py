@@ -1,7 +1,7 @@
-"""The browser checks (policy/browser.py) on Spillway's own routes, as a precheck of the app's one
-middleware: `Host` on every /spillway/ route, and the cross-site check on those that change
-something. The llama-server routes that pass through are left as llama-server has them (see the
-docs/operations.md: "Web pages and Spillway's own routes").
+"""The browser checks (policy/browser.py), as a check of the app's one middleware: `Host` on every
+/spillway/ route, and on every route while Spillway listens on loopback only; the cross-site
+check on the own routes that change something and on the Stop of a resumable stream
+(docs/operations.md: "Web pages and Spillway's own routes").
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import psutil
 from aiohttp import web
 
 from ..policy import browser
-from ..policy.routes import RouteClass, classify_route
 from . import errors
 from .identity import request_id_of
 
@@ -56,23 +55,18 @@ def _normal_address(text: str) -> str | None:
         return None  # a MAC address (AF_PACKET)
 
 
-def own_routes_guard(rules: Callable[[], browser.BrowserRules],
-                     on_refused: Callable[[str], None] | None = None,
-                     addresses: Callable[[], frozenset[str]] | None = None
-                     ) -> Callable[[web.Request], web.StreamResponse | None]:
+def browser_guard(rules: Callable[[], browser.BrowserRules],
+                  on_refused: Callable[[str], None] | None = None,
+                  addresses: Callable[[], frozenset[str]] | None = None
+                  ) -> Callable[[web.Request], web.StreamResponse | None]:
     """A check of the app's middleware: None to go on, or the refusal. `rules` is read on every
     request (a reload changes them); `on_refused` is told each refusal's reason (a metric)."""
     machine = addresses or MachineAddresses()
 
     def guard(request: web.Request) -> web.StreamResponse | None:
-        if classify_route(request.path) is not RouteClass.OWN:
-            return None
         headers = request.headers
-        current = rules()
-        refusal = browser.check_host(headers.get("Host"), current, machine) or \
-            browser.check_cross_site(request.method, headers.get("Host"),
-                                     headers.get("Origin"), headers.get("Sec-Fetch-Site"),
-                                     headers.get("Content-Type"), current)
+        refusal = browser.check_request(request.method, request.path, headers, rules(),
+                                        machine)
         if refusal is None:
             return None
         log.warning("refused %s %s: %s (Host %r, Origin %r, Sec-Fetch-Site %r)",

@@ -44,6 +44,7 @@ from ..policy.lifecycle import ChildState
 from .own_routes import OwnRoutes, status_line
 from .small_tier import SmallTier
 from ..policy.balancer import agent_reply
+from ..policy import vertex
 from ..policy.browser import BrowserRules
 from ..serving.pool import Pool
 from ..proxy.app import build_app
@@ -80,7 +81,8 @@ def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, Prox
     s, f = config.server, config.failover
     return (
         AuthSettings(api_key=s.api_key, browser=BrowserRules.build(
-            (a.host for a in s.listen), s.allowed_hosts, s.allowed_origins)),
+            (a.host for a in s.listen), s.allowed_hosts, s.allowed_origins),
+            public_reads=vertex.open_reads(s.vertex)),
         ForwardSettings(read_timeout_s=s.read_timeout_s, connect_timeout_s=s.connect_timeout_s,
                         stream_hold_s=f.stream_hold_s),
         ProxySettings(max_body_bytes=s.max_body_bytes,
@@ -93,6 +95,21 @@ def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, Prox
                                         or bool(config.smaller_models))
                                        and config.small.requests == "all")),
     )
+
+
+def _say_vertex(config: Config) -> None:
+    """Under Vertex AI's contract, say so at start, as llama-server does ("overriding server
+    port"), and what Vertex AI needs of the listen address."""
+    contract = config.server.vertex
+    if contract is None:
+        return
+    log.warning("Vertex AI's contract (%s=%s): listening on port %d (%s), predict route %s, "
+                "health route %s; kept from the children", vertex.MODE, vertex.PREDICTION,
+                contract.port, vertex.PORT, contract.predict_route,
+                contract.health_route or "/health")
+    if all(a.is_loopback for a in config.server.listen):
+        log.warning("Vertex AI reaches the container from outside it: on loopback only, "
+                    "nothing it sends arrives (server.listen = \"0.0.0.0:%d\")", contract.port)
 
 
 def _copy_onto(live: DataclassInstance, fresh: DataclassInstance) -> None:
@@ -551,7 +568,8 @@ class Daemon:
                            offload=self.offload.to_json)
         app = build_app(self.proxy, self.auth, routes.table(),
                         StreamRoutes(self.streams, self.metrics, time.time).table(),
-                        on_refused=lambda reason: self.metrics.rejections.labels(reason).inc())
+                        on_refused=lambda reason: self.metrics.rejections.labels(reason).inc(),
+                        vertex=self.config.server.vertex)
         # In-flight requests are drained by _shutdown itself (the drain timeout can change on
         # reload); the runner's own wait is only for stragglers after that.
         # keepalive_timeout also bounds a client that never finishes its headers: aiohttp
@@ -584,6 +602,7 @@ class Daemon:
                 await self._shutdown()
                 return 1
         log.info("spillway %s listening on %s", __version__, ", ".join(self.listening))
+        _say_vertex(self.config)
         log.info("incidents go to %s", self.incidents.path)
         self._spawn(self._tick())
         if self.watchdog is not None:

@@ -69,9 +69,12 @@ HUNG_GRACE_S = 1.0  # SIGTERM to SIGKILL for a child that stopped answering /hea
 # socket in its place).
 SYSTEMD_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_FDS", "LISTEN_PID",
                      "LISTEN_FDNAMES")
-# Environment variables llama-server reads as settings that Spillway owns, and systemd's.
+# Environment variables llama-server reads as settings that Spillway owns, and systemd's; and
+# Vertex AI's contract, which Spillway takes itself (policy/vertex.py): under it every child
+# would leave its port for AIP_HTTP_PORT.
 _OWNED_ENV = ("LLAMA_ARG_HOST", "LLAMA_ARG_PORT", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE",
-              "LLAMA_ARG_MODEL", *SYSTEMD_VARIABLES)
+              "LLAMA_ARG_MODEL", *SYSTEMD_VARIABLES,
+              "AIP_MODE", "AIP_HTTP_PORT", "AIP_PREDICT_ROUTE", "AIP_HEALTH_ROUTE")
 
 
 @dataclass(frozen=True)
