@@ -36,7 +36,7 @@ from .continued import ContinuedStream
 from ..vocabulary import Attempt, AttemptFailure
 from .outcomes import Answered, AttemptResult, Broken, Interrupted, ending
 from .forward import Forwarder, RequestCtx
-from .identity import request_id_of
+from .identity import loggable, request_id_of
 
 log = logging.getLogger("spillway.proxy")
 
@@ -671,8 +671,8 @@ class ProxyHandler:
                   elapsed: float, attempts: int) -> None:
         if not self.settings.access_log and 200 <= status < 400 and attempts <= 1:
             return  # only the lines that say something went differently
-        log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method, request.path,
-                 child, status, elapsed, attempts)
+        log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method,
+                 loggable(request.path), child, status, elapsed, attempts)
 
 
 def _log_failed_producer(task: asyncio.Task[Answered | Broken | None]) -> None:

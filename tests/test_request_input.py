@@ -1,0 +1,80 @@
+"""What a request may say, the pure parts, table-driven: Spillway's own headers (one rule for all
+of them), its body read as JSON (a depth limit), the drill's arm (only a well-formed one arms),
+and what a log line shows of a request aiohttp's parser refused (no byte of it). The same rules
+through a running daemon are in test_hostile.py, test_proxy_functional.py, test_own_routes.py."""
+
+from __future__ import annotations
+
+import io
+import logging
+
+import pytest
+from aiohttp.http_exceptions import BadHttpMessage, ContentEncodingError, LineTooLong
+from aiohttp.web_protocol import RequestPayloadError
+
+from supervisor.proxy.identity import loggable
+from supervisor.service.logs import MalformedRequests
+
+
+SECRET = "sk-the-operators-key-0123456789"
+
+
+def _logged(message: str, exc: BaseException, *args: object) -> tuple[str, int]:
+    """What the MalformedRequests filter leaves of an aiohttp.server record: its text as the
+    daemon's formatter writes it, and its level."""
+    logger = logging.Logger("aiohttp.server", logging.DEBUG)  # outside the logging tree
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logger.addHandler(handler)
+    logger.addFilter(MalformedRequests(logger))
+    levels: list[int] = []
+    logger.addFilter(lambda r: levels.append(r.levelno) or True)
+    logger.exception(message, *args, exc_info=exc)
+    return stream.getvalue(), levels[0]
+
+
+@pytest.mark.parametrize("error,words", [
+    # What aiohttp 3.14's parser raises (its messages quote the raw line).
+    (BadHttpMessage(f"Invalid header token:\n\n  b'Authorization : Bearer {SECRET}'\n   ^"),
+     "Invalid header token"),
+    (BadHttpMessage(f"Invalid header value char:\n\n  b'Authorization: Bearer \\x01{SECRET}'"
+                    "\n   ^"), "Invalid header value char"),
+    (LineTooLong(f"Bearer {SECRET}kkkk...".encode(), 16384), "a line over 16384 bytes"),
+])
+def test_a_refused_request_is_one_short_line_without_its_bytes(error: BadHttpMessage,
+                                                               words: str) -> None:
+    text, level = _logged("Error handling request from %s", error, "127.0.0.1")
+    assert SECRET not in text and "Traceback" not in text
+    assert text == f"INFO aiohttp.server: refused a malformed request from 127.0.0.1 (400): " \
+                   f"{words}\n"
+    assert level == logging.INFO
+
+
+def test_a_body_left_unread_that_is_not_its_encoding_is_a_debug_line() -> None:
+    """aiohttp reads what a handler left of a body after the answer; when that is not what its
+    Content-Encoding says, the handler has said so (the proxy's 400) or did not need it."""
+    payload = RequestPayloadError("Can not decode content-encoding: gzip")
+    payload.__cause__ = ContentEncodingError("Can not decode content-encoding: gzip")
+    text, level = _logged("Unhandled exception", payload)
+    assert text == "DEBUG aiohttp.server: refused a malformed request (400): Can not decode " \
+                   "content-encoding\n"
+    assert level == logging.DEBUG
+
+
+def test_a_failure_of_spillways_own_keeps_its_traceback() -> None:
+    try:
+        raise RuntimeError("a bug")
+    except RuntimeError as e:
+        text, level = _logged("Error handling request from %s", e, "::1")
+    assert "Traceback" in text and "RuntimeError: a bug" in text and level == logging.ERROR
+
+
+@pytest.mark.parametrize("text,shown", [
+    ("/v1/chat/completions", "/v1/chat/completions"),
+    ("/a\x1b[2J\rFORGED 200\n", "/a\\x1b[2J\\x0dFORGED 200\\x0a"),
+    ("/\x00\x7f\x85\u2028/日本", "/\\x00\\x7f\\x85\\u2028/日本"),
+    ("/" + "p" * 2000, "/" + "p" * 1023 + "..."),
+])
+def test_a_logged_path_shows_no_control_character(text: str, shown: str) -> None:
+    assert loggable(text) == shown
