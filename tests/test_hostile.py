@@ -4,6 +4,7 @@ refuse to misbehave."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import subprocess
@@ -155,6 +156,40 @@ def test_a_malformed_request_costs_one_short_line_that_never_shows_the_key(
     assert all(len(line) < 160 and "from 127.0.0.1 (400)" in line for line in refused), refused
     assert "\x1b" not in text and "\r" not in text
     assert "GET /v1/models\\x1b[2J\\x0dFORGED -> gpu 200" in text
+    still_serving(s)
+
+
+def test_deep_json_and_a_body_that_is_not_its_encoding_get_an_openai_shaped_400(
+        guarded: tuple[Spillway, Path]) -> None:
+    """They used to get aiohttp's plain-text 500 (a RecursionError; the decoder's error) and a
+    traceback in the log."""
+    s, state = guarded
+    before = child_saw(state)
+    chat = "/v1/chat/completions"
+    gzip_header = {**AUTH, "Content-Encoding": "gzip"}
+    for body, headers, status, words, param in (
+            (b"[" * 1000 + b"]" * 1000, AUTH, 400, "nested more than 128 levels deep", None),
+            (b'{"a": ' * 1000 + b"1" + b"}" * 1000, AUTH, 400, "nested more than", None),
+            (json.dumps(CHAT).encode(), gzip_header, 400,
+             "not valid gzip data, as its Content-Encoding says", "Content-Encoding"),
+            # A small gzip bomb: the limit counts the decompressed bytes.
+            (gzip.compress(b'{"messages": [], "pad": "' + b" " * 2_000_000 + b'"}'),
+             gzip_header, 413, "once decompressed (Content-Encoding: gzip)", "body")):
+        response = raw(s, request("POST", chat, body, headers))
+        head, _, payload = response.partition(b"\r\n\r\n")
+        assert status_of(response) == status, response[:300]
+        assert b"Content-Type: application/json" in head
+        error = json.loads(payload)["error"]
+        assert words in error["message"], error
+        assert (error["type"], error["code"], error["param"], error["src"]) == (
+            "invalid_request_error", status, param, "spillway")
+        assert error["request_id"] and error["request_id"] in head.decode()
+    # The same on the resumable streams' lookup, which reads JSON too.
+    response = raw(s, request("POST", "/v1/streams/lookup", b"[" * 1000 + b"]" * 1000, AUTH))
+    assert status_of(response) == 400 and b"nested more than" in response
+    assert child_saw(state) == before
+    text = s.log_text()
+    assert "Traceback" not in text and "Error handling request" not in text
     still_serving(s)
 
 

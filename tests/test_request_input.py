@@ -6,14 +6,39 @@ through a running daemon are in test_hostile.py, test_proxy_functional.py, test_
 from __future__ import annotations
 
 import io
+import json
 import logging
 
 import pytest
 from aiohttp.http_exceptions import BadHttpMessage, ContentEncodingError, LineTooLong
 from aiohttp.web_protocol import RequestPayloadError
 
+from supervisor.proxy.bodies import MAX_JSON_DEPTH, parse_json_object
 from supervisor.proxy.identity import loggable
 from supervisor.service.logs import MalformedRequests
+
+
+def nested(depth: int) -> bytes:
+    return b'{"a": ' * (depth - 1) + b"[1]" + b"}" * (depth - 1)
+
+
+@pytest.mark.parametrize("body,problem", [
+    (nested(MAX_JSON_DEPTH), None),
+    (nested(MAX_JSON_DEPTH + 1), "nested more than 128 levels deep"),
+    (b"[" * 1000 + b"]" * 1000, "nested more than 128 levels deep"),  # a RecursionError
+    (b'{"a": ' * 5000 + b"1" + b"}" * 5000, "nested more than 128 levels deep"),
+    # Brackets inside strings are text: many of them do not make a body deep.
+    (json.dumps({"messages": [{"role": "user", "content": "[{" * 500}]}).encode(), None),
+    (b"[1, 2]", "must be a JSON object, not list"),
+    (b"", "empty"),
+])
+def test_a_body_is_a_json_object_no_deeper_than_the_limit(body: bytes,
+                                                         problem: str | None) -> None:
+    found, parsed = parse_json_object(body)
+    if problem is None:
+        assert found is None and parsed == json.loads(body)
+    else:
+        assert found is not None and problem in found and parsed is None
 
 
 SECRET = "sk-the-operators-key-0123456789"

@@ -32,6 +32,8 @@ from ..policy import admission, continuation, estimate, prompts, replay
 from ..policy.routes import RouteClass, classify_route, route_label
 from . import errors, tokens
 from .auth import AUTHENTICATED, presented_key
+from .bodies import BodyTimeout, BodyTooLarge, BodyUnreadable, parse_json_object, read_body, \
+    refusal
 from .continued import ContinuedStream
 from ..vocabulary import Attempt, AttemptFailure
 from .outcomes import Answered, AttemptResult, Broken, Interrupted, ending
@@ -44,43 +46,6 @@ CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
 # Headers of a stored answer that a replay from the store repeats.
 _STORED_HEADERS = ("Content-Type", "X-Spillway-Child", "X-Spillway-Attempts",
                    "X-Spillway-Failover")
-
-
-class BodyTimeout(Exception):
-    pass
-
-
-class BodyTooLarge(Exception):
-    def __init__(self, size: int | None, limit: int) -> None:
-        self.size = size
-        self.limit = limit
-
-
-async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
-    """The whole body, refusing (before reading it) one that announces more than `limit`, and
-    giving up on a client that trickles it (no byte for `timeout_s`)."""
-    length = request.content_length
-    if length is not None and length > limit:
-        raise BodyTooLarge(length, limit)
-    content = request.content
-    if length is not None and content.is_eof():
-        # The whole body already arrived with the headers (the usual case): no waiting.
-        return content.read_nowait()
-    chunks = []
-    size = 0
-    while True:
-        try:
-            async with asyncio.timeout(timeout_s):
-                chunk = await request.content.readany()
-        except TimeoutError as e:
-            raise BodyTimeout() from e
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(None, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
 
 
 def client_deadline(headers: Mapping[str, str]) -> float | None:
@@ -172,23 +137,16 @@ class ProxyHandler:
         route = classify_route(request.path)
         started = time.monotonic()
         # 2. Bad input is answered before any child sees it.
+        timeout_s = self.settings.body_timeout_s
         try:
-            body = await read_body(request, self.settings.max_body_bytes,
-                                   self.settings.body_timeout_s)
-        except BodyTimeout:
-            response = errors.invalid_request(
-                408, f"no byte of the request body for {self.settings.body_timeout_s:.0f} s "
-                     "(server.body_timeout_s)", rid)
-            response.force_close()
-            return self._early(None, request, rid, "body_timeout", response)
-        except BodyTooLarge as e:
-            size = f"{e.size} bytes" if e.size is not None else "more than that"
-            return self._early(None, request, rid, "body_too_large", errors.invalid_request(
-                413, f"request body is {size}; the limit is {e.limit} bytes "
-                     "(server.max_body_mib)", rid, param="body"))
+            body = await read_body(request, self.settings.max_body_bytes, timeout_s)
+        except (BodyTimeout, BodyTooLarge, BodyUnreadable) as e:
+            cause = "body_timeout" if isinstance(e, BodyTimeout) else \
+                "body_too_large" if isinstance(e, BodyTooLarge) else "bad_request"
+            return self._early(None, request, rid, cause, refusal(e, rid, timeout_s))
         payload: dict[str, Any] | None = None
         if route is RouteClass.GENERATION and request.method == "POST":
-            problem, payload = _parse_json_object(body)
+            problem, payload = parse_json_object(body)
             if problem is not None:
                 return self._early(None, request, rid, "bad_request",
                                    errors.invalid_request(400, problem, rid))
@@ -709,17 +667,3 @@ def _tokens(attempt: Attempt | None) -> int:
     if attempt is None:
         return 0
     return attempt.tokens if attempt.tokens is not None else attempt.events
-
-
-def _parse_json_object(body: bytes) -> tuple[str | None, dict[str, Any] | None]:
-    if not body:
-        return "the request body is empty; expected a JSON object", None
-    try:
-        parsed = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError:
-        return "the request body is not valid UTF-8", None
-    except ValueError as e:
-        return f"the request body is not valid JSON: {e}", None
-    if not isinstance(parsed, dict):
-        return f"the request body must be a JSON object, not {type(parsed).__name__}", None
-    return None, parsed

@@ -18,6 +18,9 @@ _NOT_UPSTREAM = HOP_BY_HOP | frozenset({
     "host", "content-length", "authorization", "x-api-key", "accept-encoding", "expect",
     "x-spillway-child", "x-spillway-replay", "x-spillway-deadline", "idempotency-key",
     "x-spillway-fallback",
+    # The body a child gets is the one Spillway read, which aiohttp has decompressed (gzip,
+    # deflate, br, zstd; bodies.py); a coding it does not know, llama-server ignores as well.
+    "content-encoding",
     # Spillway holds resumable streams itself (stream_sessions.py): a child that saw the id
     # would keep generating after Spillway stopped reading, until a DELETE it never gets.
     "x-conversation-id",
@@ -72,3 +75,4 @@ def downstream_headers(upstream: CIMultiDictProxy[str],
     for name, value in own:
         out[name] = value
     return out
+
