@@ -277,3 +277,36 @@ async def test_a_compressed_body_is_forwarded_decompressed_without_its_content_e
     assert echo["body"] == '{"content": "hi"}'
     forwarded = [{k.lower() for k in r["headers"]} for r in generation_requests(state_file)]
     assert len(forwarded) == 2 and all("content-encoding" not in h for h in forwarded)
+
+
+async def test_spillways_own_headers_follow_one_rule(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, state_file: Path) -> None:
+    """A value Spillway does not know, in any of its request headers, is a 400 naming the
+    header, before any child sees the request (X-Spillway-Child, -Replay and -Deadline used to
+    be ignored); the OpenAI SDKs' X-Stainless-Timeout never is."""
+    s = spillway(fake_config(fake_server, tiny_model,
+                             gpu={"env": {"FAKE_STATE_FILE": str(state_file)}}))
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as http:
+        for method, path in (("POST", "/v1/chat/completions"), ("GET", "/props")):
+            for name, value in (("X-Spillway-Child", "tpu"), ("X-Spillway-Replay", "nevr"),
+                                ("X-Spillway-Deadline", "30s"), ("X-Spillway-Deadline", "0"),
+                                ("X-Spillway-Fallback", "bigger"),
+                                ("X-Spillway-Replays", "never")):
+                async with http.request(method, s.url + path, json=chat,
+                                        headers={name: value}) as r:
+                    assert r.status == 400, (path, name, value)
+                    err = (await r.json())["error"]
+                    assert (err["type"], err["param"], err["src"]) == (
+                        "invalid_request_error", name, "spillway"), err
+                    assert name in err["message"] and err["request_id"] == \
+                        r.headers["X-Request-Id"]
+        assert generation_requests(state_file) == []
+        for headers in ({"X-Stainless-Timeout": "0"}, {"X-Stainless-Timeout": "soon"},
+                        {"X-Spillway-Replay": "NEVER", "X-Spillway-Deadline": "30",
+                         "X-Spillway-Child": "cpu", "X-Spillway-Fallback": "none"}):
+            async with http.post(f"{s.url}/v1/chat/completions", json=chat,
+                                 headers=headers) as r:
+                assert r.status == 200, headers
+        async with http.get(f"{s.url}/props", headers={"X-Spillway-Child": " CPU "}) as r:
+            assert r.status == 200 and r.headers["X-Spillway-Child"] == "cpu"

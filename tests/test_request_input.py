@@ -12,10 +12,68 @@ import logging
 import pytest
 from aiohttp.http_exceptions import BadHttpMessage, ContentEncodingError, LineTooLong
 from aiohttp.web_protocol import RequestPayloadError
+from multidict import CIMultiDict
 
 from supervisor.proxy.bodies import MAX_JSON_DEPTH, parse_json_object
+from supervisor.proxy.headers import HeaderProblem, OwnHeaders, own_headers
 from supervisor.proxy.identity import loggable
 from supervisor.service.logs import MalformedRequests
+
+
+CHILDREN = ("gpu", "cpu")
+
+
+def read(**headers: str) -> OwnHeaders | HeaderProblem:
+    return own_headers(CIMultiDict((k.replace("_", "-"), v) for k, v in headers.items()),
+                       CHILDREN)
+
+
+@pytest.mark.parametrize("headers,expected", [
+    ({}, OwnHeaders()),
+    ({"X_Spillway_Child": " GPU "}, OwnHeaders(pin="gpu")),
+    ({"X_Spillway_Child": ""}, OwnHeaders()),  # empty: not given
+    ({"X_Spillway_Replay": "Never"}, OwnHeaders(replay=False)),
+    ({"X_Spillway_Deadline": "2.5"}, OwnHeaders(deadline_s=2.5)),
+    ({"X_Spillway_Fallback": "smaller"}, OwnHeaders(fallback="smaller")),
+    ({"X_Spillway_Fallback": "NONE"}, OwnHeaders(fallback="none")),
+    # The OpenAI SDKs' timeout stands for a deadline; the smaller of the two counts.
+    ({"X_Stainless_Timeout": "600"}, OwnHeaders(deadline_s=600.0)),
+    ({"X_Stainless_Timeout": "600", "X_Spillway_Deadline": "30"}, OwnHeaders(deadline_s=30.0)),
+    # ... and is never a 400, whatever an SDK sends (the Node SDK: "0" under a second).
+    ({"X_Stainless_Timeout": "0"}, OwnHeaders()),
+    ({"X_Stainless_Timeout": "soon"}, OwnHeaders()),
+    ({"X_Stainless_Timeout": "nan", "X_Spillway_Deadline": "5"}, OwnHeaders(deadline_s=5.0)),
+    ({"X_Request_Id": "x", "X_Custom": "y"}, OwnHeaders()),  # not Spillway's: not read here
+])
+def test_good_own_headers_are_read(headers: dict[str, str], expected: OwnHeaders) -> None:
+    assert read(**headers) == expected
+
+
+@pytest.mark.parametrize("headers,header,words", [
+    ({"X_Spillway_Child": "tpu"}, "X-Spillway-Child", 'must name a child: "gpu" or "cpu"'),
+    ({"X_Spillway_Replay": "nevr"}, "X-Spillway-Replay", 'must be "never"'),
+    ({"X_Spillway_Replay": "always"}, "X-Spillway-Replay", 'must be "never"'),
+    ({"X_Spillway_Deadline": "30s"}, "X-Spillway-Deadline", "a number over 0"),
+    ({"X_Spillway_Deadline": "0"}, "X-Spillway-Deadline", "a number over 0"),
+    ({"X_Spillway_Deadline": "-5"}, "X-Spillway-Deadline", "a number over 0"),
+    ({"X_Spillway_Deadline": "inf"}, "X-Spillway-Deadline", "a number over 0"),
+    ({"X_Spillway_Deadline": "nan"}, "X-Spillway-Deadline", "a number over 0"),
+    ({"X_Spillway_Fallback": "bigger"}, "X-Spillway-Fallback", 'must be "smaller"'),
+    ({"X_Spillway_Fallbak": "smaller"}, "X-Spillway-Fallbak", "not a header Spillway reads"),
+])
+def test_a_bad_own_header_is_a_problem_naming_it(headers: dict[str, str], header: str,
+                                                 words: str) -> None:
+    found = read(**headers)
+    assert isinstance(found, HeaderProblem), found
+    assert found.header == header and words in found.message, found
+
+
+def test_an_own_header_twice_is_refused_only_when_the_values_differ() -> None:
+    same = CIMultiDict([("X-Spillway-Deadline", "5"), ("X-Spillway-Deadline", " 5 ")])
+    assert own_headers(same, CHILDREN) == OwnHeaders(deadline_s=5.0)
+    differ = CIMultiDict([("X-Spillway-Replay", "never"), ("X-Spillway-Replay", "sometimes")])
+    found = own_headers(differ, CHILDREN)
+    assert isinstance(found, HeaderProblem) and "more than once" in found.message
 
 
 def nested(depth: int) -> bytes:

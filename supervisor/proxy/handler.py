@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +37,7 @@ from .continued import ContinuedStream
 from ..vocabulary import Attempt, AttemptFailure
 from .outcomes import Answered, AttemptResult, Broken, Interrupted, ending
 from .forward import Forwarder, RequestCtx
+from .headers import HeaderProblem, own_headers
 from .identity import loggable, request_id_of
 
 log = logging.getLogger("spillway.proxy")
@@ -46,23 +46,6 @@ CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
 # Headers of a stored answer that a replay from the store repeats.
 _STORED_HEADERS = ("Content-Type", "X-Spillway-Child", "X-Spillway-Attempts",
                    "X-Spillway-Failover")
-
-
-def client_deadline(headers: Mapping[str, str]) -> float | None:
-    """Seconds the client will wait: X-Spillway-Deadline, or the OpenAI SDKs' own
-    X-Stainless-Timeout; the smaller when both are given."""
-    found = []
-    for name in ("X-Spillway-Deadline", "X-Stainless-Timeout"):
-        value = headers.get(name)
-        if value is None:
-            continue
-        try:
-            seconds = float(value)
-        except ValueError:
-            continue
-        if math.isfinite(seconds) and seconds > 0:
-            found.append(seconds)
-    return min(found) if found else None
 
 
 @dataclass
@@ -136,7 +119,12 @@ class ProxyHandler:
         rid = request_id_of(request)
         route = classify_route(request.path)
         started = time.monotonic()
-        # 2. Bad input is answered before any child sees it.
+        # 2. Bad input is answered before any child sees it: Spillway's own headers (before
+        # the body is read), then the body.
+        own = own_headers(request.headers, self.pools.main.roles)
+        if isinstance(own, HeaderProblem):
+            return self._early(None, request, rid, "bad_request", errors.invalid_request(
+                400, own.message, rid, param=own.header))
         timeout_s = self.settings.body_timeout_s
         try:
             body = await read_body(request, self.settings.max_body_bytes, timeout_s)
@@ -155,7 +143,7 @@ class ProxyHandler:
             path_qs=request.raw_path, route=route, body=body, payload=payload,
             stream=bool(payload.get("stream")) if payload else False,
             client_headers=request.headers, received=started,
-            trusted=request.get(AUTHENTICATED, True),
+            trusted=request.get(AUTHENTICATED, True), own=own,
         )
         if ctx.stream and self.settings.continue_streams and self.settings.replay and \
                 len(body) <= self.settings.max_replay_body_bytes and \
@@ -163,14 +151,8 @@ class ProxyHandler:
             # A stream that may go on from the other child if its own dies after bytes: what
             # the client receives of it is followed.
             ctx.follow = continuation.Transcript(continuation.route_kind(ctx.path) or "chat")
-        fallback = request.headers.get("X-Spillway-Fallback", "").strip().lower()
-        if fallback not in FALLBACKS:
-            return self._early(ctx, request, rid, "bad_request", errors.invalid_request(
-                400, "X-Spillway-Fallback must be \"smaller\" (a smaller model may answer "
-                     "when the GPU child cannot) or \"none\"", rid,
-                param="X-Spillway-Fallback"))
         ctx.smaller_ok = route is RouteClass.GENERATION and payload is not None and (
-            fallback == "smaller" or (fallback == "" and self.settings.smaller_for_all))
+            own.fallback == "smaller" or (own.fallback == "" and self.settings.smaller_for_all))
         conversation = request.headers.get("X-Conversation-Id") if ctx.stream else None
         if conversation is not None:
             if not 0 < len(conversation) <= MAX_CONVERSATION_ID:
@@ -323,7 +305,7 @@ class ProxyHandler:
         return self.pools.for_model(ctx.model, ctx.path)[1]
 
     def _deadline_left(self, ctx: RequestCtx) -> float | None:
-        deadline = client_deadline(ctx.client_headers)
+        deadline = ctx.own.deadline_s
         return None if deadline is None else deadline - (time.monotonic() - ctx.received)
 
     async def _serve(self, request: web.Request, ctx: RequestCtx,
@@ -333,7 +315,7 @@ class ProxyHandler:
         pool = self._pool(ctx)
         if ctx.route is not RouteClass.GENERATION:
             # Outside the caps: the GPU child when ready, else the CPU child, or the pinned one.
-            pin = request.headers.get("X-Spillway-Child", "").strip().lower() or None
+            pin = ctx.own.pin
             got = pool.passthrough(pin)
             if isinstance(got, admission.Decision) and ctx.model is not None:
                 # Its model is loaded nowhere: the router answers for it.
@@ -652,14 +634,9 @@ def _outcome(ctx: RequestCtx, status: int, broken: bool) -> str:
     return "client_error" if status < 500 else "failed"
 
 
-# X-Spillway-Fallback's values: "smaller" accepts a smaller model's answer, "none" refuses
-# one even where small.requests = "all", "" (not given) is the config's choice.
-FALLBACKS = ("", "smaller", "none")
-
-
 def _opted_out(ctx: RequestCtx) -> bool:
     """X-Spillway-Replay: never: the client would rather have an error than a replay."""
-    return ctx.client_headers.get("X-Spillway-Replay", "").strip().lower() == "never"
+    return not ctx.own.replay
 
 
 def _tokens(attempt: Attempt | None) -> int:

@@ -1,8 +1,11 @@
-"""Which headers cross the proxy, in each direction."""
+"""Which headers cross the proxy, in each direction; and Spillway's own request headers, read
+by one rule."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
@@ -76,3 +79,95 @@ def downstream_headers(upstream: CIMultiDictProxy[str],
         out[name] = value
     return out
 
+
+# --- Spillway's own request headers -----------------------------------------------------------
+#
+# One rule for all of them: absent (or empty) is "not given"; any other value must be one the
+# header takes, case and surrounding spaces aside, else the request is a 400 naming the header,
+# before its body is read. Silently ignored, a mistyped `X-Spillway-Replay: nevr` would be
+# replayed, and a `X-Spillway-Deadline: 30s` would wait past the client. A name in Spillway's
+# namespace that it does not read (`X-Spillway-Fallbak`) is refused the same way. The same
+# header twice with different values is ambiguous, and refused.
+#
+# X-Stainless-Timeout is not Spillway's: the OpenAI SDKs send it on every request, so it is a
+# deadline when it holds a usable one (a number of seconds over 0) and ignored otherwise, never
+# a 400 (the Node SDK sends "0" for a timeout under a second).
+
+CHILD = "X-Spillway-Child"  # a child's name: routes outside generation go to it
+REPLAY = "X-Spillway-Replay"  # "never": not replayed on another child
+DEADLINE = "X-Spillway-Deadline"  # the seconds the client will wait
+FALLBACK = "X-Spillway-Fallback"  # "smaller" (a smaller model may answer) or "none"
+SDK_TIMEOUT = "X-Stainless-Timeout"
+OWN_REQUEST_HEADERS = (CHILD, REPLAY, DEADLINE, FALLBACK)
+_OWN = frozenset(h.lower() for h in OWN_REQUEST_HEADERS)
+# X-Spillway-Fallback's values: "smaller" accepts a smaller model's answer, "none" refuses one
+# even where small.requests = "all", "" (not given) is the config's choice.
+FALLBACKS = ("smaller", "none")
+
+
+@dataclass(frozen=True)
+class OwnHeaders:
+    """What a request's own headers ask of Spillway."""
+
+    pin: str | None = None  # X-Spillway-Child (routes outside generation only)
+    replay: bool = True  # False: X-Spillway-Replay: never
+    deadline_s: float | None = None  # X-Spillway-Deadline or X-Stainless-Timeout; the smaller
+    fallback: str = ""  # X-Spillway-Fallback: "smaller", "none", or "" (not given)
+
+
+@dataclass(frozen=True)
+class HeaderProblem:
+    header: str
+    message: str
+
+
+def own_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str],
+                children: Collection[str]) -> OwnHeaders | HeaderProblem:
+    """The request's own headers read, or the first one that says what Spillway does not
+    know. `children`: the names X-Spillway-Child may pin."""
+    for name in headers:
+        low = name.lower()
+        if low.startswith("x-spillway-") and low not in _OWN:
+            return HeaderProblem(name, f"{name} is not a header Spillway reads; it reads "
+                                       f"{', '.join(OWN_REQUEST_HEADERS)}")
+    values: dict[str, str] = {}
+    for name in OWN_REQUEST_HEADERS:
+        given = {v.strip().lower() for v in headers.getall(name, ())} - {""}
+        if len(given) > 1:
+            return HeaderProblem(name, f"{name} is given more than once, with different values")
+        if given:
+            values[name] = given.pop()
+    child = values.get(CHILD)
+    if child is not None and child not in children:
+        return HeaderProblem(CHILD, f"{CHILD} must name a child: "
+                                    f"{' or '.join(_quoted(children))}")
+    if values.get(REPLAY, "never") != "never":
+        return HeaderProblem(REPLAY, f'{REPLAY} must be "never" (the request is not replayed '
+                                     "on another child)")
+    fallback = values.get(FALLBACK, "")
+    if fallback and fallback not in FALLBACKS:
+        return HeaderProblem(FALLBACK, f'{FALLBACK} must be "smaller" (a smaller model may '
+                                       'answer when the GPU child cannot) or "none"')
+    deadline = _seconds(values.get(DEADLINE))
+    if DEADLINE in values and deadline is None:
+        return HeaderProblem(DEADLINE, f"{DEADLINE} must be the seconds the client will wait, "
+                                       "a number over 0")
+    sdk = _seconds(headers.get(SDK_TIMEOUT))
+    deadlines = [s for s in (deadline, sdk) if s is not None]
+    return OwnHeaders(pin=child, replay=REPLAY not in values,
+                      deadline_s=min(deadlines) if deadlines else None, fallback=fallback)
+
+
+def _seconds(text: str | None) -> float | None:
+    """A number of seconds over 0, or None."""
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        return None
+    return seconds if math.isfinite(seconds) and seconds > 0 else None
+
+
+def _quoted(names: Iterable[str]) -> list[str]:
+    return [f'"{n}"' for n in names]
