@@ -17,8 +17,8 @@ from multidict import CIMultiDict
 from supervisor.proxy.bodies import MAX_JSON_DEPTH, parse_json_object
 from supervisor.proxy.headers import HeaderProblem, OwnHeaders, own_headers
 from supervisor.proxy.identity import loggable
+from supervisor.service.drill_window import Arm, read_arm
 from supervisor.service.logs import MalformedRequests
-
 
 CHILDREN = ("gpu", "cpu")
 
@@ -97,6 +97,39 @@ def test_a_body_is_a_json_object_no_deeper_than_the_limit(body: bytes,
         assert found is None and parsed == json.loads(body)
     else:
         assert found is not None and problem in found and parsed is None
+
+
+@pytest.mark.parametrize("body,expected", [
+    ({}, Arm()),
+    ({"disarm": True}, Arm(disarm=True)),
+    ({"disarm": False}, Arm()),
+    ({"now": True}, Arm(now=True)),
+    ({"model": "alpha"}, Arm(model="alpha")),
+    ({"model": "alpha", "when": "neighbour_load"}, Arm(model="alpha", when="neighbour_load")),
+    ({"model": "alpha", "now": True}, Arm(model="alpha", now=True)),
+    ({"model": None}, Arm()),
+])
+def test_a_well_formed_arm_is_read(body: object, expected: Arm) -> None:
+    assert read_arm(body) == expected
+
+
+@pytest.mark.parametrize("body,words", [
+    ([], "must be a JSON object"),
+    ("arm", "must be a JSON object"),
+    ({"disarm": "true"}, 'disarm must be true or false, not "true"'),
+    ({"disarm": 1}, "disarm must be true or false, not 1"),
+    ({"now": "yes"}, "now must be true or false"),
+    ({"disarn": True}, "not 'disarn'"),
+    ({"model": 7}, "model must be a model's name"),
+    ({"model": ""}, "model must be a model's name"),
+    ({"model": "alpha", "when": "later"}, "when must be 'task'"),
+    ({"when": "task"}, "when goes with model"),
+    ({"model": "alpha", "now": True, "when": "task"}, "not with now"),
+    ({"now": True, "disarm": True}, "ask for two things"),
+])
+def test_anything_but_a_well_formed_arm_is_refused(body: object, words: str) -> None:
+    found = read_arm(body)
+    assert isinstance(found, str) and words in found, found
 
 
 SECRET = "sk-the-operators-key-0123456789"
