@@ -145,7 +145,12 @@ def _logged(message: str, exc: BaseException, *args: object) -> tuple[str, int]:
     logger.addHandler(handler)
     logger.addFilter(MalformedRequests(logger))
     levels: list[int] = []
-    logger.addFilter(lambda r: levels.append(r.levelno) or True)
+
+    def level_of(record: logging.LogRecord) -> bool:
+        levels.append(record.levelno)
+        return True
+
+    logger.addFilter(level_of)
     logger.exception(message, *args, exc_info=exc)
     return stream.getvalue(), levels[0]
 
