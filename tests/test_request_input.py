@@ -25,7 +25,7 @@ CHILDREN = ("gpu", "cpu")
 
 def read(**headers: str) -> OwnHeaders | HeaderProblem:
     return own_headers(CIMultiDict((k.replace("_", "-"), v) for k, v in headers.items()),
-                       CHILDREN)
+                       lambda: CHILDREN)
 
 
 @pytest.mark.parametrize("headers,expected", [
@@ -70,9 +70,9 @@ def test_a_bad_own_header_is_a_problem_naming_it(headers: dict[str, str], header
 
 def test_an_own_header_twice_is_refused_only_when_the_values_differ() -> None:
     same = CIMultiDict([("X-Spillway-Deadline", "5"), ("X-Spillway-Deadline", " 5 ")])
-    assert own_headers(same, CHILDREN) == OwnHeaders(deadline_s=5.0)
+    assert own_headers(same, lambda: CHILDREN) == OwnHeaders(deadline_s=5.0)
     differ = CIMultiDict([("X-Spillway-Replay", "never"), ("X-Spillway-Replay", "sometimes")])
-    found = own_headers(differ, CHILDREN)
+    found = own_headers(differ, lambda: CHILDREN)
     assert isinstance(found, HeaderProblem) and "more than once" in found.message
 
 

@@ -121,7 +121,7 @@ class ProxyHandler:
         started = time.monotonic()
         # 2. Bad input is answered before any child sees it: Spillway's own headers (before
         # the body is read), then the body.
-        own = own_headers(request.headers, self.pools.main.roles)
+        own = own_headers(request.headers, self._pinnable)
         if isinstance(own, HeaderProblem):
             return self._early(None, request, rid, "bad_request", errors.invalid_request(
                 400, own.message, rid, param=own.header))
@@ -299,6 +299,11 @@ class ProxyHandler:
             for episode in episodes:
                 self._record(ctx, episode, status, connected)
             self._finish(ctx, request, ctx.request_id, status, broken)
+
+    def _pinnable(self) -> list[str]:
+        """What X-Spillway-Child may name: every pool's upstreams (in router mode a model's
+        pool may hold a small one), in the config's order."""
+        return list(dict.fromkeys(name for pool in self.pools for name in pool.roles))
 
     def _pool(self, ctx: RequestCtx) -> Pool:
         """The request's pool: its model's in router mode, else the one."""
