@@ -291,8 +291,7 @@ async def test_spillways_own_headers_follow_one_rule(
         for method, path in (("POST", "/v1/chat/completions"), ("GET", "/props")):
             for name, value in (("X-Spillway-Child", "tpu"), ("X-Spillway-Replay", "nevr"),
                                 ("X-Spillway-Deadline", "30s"), ("X-Spillway-Deadline", "0"),
-                                ("X-Spillway-Fallback", "bigger"),
-                                ("X-Spillway-Replays", "never")):
+                                ("X-Spillway-Fallback", "bigger")):
                 async with http.request(method, s.url + path, json=chat,
                                         headers={name: value}) as r:
                     assert r.status == 400, (path, name, value)

@@ -86,9 +86,10 @@ def downstream_headers(upstream: CIMultiDictProxy[str],
 # One rule for all of them: absent (or empty) is "not given"; any other value must be one the
 # header takes, case and surrounding spaces aside, else the request is a 400 naming the header,
 # before its body is read. Silently ignored, a mistyped `X-Spillway-Replay: nevr` would be
-# replayed, and a `X-Spillway-Deadline: 30s` would wait past the client. A name in Spillway's
-# namespace that it does not read (`X-Spillway-Fallbak`) is refused the same way. The same
-# header twice with different values is ambiguous, and refused.
+# replayed, and a `X-Spillway-Deadline: 30s` would wait past the client. The same header twice
+# with different values is ambiguous, and refused. Other names that start with X-Spillway- are
+# not Spillway's to refuse: a load balancer in front sets its own (examples/haproxy.cfg routes
+# by X-Spillway-Route), and they pass as any header.
 #
 # X-Stainless-Timeout is not Spillway's: the OpenAI SDKs send it on every request, so it is a
 # deadline when it holds a usable one (a number of seconds over 0) and ignored otherwise, never
@@ -100,7 +101,6 @@ DEADLINE = "X-Spillway-Deadline"  # the seconds the client will wait
 FALLBACK = "X-Spillway-Fallback"  # "smaller" (a smaller model may answer) or "none"
 SDK_TIMEOUT = "X-Stainless-Timeout"
 OWN_REQUEST_HEADERS = (CHILD, REPLAY, DEADLINE, FALLBACK)
-_OWN = frozenset(h.lower() for h in OWN_REQUEST_HEADERS)
 # X-Spillway-Fallback's values: "smaller" accepts a smaller model's answer, "none" refuses one
 # even where small.requests = "all", "" (not given) is the config's choice.
 FALLBACKS = ("smaller", "none")
@@ -126,14 +126,8 @@ def own_headers(headers: CIMultiDictProxy[str] | CIMultiDict[str],
                 children: Callable[[], Collection[str]]) -> OwnHeaders | HeaderProblem:
     """The request's own headers read, or the first one that says what Spillway does not
     know. `children()`: the names X-Spillway-Child may pin (asked only when it is given)."""
-    # On every request: most say none of them (one pass in C over the names, not a loop).
-    if "x-spillway-" not in "\n".join(headers.keys()).lower():
-        return _sdk_only(headers.get(SDK_TIMEOUT))
-    for name in headers:
-        low = name.lower()
-        if low.startswith("x-spillway-") and low not in _OWN:
-            return HeaderProblem(name, f"{name} is not a header Spillway reads; it reads "
-                                       f"{', '.join(OWN_REQUEST_HEADERS)}")
+    if not any(name in headers for name in OWN_REQUEST_HEADERS):
+        return _sdk_only(headers.get(SDK_TIMEOUT))  # nearly every request
     values: dict[str, str] = {}
     for name in OWN_REQUEST_HEADERS:
         given = {v.strip().lower() for v in headers.getall(name, ())} - {""}
