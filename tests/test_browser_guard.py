@@ -6,6 +6,7 @@ daemon in a real browser is in test_browser_attack.py."""
 
 from __future__ import annotations
 
+import logging
 import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -405,3 +406,17 @@ async def test_an_unknown_own_route_is_a_404_typed_as_llama_servers(
     body = await resp.json()
     assert resp.status == 404 and body["error"]["type"] == "not_found_error", body
     assert body["error"]["src"] == "spillway"
+
+
+async def test_a_refusal_logs_the_path_with_its_control_characters_escaped(
+        open_app: tuple[TestClient[web.Request, web.Application], Rig],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A decoded %0d%0a in the path would otherwise end the warning and forge a line of its own."""
+    client, _ = open_app
+    with caplog.at_level(logging.WARNING, logger="spillway.browser"):
+        resp = await client.post("/spillway/gpu/pause%0d%0aFORGED%1b[2J", data="{}",
+                                 headers=EVIL)
+    assert resp.status == 403
+    [line] = [r.getMessage() for r in caplog.records if r.name == "spillway.browser"]
+    assert "/spillway/gpu/pause\\x0d\\x0aFORGED\\x1b[2J" in line
+    assert not any(c in line for c in "\r\n\x1b")

@@ -306,3 +306,58 @@ def test_a_new_key_goes_after_the_last_key_not_under_the_next_sections_comment(
     assert '[gpu.env]\nA = "1"\nB = "2"\n# the CPU child: my notes on it\n[cpu]\n' in \
         with_cpu.read_text()
     assert dict(config.load(with_cpu).gpu.env) == {"A": "1", "B": "2"}
+
+
+def test_set_api_key_puts_the_key_where_init_does_never_in_the_config(cfg_file: Path) -> None:
+    """The config is 0644 (anyone on the machine may read it); `spillway init` keeps keys out of
+    it, in the environment file beside it (mode 0600), and so does `config set`."""
+    cfg_file.chmod(0o644)
+    env_file = cfg_file.parent / "env"
+    env_file.write_text("HF_TOKEN='other-secret'\n")  # another line of the file stays
+    secret = "sk-set-from-the-command-line-42"
+    out = spillway_config("set", "server.api_key", secret, "--config", str(cfg_file))
+    assert out.returncode == 0, out.stderr
+    assert secret not in cfg_file.read_text() and secret not in out.stdout + out.stderr
+    assert config_edit.get(cfg_file, "server.api_key_env") == ('"SPILLWAY_API_KEY"', True)
+    assert env_file.read_text() == f"HF_TOKEN='other-secret'\nSPILLWAY_API_KEY='{secret}'\n"
+    assert stat.S_IMODE(env_file.stat().st_mode) == 0o600
+    assert stat.S_IMODE(cfg_file.stat().st_mode) == 0o644
+    assert f"server.api_key: in {env_file} as SPILLWAY_API_KEY (mode 0600)" in out.stdout
+    assert "takes effect when spillway restarts" in out.stdout
+    # The daemon reads it from there: the config is valid with the variable set.
+    built = config.build(tomllib.loads(cfg_file.read_text()), base_dir=cfg_file.parent,
+                         environ={"SPILLWAY_API_KEY": secret})
+    assert built.server.api_key == secret
+    # A new key replaces the old one in the file, and the config is left as it is.
+    text = cfg_file.read_text()
+    out = spillway_config("set", "server.api_key", "sk-the-next-one", "--config", str(cfg_file))
+    assert out.returncode == 0, out.stderr
+    assert cfg_file.read_text() == text and "(already)" in out.stdout
+    assert env_file.read_text().endswith("SPILLWAY_API_KEY='sk-the-next-one'\n")
+
+
+def test_set_api_key_moves_a_key_out_of_the_config_into_the_variable_it_names(
+        cfg_file: Path) -> None:
+    text = cfg_file.read_text()
+    cfg_file.write_text(text.replace('listen = "127.0.0.1:8099"',
+                                     'listen = "127.0.0.1:8099"\napi_key = "sk-in-the-file-1"'))
+    out = subprocess.run([sys.executable, "-m", "supervisor", "config", "set", "server.api_key",
+                          "-", "--config", str(cfg_file)], input="sk-from-stdin-2\n",
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr
+    assert "sk-in-the-file-1" not in cfg_file.read_text()
+    assert "is gone from it" in out.stdout
+    assert (cfg_file.parent / "env").read_text() == "SPILLWAY_API_KEY='sk-from-stdin-2'\n"
+    # A config that names its own variable keeps it.
+    cfg_file.write_text(text.replace('listen = "127.0.0.1:8099"',
+                                     'listen = "127.0.0.1:8099"\napi_key_env = "MY_KEY"'))
+    out = spillway_config("set", "server.api_key", "sk-mine-3", "--config", str(cfg_file))
+    assert out.returncode == 0, out.stderr
+    assert config_edit.get(cfg_file, "server.api_key_env") == ('"MY_KEY"', True)
+    assert (cfg_file.parent / "env").read_text().endswith("MY_KEY='sk-mine-3'\n")
+    # An empty key is refused, and nothing is written.
+    before = cfg_file.read_text()
+    out = spillway_config("set", "server.api_key", "", "--config", str(cfg_file))
+    assert out.returncode == 2 and "empty" in out.stderr
+    assert cfg_file.read_text() == before

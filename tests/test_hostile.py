@@ -4,6 +4,7 @@ refuse to misbehave."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import socket
 import subprocess
@@ -13,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import REPO, Spillway, fake_config, real_config
+from harness import REPO, Spillway, eventually, fake_config, real_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -126,6 +127,69 @@ def test_bad_requests_get_a_clear_4xx_and_reach_no_child(guarded: tuple[Spillway
         body = json.loads(response.split(b"\r\n\r\n", 1)[1])
         assert body["error"]["src"] == "spillway"
     assert child_saw(state) == before
+    still_serving(s)
+
+
+def test_a_malformed_request_costs_one_short_line_that_never_shows_the_key(
+        guarded: tuple[Spillway, Path]) -> None:
+    """aiohttp's parser refuses these before Spillway's handler sees them; it used to log each
+    as an error with a traceback quoting the raw header line, key and all."""
+    s, _ = guarded
+    key = KEY.encode()
+    for data in (
+            b"GET /props HTTP/1.1\r\nHost: x\r\nAuthorization : Bearer " + key +  # " :"
+            b"\r\nConnection: close\r\n\r\n",
+            b"GET /props HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \x01" + key +  # a control
+            b"\r\nConnection: close\r\n\r\n",
+            b"GET /props HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + key + b"k" * 20_000 +
+            b"\r\nConnection: close\r\n\r\n"):  # over the line limit
+        assert status_of(raw(s, data)) == 400
+    # A path with control characters (decoded from %1b and %0d) is passed on, and its log
+    # line shows them escaped: no terminal escape, no line forged after a carriage return.
+    assert status_of(raw(s, request("GET", "/v1/models%1b[2J%0dFORGED", b"", AUTH))) == 200
+    assert eventually(lambda: s.log_text().count("refused a malformed request") == 3 and
+                      "FORGED" in s.log_text())
+    text = s.log_text()
+    assert KEY not in text
+    assert "Traceback" not in text and "Error handling request" not in text
+    refused = [line for line in text.splitlines() if "refused a malformed request" in line]
+    assert all(len(line) < 160 and "from 127.0.0.1 (400)" in line for line in refused), refused
+    assert "\x1b" not in text and "\r" not in text
+    assert "GET /v1/models\\x1b[2J\\x0dFORGED -> gpu 200" in text
+    still_serving(s)
+
+
+def test_deep_json_and_a_body_that_is_not_its_encoding_get_an_openai_shaped_400(
+        guarded: tuple[Spillway, Path]) -> None:
+    """They used to get aiohttp's plain-text 500 (a RecursionError; the decoder's error) and a
+    traceback in the log."""
+    s, state = guarded
+    before = child_saw(state)
+    chat = "/v1/chat/completions"
+    gzip_header = {**AUTH, "Content-Encoding": "gzip"}
+    for body, headers, status, words, param in (
+            (b"[" * 1000 + b"]" * 1000, AUTH, 400, "nested more than 128 levels deep", None),
+            (b'{"a": ' * 1000 + b"1" + b"}" * 1000, AUTH, 400, "nested more than", None),
+            (json.dumps(CHAT).encode(), gzip_header, 400,
+             "not valid gzip data, as its Content-Encoding says", "Content-Encoding"),
+            # A small gzip bomb: the limit counts the decompressed bytes.
+            (gzip.compress(b'{"messages": [], "pad": "' + b" " * 2_000_000 + b'"}'),
+             gzip_header, 413, "once decompressed (Content-Encoding: gzip)", "body")):
+        response = raw(s, request("POST", chat, body, headers))
+        head, _, payload = response.partition(b"\r\n\r\n")
+        assert status_of(response) == status, response[:300]
+        assert b"Content-Type: application/json" in head
+        error = json.loads(payload)["error"]
+        assert words in error["message"], error
+        assert (error["type"], error["code"], error["param"], error["src"]) == (
+            "invalid_request_error", status, param, "spillway")
+        assert error["request_id"] and error["request_id"] in head.decode()
+    # The same on the resumable streams' lookup, which reads JSON too.
+    response = raw(s, request("POST", "/v1/streams/lookup", b"[" * 1000 + b"]" * 1000, AUTH))
+    assert status_of(response) == 400 and b"nested more than" in response
+    assert child_saw(state) == before
+    text = s.log_text()
+    assert "Traceback" not in text and "Error handling request" not in text
     still_serving(s)
 
 

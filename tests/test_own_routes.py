@@ -4,6 +4,7 @@ are covered by the functional tests; these pin the route table and the status's 
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -177,3 +178,35 @@ async def test_the_drill_arm_and_a_gpu_drain_of_a_stopped_child(
     body = await (await client.post("/spillway/gpu/drain")).json()
     assert body["message"] == "the GPU child is STOPPED; nothing to drain"
     assert body["gpu"]["state"] == "STOPPED"
+
+
+async def test_only_a_well_formed_arm_arms(tmp_path: Path) -> None:
+    """Arming kills the GPU child: a body that is not JSON, or `{"disarm": "true"}`, used to be
+    read as the plain arm. Anything but a well-formed request is a 400 that arms nothing."""
+    routes, _ = make_routes(tmp_path)
+    app = web.Application()
+    for (method, path), handler in routes.table().items():
+        app.router.add_route(method, path, handler)
+    gpu = routes.children["gpu"]
+    async with TestClient(TestServer(app)) as client:
+        token = (await (await client.post("/spillway/drill/start")).json())["drill"]
+        drill = {"X-Spillway-Drill": token}
+        for body in (b"not json", b'{"disarm": "true"}', b'{"disarn": true}', b"[]",
+                     b'{"now": 1}', b'{"when": "task"}', b" ", b"[" * 1000 + b"]" * 1000):
+            resp = await client.post("/spillway/drill/arm", data=body, headers=drill)
+            assert resp.status == 400, body
+            error = (await resp.json())["error"]
+            assert error["type"] == "invalid_request_error" and error["src"] == "spillway"
+            assert error["message"].startswith("nothing armed: "), error
+            assert gpu.armed_signal is None, body
+        # A well-formed arm arms (no body at all is the plain arm), and a disarm disarms.
+        resp = await client.post("/spillway/drill/arm", data=b"", headers=drill)
+        assert resp.status == 200 and gpu.armed_signal == signal.SIGABRT
+        resp = await client.post("/spillway/drill/arm", json={"disarm": True}, headers=drill)
+        assert (await resp.json())["armed"] is False and gpu.armed_signal is None
+        resp = await client.post("/spillway/drill/arm", json={}, headers=drill)
+        assert resp.status == 200 and gpu.armed_signal == signal.SIGABRT
+        # A bad request after an arm leaves what was armed as it was.
+        resp = await client.post("/spillway/drill/arm", data=b'{"disarm": "yes"}',
+                                 headers=drill)
+        assert resp.status == 400 and gpu.armed_signal == signal.SIGABRT

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +252,60 @@ async def test_status_reports_children_as_the_contract_says(
     assert status["gpu"] is None  # no driver on this machine
     assert "NVML" in status["gpu_note"]
 
+
+
+async def test_a_compressed_body_is_forwarded_decompressed_without_its_content_encoding(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, state_file: Path) -> None:
+    """What admission parsed and a replay would send again is what the child gets: the body
+    decompressed, and no Content-Encoding (the pinned llama-server, built without zlib, answers
+    415 to a compressed body). It used to get the decompressed body with the client's
+    `Content-Encoding: gzip`, which it could not read."""
+    s = spillway(fake_config(fake_server, tiny_model,
+                             gpu={"env": {"FAKE_STATE_FILE": str(state_file)}}))
+    chat = json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode()
+    async with aiohttp.ClientSession(auto_decompress=False) as http:
+        async with http.post(f"{s.url}/v1/chat/completions", data=gzip.compress(chat),
+                             headers={"Content-Encoding": "gzip",
+                                      "Content-Type": "application/json"}) as r:
+            assert r.status == 200, await r.text()
+            assert (await r.json())["choices"]
+        # A route outside generation, whose body Spillway does not parse: the same.
+        async with http.post(f"{s.url}/tokenize", data=zlib.compress(b'{"content": "hi"}'),
+                             headers={"Content-Encoding": "Deflate"}) as r:
+            assert r.status == 200
+            echo = await r.json()
+    assert echo["body"] == '{"content": "hi"}'
+    forwarded = [{k.lower() for k in r["headers"]} for r in generation_requests(state_file)]
+    assert len(forwarded) == 2 and all("content-encoding" not in h for h in forwarded)
+
+
+async def test_spillways_own_headers_follow_one_rule(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, state_file: Path) -> None:
+    """A value Spillway does not know, in any of its request headers, is a 400 naming the
+    header, before any child sees the request (X-Spillway-Child, -Replay and -Deadline used to
+    be ignored); the OpenAI SDKs' X-Stainless-Timeout never is."""
+    s = spillway(fake_config(fake_server, tiny_model,
+                             gpu={"env": {"FAKE_STATE_FILE": str(state_file)}}))
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    async with aiohttp.ClientSession() as http:
+        for method, path in (("POST", "/v1/chat/completions"), ("GET", "/props")):
+            for name, value in (("X-Spillway-Child", "tpu"), ("X-Spillway-Replay", "nevr"),
+                                ("X-Spillway-Deadline", "30s"), ("X-Spillway-Deadline", "0"),
+                                ("X-Spillway-Fallback", "bigger")):
+                async with http.request(method, s.url + path, json=chat,
+                                        headers={name: value}) as r:
+                    assert r.status == 400, (path, name, value)
+                    err = (await r.json())["error"]
+                    assert (err["type"], err["param"], err["src"]) == (
+                        "invalid_request_error", name, "spillway"), err
+                    assert name in err["message"] and err["request_id"] == \
+                        r.headers["X-Request-Id"]
+        assert generation_requests(state_file) == []
+        for headers in ({"X-Stainless-Timeout": "0"}, {"X-Stainless-Timeout": "soon"},
+                        {"X-Spillway-Replay": "NEVER", "X-Spillway-Deadline": "30",
+                         "X-Spillway-Child": "cpu", "X-Spillway-Fallback": "none"}):
+            async with http.post(f"{s.url}/v1/chat/completions", json=chat,
+                                 headers=headers) as r:
+                assert r.status == 200, headers
+        async with http.get(f"{s.url}/props", headers={"X-Spillway-Child": " CPU "}) as r:
+            assert r.status == 200 and r.headers["X-Spillway-Child"] == "cpu"

@@ -181,8 +181,18 @@ async def test_a_new_stream_of_the_conversation_stops_the_old_one(
 
 async def test_the_streams_routes_refuse_bad_input_as_llama_server_does(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
-    s = spillway(fake_config(fake_server, tiny_model,
+    s = spillway(fake_config(fake_server, tiny_model, server={"body_timeout_s": 1},
                              streams={"buffer_mib": 0.0002}))  # 209 bytes
+    # A lookup whose Content-Length no body follows: server.body_timeout_s holds here too (it
+    # used to be held open for as long as the client kept the connection).
+    reader, writer = await asyncio.open_connection("127.0.0.1", s.port)
+    writer.write(b"POST /v1/streams/lookup HTTP/1.1\r\nHost: x\r\nContent-Length: 50\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 20)
+    answer = json.loads(await reader.readexactly(
+        int(head.split(b"Content-Length: ")[1].split(b"\r\n")[0])))
+    writer.close()
+    assert head.startswith(b"HTTP/1.1 408 ") and b"Connection: close" in head
+    assert "server.body_timeout_s" in answer["error"]["message"]
     async with aiohttp.ClientSession() as http:
         for method, path, status, message in (
                 ("GET", "/v1/stream", 400, "Missing conversation id in path"),

@@ -136,14 +136,7 @@ def test_an_instance_is_a_request_of_its_own(instance: Any, sent: Dispatch | Ref
      Refused("instances array exceeds maximum size of 128")),
 ])
 def test_the_predict_body(body: bytes, found: list[Any] | Refused) -> None:
-    assert vertex.instances(body) == found
-
-
-def test_a_body_that_is_not_json_is_refused_in_the_parsers_words() -> None:
-    found = vertex.instances(b"nope")
-    assert isinstance(found, Refused) and found.message.startswith(
-        "the request body is not valid JSON: ")
-    assert isinstance(vertex.instances(b"\xff"), Refused)
+    assert vertex.instances(json.loads(body)) == found
 
 
 def test_an_answer_is_a_prediction() -> None:
@@ -310,6 +303,9 @@ def test_each_instance_goes_through_spillway_as_a_request_of_its_own(
     (b'{"instances": {}}', "request body must include an array field named instances"),
     (json.dumps({"instances": [{}] * 129}).encode(),
      "instances array exceeds maximum size of 128"),
+    (b'{"instances": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+     "the request body is nested more than 128 levels deep"),
+    (b"\xff", "the request body is not valid JSON"),
 ])
 def test_a_prediction_spillway_cannot_run_is_a_400(fake_vertex: tuple[Spillway, int, Path],
                                                     body: bytes, words: str) -> None:

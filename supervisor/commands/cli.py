@@ -507,6 +507,8 @@ def cmd_config(args: argparse.Namespace) -> int:
         if args.action == "set" and args.value is None:
             print("spillway config set KEY VALUE: give the value", file=sys.stderr)
             return EXIT_CONFIG
+        if args.action == "set" and args.key in config_edit.SECRET_KEYS:
+            return _set_secret(path, args.key, args.value)
         change = config_edit.edit(path, args.key, args.value if args.action == "set" else None)
     except config.ConfigError as e:
         _print_problems(e)
@@ -520,6 +522,39 @@ def cmd_config(args: argparse.Namespace) -> int:
         print(f"spillway config: cannot write {path}: {e}", file=sys.stderr)
         return EXIT_FAIL
     _report_change(path, change)
+    return EXIT_OK
+
+
+def _set_secret(path: Path, key: str, value: str) -> int:
+    """`config set server.api_key K`: K goes where `spillway init` puts it, the environment
+    file beside the config (mode 0600), never into the config, which others may read; `-`
+    reads K from stdin, so that it is not in `ps` or the shell's history either."""
+    from .init import envfile
+    from .init.source import InitError
+
+    env_path = envfile.beside(path)
+    if value == "-":
+        value = sys.stdin.readline().strip()
+    try:
+        change = config_edit.set_secret(
+            path, key, value, lambda name, v: envfile.write(env_path, {name: v}, force=True))
+    except (InitError, OSError) as e:
+        print(f"spillway config: {key}: cannot write {env_path}: {e}; nothing was changed",
+              file=sys.stderr)
+        return EXIT_FAIL
+    names = change.names
+    print(f"{key}: in {env_path} as {change.variable} (mode 0600), not in {path}, which "
+          "others on this machine may read")
+    print(f"  {names.key} = {names.after}" + (
+        " (already)" if names.unchanged else f" (was {names.before or 'not set'})") +
+          (f"; the key that was in {path} is gone from it" if change.removed else ""))
+    print(f"  it takes effect when spillway restarts with {change.variable} set: "
+          + ("the shipped systemd unit reads /etc/spillway/env (systemctl restart spillway)"
+             if env_path == Path("/etc/spillway/env") else
+             f"by hand, set -a; . {shlex.quote(str(env_path))}; set +a; before spillway run "
+             "(the shipped systemd unit reads /etc/spillway/env: move it there)"))
+    for p in names.already_wrong:
+        print(f"  warning, already in the file: {p}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -634,7 +669,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("key", help="section.name, e.g. queue.max_waiting or gpu.env.NAME")
     p.add_argument("value", nargs="?", default=None,
                    help="for set: a TOML value (7, true, \"hot\", [\"-ngl\", \"99\"]); a bare "
-                        "word for a string key")
+                        "word for a string key. server.api_key goes to the env file beside "
+                        "the config, as init puts it (- reads it from stdin)")
     p.add_argument("--config", "-c", default=None,
                    help=f"the file (default: $SPILLWAY_CONFIG, ./{client.LOCAL_CONFIG}, "
                         f"{client.DEFAULT_CONFIG}, or the quickstart's)")

@@ -8,12 +8,18 @@ old), so the daemon's watcher reloads either the old file or the new one, never 
 Validation compares the problems of the file before and after the edit: an edit is refused
 for what it breaks, not for what was already wrong or for what only the daemon's environment
 provides (an `api_key_env` variable set by systemd's EnvironmentFile and not in this shell).
+
+A secret (`server.api_key`) is never written into the file, which anyone on the machine may
+read: `set_secret` puts it where `spillway init` does, in an environment file (mode 0600), and
+the file names its variable (`server.api_key_env`).
 """
 
 from __future__ import annotations
 
+import os
 import re
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,14 +254,16 @@ def _placed(text: str, key: KeyPath, value: Any, appended: str) -> str:
     return placed if same else appended
 
 
-def problems_of(text: str, path: Path) -> list[config.Problem]:
-    """What the daemon would refuse in this text, read as the file at `path`."""
+def problems_of(text: str, path: Path,
+                environ: Mapping[str, str] | None = None) -> list[config.Problem]:
+    """What the daemon would refuse in this text, read as the file at `path` (with `environ`,
+    else this process's environment)."""
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         return [config.Problem("", f"not valid TOML: {e}")]
     try:
-        config.build(raw, source=str(path), base_dir=path.resolve().parent)
+        config.build(raw, source=str(path), base_dir=path.resolve().parent, environ=environ)
     except config.ConfigError as e:
         return e.problems
     return []
@@ -294,3 +302,55 @@ def edit(path: Path, key_text: str, value_text: str | None) -> Change:
     if not change.unchanged:
         write_atomically(path, after_text)  # with the old file's mode and owner
     return change
+
+
+# A key whose value is a secret -> the key that names the environment variable holding it.
+SECRET_KEYS = {"server.api_key": "server.api_key_env"}
+# The variable a key goes to when the file names none yet: init's (and the shipped unit's).
+KEY_VARIABLE = "SPILLWAY_API_KEY"
+
+
+@dataclass(frozen=True)
+class SecretChange:
+    key: str  # the secret's key, e.g. server.api_key
+    variable: str  # the environment variable that holds it now
+    names: Change  # the key that names the variable (server.api_key_env), as changed
+    removed: bool  # the file held the secret itself, and no longer does
+
+
+def set_secret(path: Path, key_text: str, value: str,
+               keep: Callable[[str, str], object]) -> SecretChange:
+    """Set a secret key (SECRET_KEYS) as `spillway init` does: `keep(variable, value)` puts the
+    value in the environment file, and the config names the variable (the one it names
+    already, else KEY_VARIABLE) and holds no value of its own. Validated (with the variable
+    set) before anything is written; the environment file first, then the config."""
+    key = parse_key(key_text)
+    if str(key) not in SECRET_KEYS:
+        raise EditError(f"{key}: is not a secret; set it with `config set`")
+    if not value:
+        raise EditError(f"{key}: is empty; `config unset {key}` runs without it")
+    names = parse_key(SECRET_KEYS[str(key)])
+    path = path.resolve()
+    doc = read(path)
+    before_text = doc.as_string()
+    named, named_set = _lookup(doc, names)
+    variable = named if named_set and isinstance(named, str) and named else KEY_VARIABLE
+    removed = _lookup(doc, key)[1]
+    added = key.section not in doc
+    _apply(doc, key, None)
+    _apply(doc, names, variable)
+    after_text = doc.as_string()
+    if added:
+        after_text = _placed(before_text, names, variable, after_text)
+    old_problems = problems_of(before_text, path)
+    new_problems = [p for p in problems_of(after_text, path, {**os.environ, variable: value})
+                    if p not in old_problems]
+    if new_problems:
+        raise EditError(f"{path}: {key} would make the config invalid; nothing was written",
+                        new_problems)
+    keep(variable, value)
+    if after_text != before_text:
+        write_atomically(path, after_text)  # with the old file's mode and owner
+    return SecretChange(str(key), variable, Change(
+        str(names), render(named) if named_set else None, render(variable),
+        after_text == before_text, old_problems), removed)

@@ -148,12 +148,9 @@ class Refused:
     message: str
 
 
-def instances(body: bytes) -> list[Any] | Refused:
-    """The predict body's instances, or why the whole request is refused (400)."""
-    try:
-        data = json.loads(body)
-    except ValueError as e:
-        return Refused(f"the request body is not valid JSON: {e}")  # the parser's words
+def instances(data: Any) -> list[Any] | Refused:
+    """The predict body's instances (the body parsed, proxy/bodies.py: its depth limited), or
+    why the whole request is refused (400)."""
     if not isinstance(data, dict):
         return Refused("request body must be a JSON object")
     found = data.get("instances")

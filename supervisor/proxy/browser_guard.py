@@ -17,7 +17,7 @@ from aiohttp import web
 
 from ..policy import browser
 from . import errors
-from .identity import request_id_of
+from .identity import loggable, request_id_of
 
 log = logging.getLogger("spillway.browser")
 
@@ -70,7 +70,7 @@ def browser_guard(rules: Callable[[], browser.BrowserRules],
         if refusal is None:
             return None
         log.warning("refused %s %s: %s (Host %r, Origin %r, Sec-Fetch-Site %r)",
-                    request.method, request.path, refusal.reason, headers.get("Host"),
+                    request.method, loggable(request.path), refusal.reason, headers.get("Host"),
                     headers.get("Origin"), headers.get("Sec-Fetch-Site"))
         if on_refused is not None:
             on_refused(refusal.reason)

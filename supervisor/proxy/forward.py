@@ -46,7 +46,7 @@ from .connections import (
 from ..records.stream_sessions import StreamSession
 from .continued import ContinuedStream
 from .errors import sse_error_event
-from .headers import downstream_headers, upstream_headers
+from .headers import OwnHeaders, downstream_headers, upstream_headers
 from .tee import TeeResponse
 
 log = logging.getLogger("spillway.proxy")
@@ -77,6 +77,7 @@ class RequestCtx:
     client_headers: CIMultiDictProxy[str]
     received: float = field(default_factory=time.monotonic)
     trusted: bool = True  # passed Spillway's key check: the child's key goes along
+    own: OwnHeaders = field(default_factory=OwnHeaders)  # what its X-Spillway-* headers ask
     attempts: list[Attempt] = field(default_factory=list)
     failover_kind: str | None = None  # the failure its replay answers, once replayed
     waited_s: float | None = None  # time spent in the waiting line, when admitted

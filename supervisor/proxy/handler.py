@@ -12,9 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,11 +31,14 @@ from ..policy import admission, continuation, estimate, prompts, replay
 from ..policy.routes import RouteClass, classify_route, route_label
 from . import errors, tokens
 from .auth import AUTHENTICATED, presented_key
+from .bodies import BodyTimeout, BodyTooLarge, BodyUnreadable, parse_json_object, read_body, \
+    refusal
 from .continued import ContinuedStream
 from ..vocabulary import Attempt, AttemptFailure
 from .outcomes import Answered, AttemptResult, Broken, Interrupted, ending
 from .forward import Forwarder, RequestCtx
-from .identity import request_id_of
+from .headers import HeaderProblem, own_headers
+from .identity import loggable, request_id_of
 
 log = logging.getLogger("spillway.proxy")
 
@@ -44,60 +46,6 @@ CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
 # Headers of a stored answer that a replay from the store repeats.
 _STORED_HEADERS = ("Content-Type", "X-Spillway-Child", "X-Spillway-Attempts",
                    "X-Spillway-Failover")
-
-
-class BodyTimeout(Exception):
-    pass
-
-
-class BodyTooLarge(Exception):
-    def __init__(self, size: int | None, limit: int) -> None:
-        self.size = size
-        self.limit = limit
-
-
-async def read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
-    """The whole body, refusing (before reading it) one that announces more than `limit`, and
-    giving up on a client that trickles it (no byte for `timeout_s`)."""
-    length = request.content_length
-    if length is not None and length > limit:
-        raise BodyTooLarge(length, limit)
-    content = request.content
-    if length is not None and content.is_eof():
-        # The whole body already arrived with the headers (the usual case): no waiting.
-        return content.read_nowait()
-    chunks = []
-    size = 0
-    while True:
-        try:
-            async with asyncio.timeout(timeout_s):
-                chunk = await request.content.readany()
-        except TimeoutError as e:
-            raise BodyTimeout() from e
-        if not chunk:
-            break
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge(None, limit)
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def client_deadline(headers: Mapping[str, str]) -> float | None:
-    """Seconds the client will wait: X-Spillway-Deadline, or the OpenAI SDKs' own
-    X-Stainless-Timeout; the smaller when both are given."""
-    found = []
-    for name in ("X-Spillway-Deadline", "X-Stainless-Timeout"):
-        value = headers.get(name)
-        if value is None:
-            continue
-        try:
-            seconds = float(value)
-        except ValueError:
-            continue
-        if math.isfinite(seconds) and seconds > 0:
-            found.append(seconds)
-    return min(found) if found else None
 
 
 @dataclass
@@ -171,24 +119,22 @@ class ProxyHandler:
         rid = request_id_of(request)
         route = classify_route(request.path)
         started = time.monotonic()
-        # 2. Bad input is answered before any child sees it.
+        # 2. Bad input is answered before any child sees it: Spillway's own headers (before
+        # the body is read), then the body.
+        own = own_headers(request.headers, self._pinnable)
+        if isinstance(own, HeaderProblem):
+            return self._early(None, request, rid, "bad_request", errors.invalid_request(
+                400, own.message, rid, param=own.header))
+        timeout_s = self.settings.body_timeout_s
         try:
-            body = await read_body(request, self.settings.max_body_bytes,
-                                   self.settings.body_timeout_s)
-        except BodyTimeout:
-            response = errors.invalid_request(
-                408, f"no byte of the request body for {self.settings.body_timeout_s:.0f} s "
-                     "(server.body_timeout_s)", rid)
-            response.force_close()
-            return self._early(None, request, rid, "body_timeout", response)
-        except BodyTooLarge as e:
-            size = f"{e.size} bytes" if e.size is not None else "more than that"
-            return self._early(None, request, rid, "body_too_large", errors.invalid_request(
-                413, f"request body is {size}; the limit is {e.limit} bytes "
-                     "(server.max_body_mib)", rid, param="body"))
+            body = await read_body(request, self.settings.max_body_bytes, timeout_s)
+        except (BodyTimeout, BodyTooLarge, BodyUnreadable) as e:
+            cause = "body_timeout" if isinstance(e, BodyTimeout) else \
+                "body_too_large" if isinstance(e, BodyTooLarge) else "bad_request"
+            return self._early(None, request, rid, cause, refusal(e, rid, timeout_s))
         payload: dict[str, Any] | None = None
         if route is RouteClass.GENERATION and request.method == "POST":
-            problem, payload = _parse_json_object(body)
+            problem, payload = parse_json_object(body)
             if problem is not None:
                 return self._early(None, request, rid, "bad_request",
                                    errors.invalid_request(400, problem, rid))
@@ -197,7 +143,7 @@ class ProxyHandler:
             path_qs=request.raw_path, route=route, body=body, payload=payload,
             stream=bool(payload.get("stream")) if payload else False,
             client_headers=request.headers, received=started,
-            trusted=request.get(AUTHENTICATED, True),
+            trusted=request.get(AUTHENTICATED, True), own=own,
         )
         if ctx.stream and self.settings.continue_streams and self.settings.replay and \
                 len(body) <= self.settings.max_replay_body_bytes and \
@@ -205,14 +151,8 @@ class ProxyHandler:
             # A stream that may go on from the other child if its own dies after bytes: what
             # the client receives of it is followed.
             ctx.follow = continuation.Transcript(continuation.route_kind(ctx.path) or "chat")
-        fallback = request.headers.get("X-Spillway-Fallback", "").strip().lower()
-        if fallback not in FALLBACKS:
-            return self._early(ctx, request, rid, "bad_request", errors.invalid_request(
-                400, "X-Spillway-Fallback must be \"smaller\" (a smaller model may answer "
-                     "when the GPU child cannot) or \"none\"", rid,
-                param="X-Spillway-Fallback"))
         ctx.smaller_ok = route is RouteClass.GENERATION and payload is not None and (
-            fallback == "smaller" or (fallback == "" and self.settings.smaller_for_all))
+            own.fallback == "smaller" or (own.fallback == "" and self.settings.smaller_for_all))
         conversation = request.headers.get("X-Conversation-Id") if ctx.stream else None
         if conversation is not None:
             if not 0 < len(conversation) <= MAX_CONVERSATION_ID:
@@ -360,12 +300,17 @@ class ProxyHandler:
                 self._record(ctx, episode, status, connected)
             self._finish(ctx, request, ctx.request_id, status, broken)
 
+    def _pinnable(self) -> list[str]:
+        """What X-Spillway-Child may name: every pool's upstreams (in router mode a model's
+        pool may hold a small one), in the config's order."""
+        return list(dict.fromkeys(name for pool in self.pools for name in pool.roles))
+
     def _pool(self, ctx: RequestCtx) -> Pool:
         """The request's pool: its model's in router mode, else the one."""
         return self.pools.for_model(ctx.model, ctx.path)[1]
 
     def _deadline_left(self, ctx: RequestCtx) -> float | None:
-        deadline = client_deadline(ctx.client_headers)
+        deadline = ctx.own.deadline_s
         return None if deadline is None else deadline - (time.monotonic() - ctx.received)
 
     async def _serve(self, request: web.Request, ctx: RequestCtx,
@@ -375,7 +320,7 @@ class ProxyHandler:
         pool = self._pool(ctx)
         if ctx.route is not RouteClass.GENERATION:
             # Outside the caps: the GPU child when ready, else the CPU child, or the pinned one.
-            pin = request.headers.get("X-Spillway-Child", "").strip().lower() or None
+            pin = ctx.own.pin
             got = pool.passthrough(pin)
             if isinstance(got, admission.Decision) and ctx.model is not None:
                 # Its model is loaded nowhere: the router answers for it.
@@ -671,8 +616,8 @@ class ProxyHandler:
                   elapsed: float, attempts: int) -> None:
         if not self.settings.access_log and 200 <= status < 400 and attempts <= 1:
             return  # only the lines that say something went differently
-        log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method, request.path,
-                 child, status, elapsed, attempts)
+        log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method,
+                 loggable(request.path), child, status, elapsed, attempts)
 
 
 def _log_failed_producer(task: asyncio.Task[Answered | Broken | None]) -> None:
@@ -694,14 +639,9 @@ def _outcome(ctx: RequestCtx, status: int, broken: bool) -> str:
     return "client_error" if status < 500 else "failed"
 
 
-# X-Spillway-Fallback's values: "smaller" accepts a smaller model's answer, "none" refuses
-# one even where small.requests = "all", "" (not given) is the config's choice.
-FALLBACKS = ("", "smaller", "none")
-
-
 def _opted_out(ctx: RequestCtx) -> bool:
     """X-Spillway-Replay: never: the client would rather have an error than a replay."""
-    return ctx.client_headers.get("X-Spillway-Replay", "").strip().lower() == "never"
+    return not ctx.own.replay
 
 
 def _tokens(attempt: Attempt | None) -> int:
@@ -709,17 +649,3 @@ def _tokens(attempt: Attempt | None) -> int:
     if attempt is None:
         return 0
     return attempt.tokens if attempt.tokens is not None else attempt.events
-
-
-def _parse_json_object(body: bytes) -> tuple[str | None, dict[str, Any] | None]:
-    if not body:
-        return "the request body is empty; expected a JSON object", None
-    try:
-        parsed = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError:
-        return "the request body is not valid UTF-8", None
-    except ValueError as e:
-        return f"the request body is not valid JSON: {e}", None
-    if not isinstance(parsed, dict):
-        return f"the request body must be a JSON object, not {type(parsed).__name__}", None
-    return None, parsed

@@ -1,4 +1,5 @@
-"""Request identity: X-Request-Id is kept when sane, else made."""
+"""Request identity: X-Request-Id is kept when sane, else made; and what of a request a log line
+may show."""
 
 from __future__ import annotations
 
@@ -27,3 +28,24 @@ def request_id_of(request: web.Request) -> str:
     if given and _SAFE_REQUEST_ID.match(given):
         return given
     return new_request_id()
+
+
+# Control characters (C0, DEL, C1) and the Unicode line separators: in a log line they would
+# end it early (a forged line after a decoded %0d or %0a), or move a terminal's cursor and
+# colours (ESC).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def loggable(text: str, limit: int = 1024) -> str:
+    """`text` (a path, a client's words) as a log line may show it: control characters written
+    as `\\xNN` (`\\uNNNN`), and at most `limit` characters of it."""
+    if len(text) > limit:
+        text = text[:limit] + "..."
+    if _CONTROL.search(text) is None:
+        return text  # nearly always: no copy
+    return _CONTROL.sub(_escaped, text)
+
+
+def _escaped(found: re.Match[str]) -> str:
+    code = ord(found.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"

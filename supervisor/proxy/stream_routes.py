@@ -21,6 +21,8 @@ from aiohttp import web
 from ..records.metrics import Metrics
 from ..records.stream_sessions import Read, StreamSessions
 from . import errors
+from .bodies import OWN_ROUTE_BYTES, BodyTimeout, BodyTooLarge, BodyUnreadable, TooDeep, \
+    parse_json, read_body, refusal
 from .identity import request_id_of
 
 # The type llama-server gives its 404 here.
@@ -29,10 +31,12 @@ _NOT_FOUND = "not_found_error"
 
 class StreamRoutes:
     def __init__(self, streams: StreamSessions, metrics: Metrics,
-                 wall_clock: Callable[[], float]) -> None:
+                 wall_clock: Callable[[], float],
+                 body_timeout_s: Callable[[], float]) -> None:
         self.streams = streams
         self.metrics = metrics
         self.wall_clock = wall_clock
+        self.body_timeout_s = body_timeout_s  # server.body_timeout_s, as reloaded
 
     def table(self) -> dict[tuple[str, str],
                              Callable[[web.Request], Awaitable[web.StreamResponse]]]:
@@ -77,9 +81,14 @@ class StreamRoutes:
 
     async def lookup(self, request: web.Request) -> web.StreamResponse:
         rid = request_id_of(request)
+        timeout_s = self.body_timeout_s()
         try:
-            body = json.loads(await request.read())
-        except ValueError as e:
+            body = parse_json(await read_body(request, OWN_ROUTE_BYTES, timeout_s))
+        except (BodyTimeout, BodyTooLarge, BodyUnreadable) as e:
+            return refusal(e, rid, timeout_s)
+        except TooDeep as e:
+            return errors.invalid_request(400, str(e), rid)
+        except ValueError as e:  # (llama-server's words)
             return errors.invalid_request(400, f"invalid body: {e}", rid)
         wanted = body.get("conversation_ids") if isinstance(body, dict) else None
         ids = [i for i in wanted if isinstance(i, str) and i] if isinstance(wanted, list) \

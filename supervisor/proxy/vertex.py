@@ -24,7 +24,8 @@ from yarl import URL
 
 from ..policy import vertex
 from . import errors
-from .handler import BodyTimeout, BodyTooLarge, ProxySettings, read_body
+from . import bodies
+from .handler import ProxySettings
 from .headers import HOP_BY_HOP
 from .identity import request_id_of
 
@@ -64,21 +65,17 @@ class VertexRoutes:
 
     async def predict(self, request: web.Request) -> web.StreamResponse:
         rid = request_id_of(request)
+        try:  # as the proxy reads a body (bodies.py): its limit, its timeout, its coding
+            body = await bodies.read_body(request, self.settings.max_body_bytes,
+                                          self.settings.body_timeout_s)
+        except (bodies.BodyTimeout, bodies.BodyTooLarge, bodies.BodyUnreadable) as e:
+            return bodies.refusal(e, rid, self.settings.body_timeout_s)
         try:
-            body = await read_body(request, self.settings.max_body_bytes,
-                                   self.settings.body_timeout_s)
-        except BodyTimeout:  # as the proxy answers it (handler.py)
-            response = errors.invalid_request(
-                408, f"no byte of the request body for {self.settings.body_timeout_s:.0f} s "
-                     "(server.body_timeout_s)", rid)
-            response.force_close()
-            return response
-        except BodyTooLarge as e:
-            size = f"{e.size} bytes" if e.size is not None else "more than that"
-            return errors.invalid_request(413, f"request body is {size}; the limit is "
-                                               f"{e.limit} bytes (server.max_body_mib)", rid,
-                                          param="body")
-        found = vertex.instances(body)
+            parsed = bodies.parse_json(body)
+        except ValueError as e:  # the parser's words, or the depth limit's
+            return errors.invalid_request(400, f"the request body is not valid JSON: {e}"
+                                          if not isinstance(e, bodies.TooDeep) else str(e), rid)
+        found = vertex.instances(parsed)
         if isinstance(found, vertex.Refused):
             return errors.invalid_request(400, found.message, rid)
         socket = _own_socket(request)

@@ -567,7 +567,8 @@ class Daemon:
                            models=self.models, operator=self.operator, streams=self.streams,
                            offload=self.offload.to_json)
         app = build_app(self.proxy, self.auth, routes.table(),
-                        StreamRoutes(self.streams, self.metrics, time.time).table(),
+                        StreamRoutes(self.streams, self.metrics, time.time,
+                                     lambda: self.config.server.body_timeout_s).table(),
                         on_refused=lambda reason: self.metrics.rejections.labels(reason).inc(),
                         vertex=self.config.server.vertex)
         # In-flight requests are drained by _shutdown itself (the drain timeout can change on

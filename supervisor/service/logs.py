@@ -9,6 +9,13 @@ here shows (the caller's file and line, the thread, the process), the timestamp'
 formatted once per second, and inside the event loop the lines of one loop iteration reach
 stderr in one write at the start of the next (whole lines, in order; a warning or an error, a
 line from outside the loop, `flush()` and the exit write at once).
+
+A request aiohttp's parser refuses (a header with a control byte or a space before its colon, a
+line over the limit, a body that is not what its Content-Encoding says) never reaches Spillway's
+handler; aiohttp answers it and logs it on `aiohttp.server` as an error with a traceback whose
+message quotes the raw line, an `Authorization` header key and all. `MalformedRequests` makes
+that one short line with no byte of the request in it: what was wrong, in the parser's first
+words, and from where.
 """
 
 from __future__ import annotations
@@ -20,6 +27,11 @@ import os
 import sys
 import time
 from typing import TextIO
+
+from aiohttp.http_exceptions import (BadStatusLine, HttpProcessingError, InvalidURLError,
+                                     LineTooLong, PayloadEncodingError)
+
+from ..proxy.identity import loggable
 
 _PRIORITY = {
     logging.CRITICAL: 2,
@@ -140,6 +152,60 @@ class LoopBatchingHandler(logging.StreamHandler[TextIO]):
         super().flush()
 
 
+class MalformedRequests(logging.Filter):
+    """On `aiohttp.server`: a record of a request the HTTP parser refused becomes one short
+    INFO line, `refused a malformed request from PEER (400): WHAT`, without its traceback and
+    without the raw request bytes aiohttp's message quotes. Other records pass as they are (a
+    failure of Spillway's own keeps its traceback). `logger` is the one it filters: a record
+    made less severe is kept only if that logger shows the new level."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        super().__init__()
+        self._logger = logger
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        refused = _parser_error(record.exc_info[1] if record.exc_info else None)
+        if refused is None:
+            return True
+        peer = record.args[0] if record.msg == "Error handling request from %s" and \
+            isinstance(record.args, tuple) and record.args else None
+        record.msg = "refused a malformed request%s (%d): %s"
+        record.args = (f" from {loggable(str(peer), 64)}" if peer is not None else "",
+                       refused.code, what_was_wrong(refused))
+        record.exc_info = None
+        record.exc_text = None
+        level = logging.INFO
+        if peer is None and isinstance(refused, PayloadEncodingError):
+            # aiohttp reading what a handler left of a body, after its answer: the handler
+            # said it (the proxy's 400 has its own line), or did not need the body.
+            level = logging.DEBUG
+        record.levelno, record.levelname = level, logging.getLevelName(level)
+        return self._logger.isEnabledFor(level)
+
+
+def _parser_error(error: BaseException | None) -> HttpProcessingError | None:
+    """The parser's error behind `error` (a body's is the cause of a RequestPayloadError)."""
+    for _ in range(4):
+        if error is None or isinstance(error, HttpProcessingError):
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def what_was_wrong(error: HttpProcessingError) -> str:
+    """The parser's first words, before the colon that introduces the bytes it quotes
+    ("Invalid header token:", "Got more than 16384 bytes when reading: b'Bearer ...'"). A
+    request line and a URL are quoted without one, so those get words of their own."""
+    text = error.message.split("\n", 1)[0]
+    if isinstance(error, BadStatusLine) and text != "Received HTTPS traffic on an HTTP port":
+        return "a bad request line"
+    if isinstance(error, InvalidURLError):
+        return "an invalid character in the URL"
+    if isinstance(error, LineTooLong):
+        return f"a line over {error.args[1]} bytes"
+    return loggable(text.partition(":")[0].strip(), 100) or type(error).__name__
+
+
 def quiet_records() -> None:
     """Records skip what no format here shows: the caller's frame (file, line, function: the
     costliest part of a record), the thread, the process, the asyncio task. Without the
@@ -171,3 +237,6 @@ def setup(level: str = "info") -> None:
     root.setLevel(level.upper())
     # aiohttp's own access log is replaced by one line per request from the proxy.
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    server = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequests) for f in server.filters):
+        server.addFilter(MalformedRequests(server))

@@ -23,7 +23,7 @@ from aiohttp import web
 from .. import __version__
 from ..upstreams.children import Child
 from ..config.schema import Config
-from .drill_window import DrillWindow
+from .drill_window import Arm, DrillWindow, read_arm
 from ..gpu import MIB, GpuMonitor
 from ..records.incidents import IncidentLog
 from ..records.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
@@ -36,6 +36,8 @@ from ..policy.evidence import FailureKind
 from ..policy.lifecycle import ChildState
 from ..proxy import errors
 from ..proxy.app import OwnRoute, json_response
+from ..proxy.bodies import OWN_ROUTE_BYTES, BodyTimeout, BodyTooLarge, BodyUnreadable, \
+    parse_json, read_body, refusal
 from ..proxy.identity import request_id_of
 from ..serving.resources import Resources
 from ..router.models import RouterModels
@@ -351,44 +353,44 @@ class OwnRoutes:
         at once (`"now": true`, for a death in the middle of an answer). Only inside a drill."""
         if (refused := self._drill_refusal(request)) is not None:
             return refused
+        rid = request_id_of(request)
+        timeout_s = self.host.config.server.body_timeout_s
         try:
-            body = await request.json()
-        except ValueError:
-            body = {}
-        if not isinstance(body, dict):
-            body = {}
-        if body.get("model") is not None:
-            return self._arm_model(str(body["model"]), body)
-        if body.get("now") is True:
+            raw = await read_body(request, OWN_ROUTE_BYTES, timeout_s)
+            # No body at all is the plain arm; anything else must be a well-formed one.
+            arm = read_arm(parse_json(raw) if raw else {})
+        except (BodyTimeout, BodyTooLarge, BodyUnreadable) as e:
+            return refusal(e, rid, timeout_s)
+        except ValueError as e:
+            arm = f"the body must be a JSON object: {e}"
+        if isinstance(arm, str):
+            return errors.invalid_request(400, f"nothing armed: {arm}", rid, param="body")
+        if arm.model is not None:
+            return self._arm_model(arm, rid)
+        if arm.now:
             # In the middle of an answer (scenario 7): at once, not at the next task.
             sent = self._gpu.signal_now(signal.SIGABRT)
             return json_response({"sent": sent, "child": self._gpu.name, "signal": "SIGABRT"},
                                  200 if sent else 409)
-        disarm = body.get("disarm") is True
-        self._gpu.arm(None if disarm else signal.SIGABRT)
-        return json_response({"armed": not disarm, "child": self._gpu.name,
+        self._gpu.arm(None if arm.disarm else signal.SIGABRT)
+        return json_response({"armed": not arm.disarm, "child": self._gpu.name,
                               "signal": "SIGABRT"})
 
-    def _arm_model(self, model: str, body: dict[str, Any]) -> web.StreamResponse:
+    def _arm_model(self, arm: Arm, rid: str) -> web.StreamResponse:
         """Router mode: the model's instance on the GPU router, not the router itself."""
-        entry = self.models.find(model) if self.models is not None else None
+        entry = self.models.find(arm.model) if self.models is not None and arm.model else None
         if entry is None:
-            return json_response({"error": f"no model {model!r} on the routers"}, 404)
-        if body.get("now") is True:
-            gpu = entry.upstreams[self._gpu.name]
+            return errors.json_error(404, "not_found_error",
+                                     f"no model {arm.model!r} on the routers", rid)
+        gpu = entry.upstreams[self._gpu.name]
+        if arm.now:
             sent = gpu.signal_now(signal.SIGABRT)
             return json_response({"sent": sent, "child": gpu.name, "model": entry.name,
                                   "signal": "SIGABRT"}, 200 if sent else 409)
-        when = body.get("when", "task")
-        if when not in ("task", "neighbour_load"):
-            return json_response({"error": "when: 'task' (its next task launches) or "
-                                           "'neighbour_load' (another model loads)"}, 400)
-        disarm = body.get("disarm") is True
-        gpu = entry.upstreams[self._gpu.name]
-        gpu.arm(None if disarm else signal.SIGABRT,
-                                   on_neighbour_load=when == "neighbour_load")
-        return json_response({"armed": not disarm, "child": gpu.name, "model": entry.name,
-                              "signal": "SIGABRT", "when": when})
+        gpu.arm(None if arm.disarm else signal.SIGABRT,
+                on_neighbour_load=arm.when == "neighbour_load")
+        return json_response({"armed": not arm.disarm, "child": gpu.name, "model": entry.name,
+                              "signal": "SIGABRT", "when": arm.when})
 
     def _gpu_action(self, action: str) -> OwnRoute:
         async def act(request: web.Request) -> web.StreamResponse:

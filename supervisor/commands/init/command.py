@@ -114,7 +114,7 @@ def _write(output: Path, text: str, plan: cmdline.Plan, force: bool) -> Path | N
     """The env file (when there are secrets), then the config; the env file's path."""
     if output.exists() and not force:
         raise InitError(f"{output} exists; --force replaces it (or -o names another file)")
-    env_path = output.parent / "env" if plan.secrets else None
+    env_path = envfile.beside(output) if plan.secrets else None
     if env_path is not None:
         envfile.write(env_path, plan.secrets, force)
     # The umask's mode (or the replaced file's): the daemon's user must read it.
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         plan = cmdline.make_plan(src, LOOKUPS, options)
         _check_small(plan)
         output = None if args.print else Path(args.output or default_output()).absolute()
-        env_path = output.parent / "env" if output is not None and plan.secrets else None
+        env_path = envfile.beside(output) if output is not None and plan.secrets else None
         text = render.render(plan, str(env_path) if env_path else None)
         _validate(text, plan, output)
         for warning in plan.warnings:

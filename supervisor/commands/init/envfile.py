@@ -18,6 +18,12 @@ from .source import InitError
 from .unit import parse_env_file
 
 
+def beside(config: Path) -> Path:
+    """Where the secrets of the config at `config` go: `env` in its folder (for
+    /etc/spillway/spillway.toml, /etc/spillway/env, which the shipped unit reads)."""
+    return config.parent / "env"
+
+
 def quote(value: str) -> str:
     if "'" not in value:
         return f"'{value}'"
