@@ -156,6 +156,14 @@ def test_a_malformed_request_costs_one_short_line_that_never_shows_the_key(
     assert all(len(line) < 160 and "from 127.0.0.1 (400)" in line for line in refused), refused
     assert "\x1b" not in text and "\r" not in text
     assert "GET /v1/models\\x1b[2J\\x0dFORGED -> gpu 200" in text
+    # A decoded %0a too: the proxy answers it (it used to miss the catch-all route and get
+    # aiohttp's own plain-text 404), and its log line forges nothing.
+    response = raw(s, request("GET", "/spillway/x%0aFORGED2", b"", AUTH))
+    assert status_of(response) == 404 and b"application/json" in response
+    response = raw(s, request("GET", "/v1/models%0aFORGED3", b"", AUTH))
+    assert b"X-Spillway-Child: gpu" in response  # the child's own answer, passed on
+    assert eventually(lambda: "GET /v1/models\\x0aFORGED3 -> gpu" in s.log_text())
+    assert "\nFORGED3" not in s.log_text()
     still_serving(s)
 
 

@@ -79,7 +79,9 @@ def build_app(proxy: ProxyHandler, auth: AuthSettings,
         routes = VertexRoutes(vertex, proxy, proxy.settings, proxy.pools.router)
         for (method, path), handler in routes.table().items():
             app.router.add_route(method, path, handler)
-    app.router.add_route("*", "/spillway/{tail:.*}", unknown_own)
+    # `[\s\S]*`, not `.*`: a path may hold a decoded %0a, which `.` does not match (such a
+    # request got aiohttp's own plain-text 404 instead of the proxy's answer).
+    app.router.add_route("*", r"/spillway/{tail:[\s\S]*}", unknown_own)
     app.router.add_route("*", "/spillway", unknown_own)
-    app.router.add_route("*", "/{tail:.*}", proxy)
+    app.router.add_route("*", r"/{tail:[\s\S]*}", proxy)
     return app
