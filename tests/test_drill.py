@@ -1,7 +1,9 @@
 """`spillway drill` in CI: simulated (no GPU here), against real llama-server children (and
 routers, in router mode, with its sixth scenario; and a small child, with its eighth); its report
 rendered in headless Chromium and read back from the DOM. The judges of scenarios 6, 7 and 8 are
-also held to made-up results, to see them fail."""
+also held to made-up results, to see them fail. The whole drills run on conftest's slow model:
+their failures must land in the middle of an answer, and the tiny model's answers were whole
+before Spillway's word to stop the child arrived on a busy machine."""
 
 from __future__ import annotations
 
@@ -70,9 +72,9 @@ def rendered_dom(chromium: Path, page: Path, tmp: Path) -> str:
 
 @integration
 def test_the_drill_passes_simulated_and_its_report_renders(
-        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, tmp_path: Path,
+        spillway: SpillwayFactory, llama_server: Path, slow_model: Path, tmp_path: Path,
         chromium: Path) -> None:
-    s = spillway(real_config(llama_server, tiny_model))
+    s = spillway(real_config(llama_server, slow_model))
     result = drill(s, tmp_path / "report")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "every result below is labelled SIMULATED" in result.stderr
@@ -131,9 +133,9 @@ def test_the_drill_passes_simulated_and_its_report_renders(
 
 @integration
 def test_the_drill_passes_in_router_mode_with_a_second_model_loading(
-        spillway: SpillwayFactory, llama_server: Path, models_dir: Path, tmp_path: Path,
+        spillway: SpillwayFactory, llama_server: Path, slow_models_dir: Path, tmp_path: Path,
         chromium: Path) -> None:
-    s = spillway(router_config(llama_server, models_dir))
+    s = spillway(router_config(llama_server, slow_models_dir))
     result = drill(s, tmp_path / "report")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "router mode: every request is for model alpha; the second model is beta" in \
