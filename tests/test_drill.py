@@ -183,11 +183,17 @@ def test_the_drill_passes_in_router_mode_with_a_second_model_loading(
 
 @integration
 def test_router_mode_scenario_6_fails_when_the_work_is_not_replayed(
-        spillway: SpillwayFactory, llama_server: Path, models_dir: Path,
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, slow_model: Path,
         tmp_path: Path) -> None:
     # Replay turned off: A's non-streaming requests caught when B loads get a controlled
-    # error instead of completing on the CPU router: A's work is lost, below the bar.
-    s = spillway(router_config(llama_server, models_dir, failover={"replay": False}))
+    # error instead of completing on the CPU router: A's work is lost, below the bar. A (beta
+    # here) is the slow model: the tiny one's answers, a slot long, were done before B's
+    # spawn line was read on a busy machine, and none was caught.
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "alpha.gguf").symlink_to(tiny_model)
+    (folder / "beta.gguf").symlink_to(slow_model)
+    s = spillway(router_config(llama_server, folder, failover={"replay": False}))
     result = drill(s, tmp_path / "report", "--only", "6", "--model", "beta",
                    "--second-model", "alpha")
     assert result.returncode == 1, result.stdout + result.stderr
