@@ -57,8 +57,8 @@ class RouterWatch:
         self._followed: set[str] = set()  # the models whose READY it is told of
         self._task: asyncio.Task[None] | None = None
         # Set when nothing is to be waited for: the router is not serving, or it has listed
-        # its models since it became ready. Cleared in between: a request that names a model
-        # must not be served as naming none while its entry is not yet made.
+        # its models since it became ready (or failed to). Cleared in between: a request that
+        # names a model must not be served as naming none while its entry is not yet made.
         self.listed_since_ready = asyncio.Event()
         self.listed_since_ready.set()
         child.line_listeners.append(self.heard_line)
@@ -128,6 +128,9 @@ class RouterWatch:
                 await self._events()
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 log.info("[%s] model events: %s; reconnecting", self.child.name, e)
+            finally:
+                # A listing that failed is not waited for: requests go on as before.
+                self.listed_since_ready.set()
             await asyncio.sleep(RECONNECT_S)
 
     async def refresh(self) -> None:
