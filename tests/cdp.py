@@ -11,7 +11,8 @@ Chromium picks its own debugging port (`--remote-debugging-port=0`) and writes i
 `<user-data-dir>/DevToolsActivePort`; the page target comes from `/json/list`. Commands are sent
 with ids and their answers matched by id; of the events, only what the page reports as going
 wrong is kept (`problems`: exceptions, console errors, refused loads, CSP violations). Waits
-poll a condition with a deadline, never a fixed sleep.
+poll a condition with a deadline, never a fixed sleep; the deadlines are harness.PATIENCE_S, long
+enough for a busy machine (they only end a broken test).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from harness import PATIENCE_S
 
 FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -72,7 +74,7 @@ class Page:
             self.problems.append(params["entry"].get("text", ""))
 
     async def send(self, method: str, params: dict[str, Any] | None = None,
-                   timeout: float = 30.0) -> dict[str, Any]:
+                   timeout: float = PATIENCE_S) -> dict[str, Any]:
         """One command; its `result`, or CdpError with the browser's error."""
         ident = next(self._ids)
         future: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -95,7 +97,7 @@ class Page:
             raise CdpError(f"{expression[:80]!r} threw: {text}")
         return result.get("result", {}).get("value")
 
-    async def wait_for(self, expression: str, timeout: float = 15.0,
+    async def wait_for(self, expression: str, timeout: float = PATIENCE_S,
                        interval: float = 0.05) -> Any:
         """Poll `expression` until it is truthy; its value. TimeoutError says what it was."""
         deadline = time.monotonic() + timeout
@@ -107,7 +109,7 @@ class Page:
             await asyncio.sleep(interval)
         raise TimeoutError(f"after {timeout} s, {expression!r} is still {value!r}")
 
-    async def navigate(self, url: str, timeout: float = 15.0) -> str:
+    async def navigate(self, url: str, timeout: float = PATIENCE_S) -> str:
         """Load `url` and wait until its document is complete; where it ended (redirects)."""
         result = await self.send("Page.navigate", {"url": url}, timeout)
         if result.get("errorText"):
@@ -203,7 +205,7 @@ class Browser:
 
     @staticmethod
     @contextlib.asynccontextmanager
-    async def launch(chromium: Path, folder: Path, timeout: float = 30.0,
+    async def launch(chromium: Path, folder: Path, timeout: float = PATIENCE_S,
                      flags: tuple[str, ...] = ()) -> AsyncIterator[Page]:
         """`flags`: more of Chromium's own, e.g. `--host-resolver-rules=MAP name 127.0.0.1`."""
         profile = folder / "chromium-profile"

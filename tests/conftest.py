@@ -40,6 +40,25 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def slow_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small model about fifteen times slower than the tiny one (some 160 tokens a second on
+    one thread of this machine, unloaded; a real model is slower still), for the drill: its
+    simulated failures must land while a child is answering, and the tiny model answered
+    whole, on a busy machine, before Spillway's word to stop it arrived."""
+    return write_tiny_model(tmp_path_factory.mktemp("slow") / "slow.gguf", n_embd=512,
+                            n_layer=8, n_ff=1536, n_head=8, n_head_kv=8)
+
+
+@pytest.fixture(scope="session")
+def slow_models_dir(tmp_path_factory: pytest.TempPathFactory, slow_model: Path) -> Path:
+    """models_dir with the slow model as `alpha` (the drilled one) and the same `beta`."""
+    folder = tmp_path_factory.mktemp("slow-models")
+    (folder / "alpha.gguf").symlink_to(slow_model)
+    write_tiny_model(folder / "beta.gguf", n_embd=128, n_layer=2, n_ff=256)
+    return folder
+
+
+@pytest.fixture(scope="session")
 def fake_server(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return fake_server_script(tmp_path_factory.mktemp("fake"))
 

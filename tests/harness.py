@@ -19,6 +19,18 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
+# How long a wait on a condition may last before the test is called broken. It only bounds a
+# broken test; no test measures it: a condition met sooner ends the wait at once, and a busy
+# machine (the suite beside a busy loop on every core, issue 37; other builds on the same two
+# cores) can take many times as long as a quiet one to start a child, load a model or generate.
+PATIENCE_S = 120.0
+
+# max_tokens of a request the drill's arm is to kill as its task launches: the arm acts on the
+# child's launch line, read from its output while the child goes on, so the answer must take far
+# longer than that read even on a busy machine (a few tokens of the tiny model were answered
+# whole before the line was read, and nothing was caught). Within a slot of 1024 tokens.
+DOOMED_TOKENS = 800
+
 
 def write_json(path: Path, **values: Any) -> None:
     """Replace a JSON file in one step (a reader never sees half of it)."""
@@ -123,7 +135,7 @@ class Spillway:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, wait_ready: bool = True, timeout: float = 90.0) -> Spillway:
+    def start(self, wait_ready: bool = True, timeout: float = PATIENCE_S) -> Spillway:
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [*self.command_prefix, sys.executable, "-m", "supervisor", "run", "--config",
@@ -187,7 +199,7 @@ class Spillway:
         return dict(self.status(headers)["children"][name])
 
     def profiled(self, name: str, key: str = "ctx_per_slot",
-                 timeout: float = 10.0) -> dict[str, Any]:
+                 timeout: float = PATIENCE_S) -> dict[str, Any]:
         """The child's status once its model's figures are known: they come from its /props,
         asked for as it becomes READY, a moment after the status says READY."""
         found = eventually(lambda: (c := self.child(name)).get(key) is not None and c,
@@ -208,7 +220,7 @@ class Spillway:
                 data += chunk
         return data.decode().strip()
 
-    def wait_listening(self, timeout: float = 30.0) -> None:
+    def wait_listening(self, timeout: float = PATIENCE_S) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             self._check_alive()
@@ -219,13 +231,18 @@ class Spillway:
             time.sleep(0.05)
         raise TimeoutError(f"spillway not listening after {timeout} s\n{self.log_tail()}")
 
-    def wait_ready(self, timeout: float = 90.0, children: tuple[str, ...] = ("gpu", "cpu"),
+    def wait_ready(self, timeout: float = PATIENCE_S, children: tuple[str, ...] = ("gpu", "cpu"),
                    headers: Mapping[str, str] | None = None) -> None:
+        """The children READY; in router mode, also the models listed: a router's models are
+        read from its /models once it is READY, a moment later (longer on a busy machine)."""
         self.wait_listening(timeout)
-        self.wait_state(children, ("READY",), timeout, headers)
+        status = self.wait_state(children, ("READY",), timeout, headers)
+        if status.get("router"):
+            listed = eventually(lambda: self.status(headers)["models"], timeout)
+            assert listed, f"the routers listed no model in {timeout} s\n{self.log_tail()}"
 
     def wait_state(self, children: tuple[str, ...], states: tuple[str, ...],
-                   timeout: float = 60.0, headers: Mapping[str, str] | None = None
+                   timeout: float = PATIENCE_S, headers: Mapping[str, str] | None = None
                    ) -> dict[str, Any]:
         deadline = time.monotonic() + timeout
         status: dict[str, Any] = {}
@@ -249,7 +266,7 @@ class Spillway:
             return []
         return [json.loads(line) for line in path.read_text().splitlines()]
 
-    def wait_incidents(self, count: int, timeout: float = 10.0) -> list[dict[str, Any]]:
+    def wait_incidents(self, count: int, timeout: float = PATIENCE_S) -> list[dict[str, Any]]:
         """The incident records once there are `count` (records are written when a request's
         answer is complete, a moment after the client has it)."""
         deadline = time.monotonic() + timeout
@@ -290,7 +307,7 @@ class Spillway:
         return self.proc.returncode
 
 
-def eventually(check: Any, timeout: float = 10.0) -> Any:
+def eventually(check: Any, timeout: float = PATIENCE_S) -> Any:
     """Poll `check()` until it returns something truthy."""
     deadline = time.monotonic() + timeout
     while True:
@@ -300,7 +317,7 @@ def eventually(check: Any, timeout: float = 10.0) -> Any:
         time.sleep(0.05)
 
 
-async def eventually_async(check: Any, timeout: float = 10.0) -> Any:
+async def eventually_async(check: Any, timeout: float = PATIENCE_S) -> Any:
     """`eventually` for async tests: the check runs in a thread, the loop keeps running."""
     import asyncio
     deadline = time.monotonic() + timeout
@@ -309,6 +326,18 @@ async def eventually_async(check: Any, timeout: float = 10.0) -> Any:
         if value or time.monotonic() > deadline:
             return value
         await asyncio.sleep(0.05)
+
+
+async def until(check: Any, timeout: float = PATIENCE_S) -> Any:
+    """`eventually` for state in the test's own process (no I/O): `check()` polled on the
+    event loop, which keeps running whatever is to make it true."""
+    import asyncio
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value or time.monotonic() > deadline:
+            return value
+        await asyncio.sleep(0.01)
 
 
 def settled(read: Any, quiet_s: float = 0.3, timeout: float = 10.0) -> Any:

@@ -41,7 +41,7 @@ async def post(http: aiohttp.ClientSession, s: Spillway, body: dict[str, Any] = 
 async def fill_both(http: aiohttp.ClientSession, s: Spillway) -> list[asyncio.Task[Any]]:
     """Both children busy with a slow request each, on this loop; the tasks to await."""
     busy = [asyncio.create_task(post(http, s)) for _ in range(2)]
-    await eventually_async(lambda: s.status()["children"]["cpu"]["busy"] == 1, 10)
+    await eventually_async(lambda: s.status()["children"]["cpu"]["busy"] == 1)
     return busy
 
 
@@ -53,7 +53,7 @@ def occupy_both(s: Spillway) -> threading.Thread:
 
     t = threading.Thread(target=asyncio.run, args=(occupy(),))
     t.start()
-    eventually(lambda: sum(c["busy"] for c in s.status()["children"].values()) == 2, 10)
+    eventually(lambda: sum(c["busy"] for c in s.status()["children"].values()) == 2)
     return t
 
 
@@ -63,7 +63,7 @@ async def test_requests_wait_in_line_with_positions_and_are_served_in_turn(
     s = spillway(one_each(fake_server, tiny_model))
     async with aiohttp.ClientSession() as http:
         tasks = [asyncio.create_task(post(http, s)) for _ in range(4)]
-        status = await eventually_async(lambda: (st := s.status())["waiting"] == 2 and st, 10)
+        status = await eventually_async(lambda: (st := s.status())["waiting"] == 2 and st)
         assert [w["position"] for w in status["waiting_requests"]] == [1, 2]
         assert status["children"]["gpu"]["busy"] == 1 and status["children"]["cpu"]["busy"] == 1
         results = await asyncio.gather(*tasks)
@@ -78,9 +78,12 @@ async def test_a_client_that_leaves_the_line_leaves_at_once(
     async with aiohttp.ClientSession() as http:
         busy = await fill_both(http, s)
         waiting = asyncio.create_task(post(http, s))
-        assert await eventually_async(lambda: s.status()["waiting"] == 1, 10)
+        assert await eventually_async(lambda: s.status()["waiting"] == 1)
         waiting.cancel()
-        assert await eventually_async(lambda: s.status()["waiting"] == 0, 2)
+        assert await eventually_async(lambda: s.status()["waiting"] == 0)
+        # At once: the line emptied while both requests ahead of it still ran (2 s each), not
+        # when a child was free to take it.
+        assert not any(t.done() for t in busy)
         await asyncio.gather(*busy)
 
 
@@ -157,7 +160,7 @@ async def test_the_cpu_childs_expected_time_is_weighed_against_the_deadline(
     async with aiohttp.ClientSession() as http:
         # Teach Spillway the CPU child's speed (20 tokens/s): the GPU child is busy.
         gpu_busy = asyncio.create_task(post(http, s, {**CHAT, "max_tokens": 8}))
-        await eventually_async(lambda: s.status()["children"]["gpu"]["busy"] == 1, 10)
+        await eventually_async(lambda: s.status()["children"]["gpu"]["busy"] == 1)
         status, headers, _ = await post(http, s, {**CHAT, "max_tokens": 4})
         assert status == 200 and headers["X-Spillway-Child"] == "cpu"
         speed = s.status()["children"]["cpu"]["tokens_per_s"]["generation"]
@@ -185,7 +188,7 @@ async def test_an_on_demand_cpu_child_starts_when_needed_and_stops_when_idle(
     assert status == 200 and headers["X-Spillway-Child"] == "cpu"
     cpu = s.child("cpu")
     assert cpu["last_start_s"] is not None and cpu["last_start_s"] > 0
-    assert s.wait_state(("cpu",), ("STOPPED",), timeout=10)
+    assert s.wait_state(("cpu",), ("STOPPED",))
     assert "on-demand: idle for" in s.log_text()
 
 

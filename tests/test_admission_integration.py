@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from harness import Spillway, real_config, write_json
+from harness import Spillway, eventually_async, real_config, write_json
 
 from conftest import SpillwayFactory
 
@@ -121,9 +121,9 @@ async def test_low_free_vram_moves_new_work_off_the_gpu_child(
 
     assert await child_now() == "gpu"
     write_json(nvml, total_mib=24576, free_mib=600)  # a game took the card
-    await asyncio.sleep(0.5)
+    # Once the monitor has sampled it (admission reads the same sample as the status).
+    assert await eventually_async(lambda: s.status()["gpu"]["free_mib"] == 600)
     assert [await child_now() for _ in range(3)] == ["cpu"] * 3
-    assert s.status()["gpu"]["free_mib"] == 600
     write_json(nvml, total_mib=24576, free_mib=20000)
-    await asyncio.sleep(0.5)
+    assert await eventually_async(lambda: s.status()["gpu"]["free_mib"] == 20000)
     assert await child_now() == "gpu"

@@ -29,6 +29,7 @@ from typing import Any
 import aiohttp
 import pytest
 from harness import (
+    PATIENCE_S,
     REPO,
     Spillway,
     deep_merge,
@@ -160,7 +161,7 @@ class Balancer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout: float = 15.0) -> None:
+    def start(self, timeout: float = PATIENCE_S) -> None:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT,
                                          env=self.env, cwd=self.folder)
@@ -454,7 +455,7 @@ async def test_haproxy_sends_new_work_away_from_a_paused_gpu_and_back_after_resu
         t0 = time.monotonic()
         assert a.agent_line() == "up drain"
         agent_s = time.monotonic() - t0
-        assert await eventually_async(lambda: ha.server("m1")["status"] == "DRAIN (agent)", 5)
+        assert await eventually_async(lambda: ha.server("m1")["status"] == "DRAIN (agent)")
         drained_s = time.monotonic() - t0
         assert drained_s < AGENT_INTER_S + 1.0
         assert ha.servers()["spillways-by-route/m1"]["status"].startswith("DRAIN")
@@ -475,7 +476,7 @@ async def test_haproxy_sends_new_work_away_from_a_paused_gpu_and_back_after_resu
         # Both GPUs paused: both machines drained, and the backup lines let the CPU
         # children serve (HAProxy sends nothing to a drained server).
         assert (await client.send(b.url, {}, path="/spillway/gpu/pause")).status == 200
-        assert await eventually_async(lambda: ha.server("m2")["status"] == "DRAIN (agent)", 5)
+        assert await eventually_async(lambda: ha.server("m2")["status"] == "DRAIN (agent)")
         on_cpu = Tally()
         for _ in range(6):
             on_cpu.add(await client.send(ha.url))
@@ -484,14 +485,14 @@ async def test_haproxy_sends_new_work_away_from_a_paused_gpu_and_back_after_resu
         assert {x.headers["X-Spillway-Child"] for x in on_cpu.answers} == {"cpu"}
         assert (await client.send(b.url, {}, path="/spillway/gpu/resume")).status == 200
         await asyncio.to_thread(b.wait_state, ("gpu",), ("READY",), 30.0, AUTH)
-        assert await eventually_async(lambda: ha.in_rotation("m2"), 10)
+        assert await eventually_async(lambda: ha.in_rotation("m2"))
 
         resumed = await client.send(a.url, {}, path="/spillway/gpu/resume")
         assert resumed.status == 200, resumed.body
         t1 = time.monotonic()
         await asyncio.to_thread(a.wait_state, ("gpu",), ("READY",), 30.0, AUTH)
         gpu_back_s = time.monotonic() - t1
-        assert await eventually_async(lambda: ha.in_rotation("m1"), 10)
+        assert await eventually_async(lambda: ha.in_rotation("m1"))
         back_s = time.monotonic() - t1
 
         after = Tally()
@@ -595,10 +596,10 @@ async def test_a_machine_stopped_mid_flight_finishes_its_requests_and_none_is_lo
         flights = [asyncio.create_task(client.send(lb.url, long_chat(1500),
                                                    headers=conversation(c), timeout=120))
                    for c in (on_a * 2)[:2] + (on_b * 2)[:2]]
-        assert await eventually_async(lambda: a.tasks_started(AUTH) >= a_before + 2, 10)
+        assert await eventually_async(lambda: a.tasks_started(AUTH) >= a_before + 2)
         a.signal(signal.SIGTERM)
         t0 = time.monotonic()
-        says_down = await eventually_async(lambda: agent_line_or_none(a, "down"), 2)
+        says_down = await eventually_async(lambda: agent_line_or_none(a, "down"))
         out_s: float | None = None
         exited_s: float | None = None
         # New requests while A drains and after it exits: plain ones, and conversations
@@ -628,8 +629,7 @@ async def test_a_machine_stopped_mid_flight_finishes_its_requests_and_none_is_lo
         assert b.proc is not None and b.proc.wait(30) == 0
         if kind == "haproxy":
             assert isinstance(lb, HAProxy)
-            assert await eventually_async(lambda: lb.server("m2")["status"].startswith("DOWN"),
-                                          10)
+            assert await eventually_async(lambda: lb.server("m2")["status"].startswith("DOWN"))
         nobody = await client.send(lb.url)
     assert says_down == "down #spillway is stopping"
     assert [x.status for x in landed] == [200] * 4, [x.body for x in landed]
@@ -676,7 +676,7 @@ async def test_a_keyed_retry_reaches_the_machine_that_holds_its_answer(
             paused = await client.send(holder.url, {}, path="/spillway/gpu/pause")
             assert paused.status == 200
             m = "m1" if holder is a else "m2"
-            assert await eventually_async(lambda: lb.server(m)["status"] == "DRAIN (agent)", 5)
+            assert await eventually_async(lambda: lb.server(m)["status"] == "DRAIN (agent)")
             before_elsewhere = tasks(a) + tasks(b)
             elsewhere = await client.send(lb.url, headers={"Idempotency-Key": key})
             tally.add(elsewhere)

@@ -168,7 +168,7 @@ async def test_a_web_page_cannot_stop_the_gpu_and_the_status_page_still_can(
     async with attacker(s.url) as evil, Browser.launch(chromium, tmp_path, flags=flags) as page:
         # 1. Cross-site: the attacker's page on another port.
         await page.navigate(evil)
-        results = json.loads(await page.wait_for("document.body.dataset.results", timeout=30))
+        results = json.loads(await page.wait_for("document.body.dataset.results"))
         assert results["cors"] == "blocked", results  # the preflight was refused
         assert results["form_text"] == results["form_arm"] == "loaded", results
         assert await asyncio.to_thread(refusals, s) == {"cross_site": results["posts"]} \
@@ -209,7 +209,7 @@ async def test_a_web_page_cannot_stop_the_gpu_and_the_status_page_still_can(
         await page.click("button[data-action=resume]")
         await confirm_dialog(page)
         await page.click("#confirm-yes")
-        await page.wait_for(f"{card('gpu')}.state === 'READY'", timeout=60)
+        await page.wait_for(f"{card('gpu')}.state === 'READY'")
     gpu = await asyncio.to_thread(s.child, "gpu")
     assert gpu["state"] == "READY" and gpu["paused"] is False
     assert set(await asyncio.to_thread(refusals, s)) == {"cross_site", "foreign_host"}

@@ -36,7 +36,7 @@ def test_slow_start_stays_starting_until_health_answers_200(
                              gpu={"env": {"FAKE_SLOW_START_S": "2"}}), wait_ready=False)
     s.wait_state(("cpu",), ("READY",))
     assert s.child("gpu")["state"] == "STARTING"  # 503 "Loading model" is not a failure
-    s.wait_state(("gpu",), ("READY",), timeout=20)
+    s.wait_state(("gpu",), ("READY",))
     gpu = s.child("gpu")
     assert gpu["last_start_s"] >= 2.0
     assert gpu["restarts"] == 0 and gpu["last_exit"] is None
@@ -55,7 +55,7 @@ async def test_start_timeout_backs_off_and_goes_fatal_and_the_daemon_stays_up(
                       restart={"backoff_initial_s": 0.05, "backoff_max_s": 60,
                                "max_quick_failures": 3})
     s = spillway(cfg, wait_ready=False)
-    status = s.wait_state(("gpu", "cpu"), ("FATAL",), timeout=30)
+    status = s.wait_state(("gpu", "cpu"), ("FATAL",))
     gpu = status["children"]["gpu"]
     assert "start timeout" in gpu["last_exit"]["evidence"]
     assert "3 quick failures" in gpu["reason"]
@@ -84,7 +84,7 @@ async def test_an_abort_is_recorded_with_its_evidence_and_the_child_restarts(
     async with aiohttp.ClientSession() as http:
         async with http.post(f"{s.url}/v1/chat/completions", json=CHAT) as r:
             await r.read()
-    status = s.wait_state(("gpu",), ("READY",), timeout=20)
+    status = s.wait_state(("gpu",), ("READY",))
     gpu = status["children"]["gpu"]
     assert gpu["pid"] != first_pid
     assert gpu["restarts"] == 1
@@ -104,7 +104,7 @@ async def test_a_load_oom_at_start_is_load_oom_and_the_cpu_child_serves(
     cfg = fake_config(fake_server, tiny_model, gpu={"env": {"FAKE_EXIT_AT_START": "1"}},
                       restart={"backoff_initial_s": 0.05, "max_quick_failures": 2})
     s = spillway(cfg, wait_ready=False)
-    status = s.wait_state(("gpu",), ("FATAL",), timeout=20)
+    status = s.wait_state(("gpu",), ("FATAL",))
     last = status["children"]["gpu"]["last_exit"]
     assert last["code"] == 1 and last["kind"] == "load_oom"
     assert "failed to allocate" in last["evidence"]

@@ -160,7 +160,7 @@ def test_a_running_daemon_picks_up_a_set_through_its_watcher(
     assert s.status()["queue"]["max_waiting"] == 32
     out = spillway_config("set", "queue.max_waiting", "7", "--config", str(s.config_path))
     assert out.returncode == 0, out.stderr
-    eventually(lambda: s.status()["queue"]["max_waiting"] == 7, 10)
+    eventually(lambda: s.status()["queue"]["max_waiting"] == 7)
     assert s.status()["config"]["error"] is None
     # A refused value leaves the daemon's config (and the file) as they were.
     out = spillway_config("set", "queue.max_waiting", "-3", "--config", str(s.config_path))

@@ -1,7 +1,9 @@
 """`spillway drill` in CI: simulated (no GPU here), against real llama-server children (and
 routers, in router mode, with its sixth scenario; and a small child, with its eighth); its report
 rendered in headless Chromium and read back from the DOM. The judges of scenarios 6, 7 and 8 are
-also held to made-up results, to see them fail."""
+also held to made-up results, to see them fail. The whole drills run on conftest's slow model:
+their failures must land in the middle of an answer, and the tiny model's answers were whole
+before Spillway's word to stop the child arrived on a busy machine."""
 
 from __future__ import annotations
 
@@ -70,9 +72,9 @@ def rendered_dom(chromium: Path, page: Path, tmp: Path) -> str:
 
 @integration
 def test_the_drill_passes_simulated_and_its_report_renders(
-        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, tmp_path: Path,
+        spillway: SpillwayFactory, llama_server: Path, slow_model: Path, tmp_path: Path,
         chromium: Path) -> None:
-    s = spillway(real_config(llama_server, tiny_model))
+    s = spillway(real_config(llama_server, slow_model))
     result = drill(s, tmp_path / "report")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "every result below is labelled SIMULATED" in result.stderr
@@ -131,9 +133,9 @@ def test_the_drill_passes_simulated_and_its_report_renders(
 
 @integration
 def test_the_drill_passes_in_router_mode_with_a_second_model_loading(
-        spillway: SpillwayFactory, llama_server: Path, models_dir: Path, tmp_path: Path,
+        spillway: SpillwayFactory, llama_server: Path, slow_models_dir: Path, tmp_path: Path,
         chromium: Path) -> None:
-    s = spillway(router_config(llama_server, models_dir))
+    s = spillway(router_config(llama_server, slow_models_dir))
     result = drill(s, tmp_path / "report")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "router mode: every request is for model alpha; the second model is beta" in \
@@ -181,11 +183,17 @@ def test_the_drill_passes_in_router_mode_with_a_second_model_loading(
 
 @integration
 def test_router_mode_scenario_6_fails_when_the_work_is_not_replayed(
-        spillway: SpillwayFactory, llama_server: Path, models_dir: Path,
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, slow_model: Path,
         tmp_path: Path) -> None:
     # Replay turned off: A's non-streaming requests caught when B loads get a controlled
-    # error instead of completing on the CPU router: A's work is lost, below the bar.
-    s = spillway(router_config(llama_server, models_dir, failover={"replay": False}))
+    # error instead of completing on the CPU router: A's work is lost, below the bar. A (beta
+    # here) is the slow model: the tiny one's answers, a slot long, were done before B's
+    # spawn line was read on a busy machine, and none was caught.
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "alpha.gguf").symlink_to(tiny_model)
+    (folder / "beta.gguf").symlink_to(slow_model)
+    s = spillway(router_config(llama_server, folder, failover={"replay": False}))
     result = drill(s, tmp_path / "report", "--only", "6", "--model", "beta",
                    "--second-model", "alpha")
     assert result.returncode == 1, result.stdout + result.stderr

@@ -24,6 +24,25 @@ from supervisor.commands import bootstrap, remote as client, quickstart
 pytestmark = [pytest.mark.integration]
 
 
+@pytest.fixture
+def own_cache(tmp_path: Path, llama_server: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The cache (SPILLWAY_CACHE) as the quickstart sees it: the shared cache's build, model
+    and locks, linked into a folder of this test's own, so that the quickstart's note of its
+    config (`quickstart-config`, which `spillway status` with no flag reads) is its own and
+    not that of another suite's quickstart running on this machine at the same time (seen:
+    `spillway status` found the other one's daemon). Set for this process too, so that
+    bootstrap.model_path() names what the quickstart writes."""
+    shared = bootstrap.cache_dir()
+    (shared / "models").mkdir(parents=True, exist_ok=True)  # a first run's fetch lands there
+    own = tmp_path / "cache"
+    own.mkdir()
+    for entry in shared.iterdir():
+        if entry.name != "quickstart-config":
+            (own / entry.name).symlink_to(entry)
+    monkeypatch.setenv("SPILLWAY_CACHE", str(own))
+    return own
+
+
 def start_quickstart(tmp_path: Path, config_path: Path, port: int,
                      *extra: str) -> tuple[subprocess.Popen[bytes], Any, dict[str, Any]]:
     """`spillway quickstart` as a new user runs it; returns once both children are READY (and,
@@ -93,7 +112,7 @@ def stop_quickstart(proc: subprocess.Popen[bytes], log: Any) -> None:
 
 
 def test_quickstart_serves_smollm2_from_both_children_through_the_openai_client(
-        tmp_path: Path, llama_server: Path) -> None:
+        tmp_path: Path, llama_server: Path, own_cache: Path) -> None:
     port = free_port()
     config_path = tmp_path / "quickstart.toml"
     proc, log, status = start_quickstart(tmp_path, config_path, port)
@@ -150,7 +169,7 @@ def test_quickstart_serves_smollm2_from_both_children_through_the_openai_client(
 
 
 def test_quickstart_router_serves_smollm2_by_name_through_the_openai_client(
-        tmp_path: Path, llama_server: Path) -> None:
+        tmp_path: Path, llama_server: Path, own_cache: Path) -> None:
     port = free_port()
     config_path = tmp_path / "quickstart-router.toml"
     proc, log, status = start_quickstart(tmp_path, config_path, port, "--router")

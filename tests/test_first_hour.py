@@ -77,7 +77,7 @@ def test_from_a_llama_server_command_line_to_a_watched_spillway(
                 return False
             assert isinstance(children, dict)
             return all(c["state"] == "READY" for c in children.values())
-        eventually(ready, 90)
+        eventually(ready)
         # The clients keep their URL and their key.
         oa = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60)
         raw = oa.chat.completions.with_raw_response.create(
@@ -94,7 +94,7 @@ def test_from_a_llama_server_command_line_to_a_watched_spillway(
         edit = subprocess.run(["spillway", "config", "set", "queue.max_waiting", "7"],
                               cwd=home, env=env, capture_output=True, text=True, timeout=60)
         assert edit.returncode == 0, edit.stderr
-        eventually(lambda: status(url)["queue"]["max_waiting"] == 7, 10)  # type: ignore[index]
+        eventually(lambda: status(url)["queue"]["max_waiting"] == 7)  # type: ignore[index]
         asyncio.run(watch(url, chromium, tmp_path))
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-from harness import fake_config, write_json
+from harness import eventually, fake_config, write_json
 
 from conftest import SpillwayFactory
 from supervisor.commands import cli
@@ -45,10 +45,8 @@ def test_status_shows_the_gpu_figures_and_the_childs_own_use(
     gpu_pid = s.child("gpu")["pid"]
     write_json(figures, total_mib=24576, free_mib=18000, name="Fake RTX", uuid="GPU-1234",
                   pci_bus_id="00000000:2B:00.0", processes={str(gpu_pid): 3858})
-    deadline = time.monotonic() + 10
-    while (gpu := s.status()["gpu"])["free_mib"] != 18000:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    gpu = eventually(lambda: (g := s.status()["gpu"])["free_mib"] == 18000 and g)
+    assert gpu, s.status()["gpu"]
     assert gpu["name"] == "Fake RTX" and gpu["vendor"] == "nvidia" and gpu["source"] == "nvml"
     assert gpu["pci_bus_id"] == "0000:2b:00.0"  # NVML's form, written as the kernel writes it
     assert gpu["total_mib"] == 24576 and gpu["used_mib"] == 24576 - 18000

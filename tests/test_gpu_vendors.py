@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 import pytest
 from fake_gpu_tree import GIB, MIB, add_card, add_fd, amdgpu_fdinfo, set_memory
-from harness import Spillway, eventually, real_config, write_json
+from harness import PATIENCE_S, Spillway, eventually, real_config, write_json
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SpillwayFactory
@@ -49,7 +49,7 @@ async def child_now(s: Spillway) -> str:
             return str(r.headers["X-Spillway-Child"])
 
 
-def wait_for(s: Spillway, check: Any, timeout: float = 10.0) -> dict[str, Any]:
+def wait_for(s: Spillway, check: Any, timeout: float = PATIENCE_S) -> dict[str, Any]:
     """The status once `check` holds of it."""
     status = eventually(lambda: st if check(st := s.status()) else None, timeout)
     assert status, json.dumps(s.status().get("gpu"), indent=1)

@@ -9,7 +9,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from harness import fake_config
+from harness import eventually_async, fake_config
 
 from conftest import SpillwayFactory
 
@@ -62,7 +62,8 @@ async def test_a_retry_while_it_runs_gets_409_and_another_body_gets_422(
     s = spillway(fake_config(fake_server, tiny_model, gpu={"env": {"FAKE_TOKEN_DELAY_S": "0.2"}}))
     async with aiohttp.ClientSession() as http:
         running = asyncio.create_task(post(http, s.url, CHAT, "k-3"))
-        await asyncio.sleep(0.3)
+        # The first one running (1.6 s at the GPU child) before its retry is sent.
+        assert await eventually_async(lambda: s.child("gpu")["busy"] == 1)
         status, headers, body = await post(http, s.url, CHAT, "k-3")
         assert status == 409
         assert json.loads(body)["error"]["param"] == "Idempotency-Key"
@@ -95,7 +96,9 @@ async def test_past_the_hold_limit_headers_and_a_comment_flow_and_replay_is_give
         async with http.post(f"{s.url}/v1/chat/completions",
                              json={**CHAT, "stream": True}) as r:
             assert r.status == 200
-            first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), 0.9)
+            # The comment flows at the hold limit (0.3 s), before the child's first token
+            # (1 s): it is the first thing read.
+            first = await r.content.readuntil(b"\n\n")
             assert first.startswith(b": spillway: waiting")
             rest = await r.read()
     data = [line for line in rest.split(b"\n") if line.startswith(b"data: ")]

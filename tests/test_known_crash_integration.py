@@ -56,7 +56,7 @@ def test_amx_crash_loop_ends_with_its_remedy_and_the_remedy_brings_both_back(
         cpu_injector: Path) -> None:
     cfg = amx_config(llama_server, tiny_model, cpu_injector)
     s = spillway(cfg, wait_ready=False)
-    status = s.wait_state(("gpu", "cpu"), ("FATAL",), timeout=90)
+    status = s.wait_state(("gpu", "cpu"), ("FATAL",))
     for name in ("gpu", "cpu"):
         child = status["children"][name]
         # Two starts, not max_quick_failures (5): the same known crash twice is enough.
@@ -86,7 +86,7 @@ def test_amx_crash_loop_ends_with_its_remedy_and_the_remedy_brings_both_back(
          "--config", str(s.config_path)], capture_output=True, text=True, timeout=60,
         env=s.env)
     assert done.returncode == 0, done.stderr
-    ready = s.wait_state(("gpu", "cpu"), ("READY",), timeout=90)
+    ready = s.wait_state(("gpu", "cpu"), ("READY",))
     for name in ("gpu", "cpu"):
         assert ready["children"][name]["diagnosis"] is None  # the past crash is not news now
     code, body = s.post("/v1/chat/completions",
@@ -116,10 +116,10 @@ def test_sigill_at_a_request_is_replayed_and_the_incident_names_the_cause(
                                             "an instruction this CPU")
     assert "GGML_NATIVE=OFF" in record["known_crash"]
     # Back once (one crash proves nothing), then the same crash again: FATAL, with the remedy.
-    s.wait_state(("gpu",), ("READY",), timeout=60)
+    s.wait_state(("gpu",), ("READY",))
     code, answer = s.post("/v1/chat/completions", body, headers={"X-Request-Id": "sigill-2"})
     assert code == 200, answer
-    status = s.wait_state(("gpu",), ("FATAL",), timeout=30)
+    status = s.wait_state(("gpu",), ("FATAL",))
     gpu = status["children"]["gpu"]
     assert "known crash illegal_instruction" in gpu["reason"]
     assert gpu["diagnosis"]["signature"] == "illegal_instruction"

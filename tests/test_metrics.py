@@ -41,10 +41,13 @@ async def test_metrics_parse_and_count_what_happened(
         assert await asyncio.gather(chat(), chat(), chat()) == [200, 200, 200]
         async with http.post(f"{s.url}/v1/chat/completions", data=b"x" * 20000) as r:
             assert r.status == 413
+        # /props goes to the GPU child only once it is READY again after its death (else to
+        # the CPU child, by design): waited for, not assumed (on a busy machine its restart
+        # can outlast the requests above).
+        await asyncio.to_thread(s.wait_state, ("gpu",), ("READY",))
         async with http.get(f"{s.url}/props") as r:
             assert r.status == 200
-    s.wait_incidents(1)
-    s.wait_state(("gpu",), ("READY",))
+    await asyncio.to_thread(s.wait_incidents, 1)
     code, text = s.get("/spillway/metrics")
     assert code == 200
     families = {f.name: f for f in text_string_to_metric_families(text)}

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from cdp import Browser
-from harness import Spillway, eventually, real_config, write_json
+from harness import PATIENCE_S, Spillway, eventually, real_config, write_json
 
 from conftest import SpillwayFactory
 from supervisor.commands.cli import format_status
@@ -29,7 +29,7 @@ CARD = {"total_mib": 24576, "free_mib": 20000, "name": "Fake RTX", "uuid": "GPU-
         "pci_bus_id": "00000000:2B:00.0"}
 
 
-def wait_offload(s: Spillway, states: tuple[str, ...], timeout: float = 20.0
+def wait_offload(s: Spillway, states: tuple[str, ...], timeout: float = PATIENCE_S
                  ) -> dict[str, Any]:
     """The GPU child's offload once judged (not "not judged yet") and in one of `states`."""
     def judged() -> dict[str, Any] | None:
@@ -151,7 +151,7 @@ def test_require_offload_fails_the_start_and_the_cpu_child_answers(
     # Ended as it loads (llama-server's first line says it has no GPU; the tiny model may be
     # ready by the time the end reaches it), twice in a row: quick failures, so the crash-loop
     # back-off takes it to FATAL.
-    status = s.wait_state(("gpu",), ("FATAL",), timeout=60)
+    status = s.wait_state(("gpu",), ("FATAL",))
     gpu = status["children"]["gpu"]
     assert gpu["last_exit"]["kind"] == "no_offload"
     assert "not on the GPU as asked" in gpu["last_exit"]["evidence"]

@@ -114,7 +114,7 @@ def test_after_load_ooms_the_gpu_child_returns_when_the_card_has_room(
                       restart={"max_quick_failures": 2, "backoff_max_s": 30},
                       monitor={"sample_interval_s": 0.1})
     s = spillway(cfg, fake_nvml=nvml, wait_ready=False)
-    gpu = s.wait_state(("gpu",), ("FATAL",), timeout=20)["children"]["gpu"]
+    gpu = s.wait_state(("gpu",), ("FATAL",))["children"]["gpu"]
     assert gpu["last_exit"]["kind"] == "load_oom"
     assert "serving from the CPU child" in gpu["why"]
     s.wait_state(("cpu",), ("READY",))
@@ -124,7 +124,7 @@ def test_after_load_ooms_the_gpu_child_returns_when_the_card_has_room(
     time.sleep(0.5)
     assert s.child("gpu")["state"] == "FATAL"  # not yet: the card is still full
     write_json(nvml, total_mib=24576, free_mib=20000)
-    s.wait_state(("gpu",), ("READY",), timeout=20)
+    s.wait_state(("gpu",), ("READY",))
     assert "free again" in s.log_text()
     assert chat_child(s) == "gpu"
 
@@ -138,7 +138,7 @@ def test_a_gpu_child_that_crash_loops_at_start_heals_itself_and_says_when(
                       restart={"backoff_initial_s": 0.05, "backoff_max_s": 1.5,
                                "max_quick_failures": 2, "fatal_retry_max_s": 3})
     s = spillway(cfg, wait_ready=False)
-    status = s.wait_state(("gpu",), ("FATAL",), timeout=20)
+    status = s.wait_state(("gpu",), ("FATAL",))
     gpu = status["children"]["gpu"]
     assert gpu["last_exit"]["kind"] == "cuda_error"
     assert 0 < gpu["next_try_in_s"] <= 1.5
@@ -146,7 +146,7 @@ def test_a_gpu_child_that_crash_loops_at_start_heals_itself_and_says_when(
     table = spillway_cli("status", "--config", str(s.config_path))
     assert "tried again in" in table.stdout
     # Nobody does anything: the back-off tries again (once more FATAL, then READY).
-    s.wait_state(("gpu",), ("READY",), timeout=30)
+    s.wait_state(("gpu",), ("READY",))
     assert "try 2 from FATAL (crash-loop back-off)" in s.log_text()
     assert s.child("gpu")["next_try_in_s"] is None
     assert chat_child(s) == "gpu"
@@ -164,12 +164,12 @@ def test_a_fatal_gpu_child_is_tried_at_once_when_another_process_frees_the_card(
                                "max_quick_failures": 2},
                       monitor={"sample_interval_s": 0.1})
     s = spillway(cfg, fake_nvml=nvml, wait_ready=False)
-    gpu = s.wait_state(("gpu",), ("FATAL",), timeout=20)["children"]["gpu"]
+    gpu = s.wait_state(("gpu",), ("FATAL",))["children"]["gpu"]
     assert gpu["next_try_in_s"] > 200  # the back-off alone would wait minutes
     # The card has room, but nothing was freed since it went FATAL: no retry on every tick.
     time.sleep(1.0)
     assert s.child("gpu")["state"] == "FATAL"
     # Another process (a game, another model) quits and frees 8 GiB: tried at once.
     write_json(nvml, total_mib=24576, free_mib=20000)
-    s.wait_state(("gpu",), ("READY",), timeout=20)
+    s.wait_state(("gpu",), ("READY",))
     assert "MiB freed since it went FATAL" in s.log_text()

@@ -49,7 +49,7 @@ def test_an_invalid_file_keeps_the_running_config_and_says_why(
     typo = {**s.config, "restart": {**s.config["restart"], "backoff_initial": 2}}
     s.config_path.write_text(toml_dumps(typo))
     s.signal(signal.SIGHUP)
-    error = eventually(lambda: s.status()["config"]["error"], 10)
+    error = eventually(lambda: s.status()["config"]["error"])
     assert error and "restart.backoff_initial" in error and "backoff_initial_s" in error
     assert "reload refused, keeping the running config: restart.backoff_initial" in \
         s.log_text()
@@ -61,7 +61,7 @@ def test_an_invalid_file_keeps_the_running_config_and_says_why(
     # Fixed: the next reload clears the error.
     s.config_path.write_text(good)
     s.signal(signal.SIGHUP)
-    assert eventually(lambda: s.status()["config"]["error"] is None, 10)
+    assert eventually(lambda: s.status()["config"]["error"] is None)
 
 
 def test_the_file_watcher_applies_an_editors_save_at_once(
@@ -69,7 +69,7 @@ def test_the_file_watcher_applies_an_editors_save_at_once(
     s = spillway(fake_config(fake_server, tiny_model))
     assert s.post("/v1/chat/completions", CHAT)[0] == 200
     edit(s, server={"api_key": "new-key"})
-    assert eventually(lambda: s.post("/v1/chat/completions", CHAT)[0] == 401, 10)
+    assert eventually(lambda: s.post("/v1/chat/completions", CHAT)[0] == 401)
     status, _ = s.post("/v1/chat/completions", CHAT, {"Authorization": "Bearer new-key"})
     assert status == 200
     assert metric(s, "spillway_config_reloads_total", "new-key", result="applied") == 1
@@ -79,7 +79,7 @@ def test_a_listen_change_is_noted_for_the_next_restart(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
     s = spillway(fake_config(fake_server, tiny_model))
     edit(s, server={"listen": "127.0.0.1:1"}, queue={"max_waiting": 3})
-    notes = eventually(lambda: s.status()["config"]["restart_needed"], 10)
+    notes = eventually(lambda: s.status()["config"]["restart_needed"])
     assert notes == ["server.listen changed: it takes effect when spillway restarts"]
     assert s.status()["queue"]["max_waiting"] == 3  # the rest applied
 
@@ -90,7 +90,7 @@ def test_a_small_child_given_by_a_reload_waits_for_the_next_restart(
     and the rest of the change applies."""
     s = spillway(fake_config(fake_server, tiny_model))
     edit(s, small={"path": str(tiny_model)}, queue={"max_waiting": 5})
-    notes = eventually(lambda: s.status()["config"]["restart_needed"], 10)
+    notes = eventually(lambda: s.status()["config"]["restart_needed"])
     assert notes == ["small.path was given or removed, or small.models changed: that takes "
                      "effect when spillway restarts"]
     assert s.status()["queue"]["max_waiting"] == 5
@@ -121,13 +121,13 @@ async def test_a_reload_that_changes_a_childs_args_under_traffic_drops_no_reques
 
     async with aiohttp.ClientSession() as http:
         clients = [asyncio.create_task(traffic(http, i % 2 == 1)) for i in range(4)]
-        await eventually_async(lambda: len(results) >= 8, 20)
+        await eventually_async(lambda: len(results) >= 8)
         # The GPU child's command changes: it must be drained and restarted.
         edit(s, gpu={"args": ["-ngl", "99", "-b", "512"]})
         await eventually_async(lambda: s.child("gpu")["pid"] not in (None, gpu_pid) and
                                s.child("gpu")["state"] == "READY", 30)
         before = len(results)
-        await eventually_async(lambda: len(results) >= before + 8, 20)
+        await eventually_async(lambda: len(results) >= before + 8)
         stop.set()
         await asyncio.gather(*clients)
     assert results and all(r == 200 for r in results), (results, odd)

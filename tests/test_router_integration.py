@@ -19,6 +19,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from harness import (
+    PATIENCE_S,
     Spillway,
     eventually,
     eventually_async,
@@ -51,7 +52,7 @@ async def post(http: aiohttp.ClientSession, s: Spillway,
 
 
 def wait_model(s: Spillway, child: str, model: str, state: str = "READY",
-               timeout: float = 30.0) -> None:
+               timeout: float = PATIENCE_S) -> None:
     assert eventually(lambda: model_state(s, child, model) == state, timeout), \
         (model_state(s, child, model), s.log_tail())
 
@@ -146,8 +147,13 @@ async def test_router_routes_pass_through_and_act_on_the_gpu_router(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("stream", [False, True])
 async def test_an_instance_death_replays_on_the_cpu_router_for_the_same_model(
-        spillway: SpillwayFactory, llama_server: Path, models_dir: Path, stream: bool) -> None:
-    s = spillway(router_config(llama_server, models_dir))
+        spillway: SpillwayFactory, llama_server: Path, slow_models_dir: Path,
+        stream: bool) -> None:
+    # The arm acts on the instance's launch line as the router relays it, a moment behind the
+    # instance: alpha is the slow model, and the prompt long (some 500 tokens), so that the
+    # instance is still processing it then (with the tiny model and a short prompt, the answer
+    # was whole, or 370 tokens of the stream out, before the SIGABRT on a busy machine).
+    s = spillway(router_config(llama_server, slow_models_dir))
     async with aiohttp.ClientSession() as http:
         for model in ("alpha", "beta"):  # both loaded on the GPU router
             assert (await post(http, s, chat(model)))[0] == 200
@@ -156,8 +162,9 @@ async def test_an_instance_death_replays_on_the_cpu_router_for_the_same_model(
         assert code == 200 and armed["model"] == "alpha", armed
         rid = f"router-death-{'stream' if stream else 'whole'}"
         async with http.post(f"{s.url}/v1/chat/completions",
-                             json=chat("alpha", "a prompt for the doomed instance",
-                                       max_tokens=24, stream=stream),
+                             json=chat("alpha", "a prompt for the doomed instance " +
+                                       " ".join(["hello world"] * 60), max_tokens=64,
+                                       ignore_eos=True, stream=stream),
                              headers={"X-Request-Id": rid}) as r:
             body = await r.read()
             headers = r.headers
@@ -240,11 +247,13 @@ async def test_a_model_that_would_not_fit_the_free_vram_goes_to_the_cpu_router(
 
 @pytest.mark.asyncio
 async def test_a_second_model_loading_kills_the_first_ones_instance_and_its_work_is_not_lost(
-        spillway: SpillwayFactory, llama_server: Path, models_dir: Path) -> None:
+        spillway: SpillwayFactory, llama_server: Path, slow_models_dir: Path) -> None:
     # The article's scenario, simulated: while a request for alpha runs on the GPU router,
     # beta is loaded there and alpha's instance dies (SIGABRT as beta's instance is spawned,
-    # standing in for the allocation that fails when beta takes the last VRAM).
-    s = spillway(router_config(llama_server, models_dir))
+    # standing in for the allocation that fails when beta takes the last VRAM). alpha is the
+    # slow model: the tiny one's answer (a slot of 1,024 tokens) could be done before beta's
+    # spawn line was read on a busy machine.
+    s = spillway(router_config(llama_server, slow_models_dir))
     async with aiohttp.ClientSession() as http:
         assert (await post(http, s, chat("alpha")))[0] == 200
         code, armed = s.arm({"model": "alpha", "when": "neighbour_load"})
@@ -252,7 +261,7 @@ async def test_a_second_model_loading_kills_the_first_ones_instance_and_its_work
         running = asyncio.create_task(post(http, s, chat(
             "alpha", "a long answer", max_tokens=6000, ignore_eos=True)))
         assert await eventually_async(
-            lambda: s.child("gpu")["models"]["alpha"]["in_flight"] == 1, 10)
+            lambda: s.child("gpu")["models"]["alpha"]["in_flight"] == 1)
         async with http.post(f"{s.url}/models/load", json={"model": "beta"}) as r:
             assert r.status == 200
         code, headers, body = await running
@@ -266,8 +275,9 @@ async def test_a_second_model_loading_kills_the_first_ones_instance_and_its_work
 
 @pytest.mark.asyncio
 async def test_in_router_mode_the_agent_weighs_the_gpu_routers_loaded_models(
-        spillway: SpillwayFactory, llama_server: Path, models_dir: Path) -> None:
-    s = spillway(router_config(llama_server, models_dir,
+        spillway: SpillwayFactory, llama_server: Path, slow_models_dir: Path) -> None:
+    # (alpha the slow model: its long answer still runs when the agent is asked.)
+    s = spillway(router_config(llama_server, slow_models_dir,
                                balancer={"agent_listen": f"127.0.0.1:{free_port()}"}))
     assert s.agent_line() == "up ready 100%"  # the GPU router is up, nothing loaded yet
     async with aiohttp.ClientSession() as http:
@@ -275,7 +285,7 @@ async def test_in_router_mode_the_agent_weighs_the_gpu_routers_loaded_models(
         running = asyncio.create_task(post(http, s, chat(
             "alpha", "a long answer", max_tokens=6000, ignore_eos=True)))
         assert await eventually_async(
-            lambda: s.child("gpu")["models"]["alpha"]["in_flight"] == 1, 10)
+            lambda: s.child("gpu")["models"]["alpha"]["in_flight"] == 1)
         assert s.agent_line() == "up ready 50%"  # one of alpha's two GPU slots is busy
         code, _, _ = await running
     assert code == 200
@@ -284,13 +294,15 @@ async def test_in_router_mode_the_agent_weighs_the_gpu_routers_loaded_models(
 
 @pytest.mark.asyncio
 async def test_a_stream_whose_instance_dies_mid_answer_continues_on_the_cpu_router(
-        spillway: SpillwayFactory, llama_server: Path, models_dir: Path) -> None:
+        spillway: SpillwayFactory, llama_server: Path, slow_models_dir: Path) -> None:
     """Router mode: alpha's instance on the GPU router is killed (SIGABRT) after the client
-    has part of the stream; the same stream goes on from alpha on the CPU router."""
+    has part of the stream; the same stream goes on from alpha on the CPU router. alpha is
+    the slow model: the tiny one could write all 600 tokens before the kill on a busy
+    machine."""
     import os
     import signal
 
-    s = spillway(router_config(llama_server, models_dir))
+    s = spillway(router_config(llama_server, slow_models_dir))
     async with aiohttp.ClientSession() as http:
         assert (await post(http, s, chat("alpha")))[0] == 200
         victim = s.child("gpu")["models"]["alpha"]["pid"]
@@ -313,7 +325,8 @@ async def test_a_stream_whose_instance_dies_mid_answer_continues_on_the_cpu_rout
     assert '"error"' not in text
     assert ": spillway: continued on the cpu child after the gpu child failed" in text
     chunks = [json.loads(e[6:]) for e in events]
-    assert sum(1 for c in chunks for ch in c["choices"] if ch["delta"].get("role")) == 1
+    assert sum(1 for c in chunks for ch in c["choices"] if ch["delta"].get("role")) == 1, \
+        text[:3000]
     assert len({c["id"] for c in chunks}) == 1
     final = [c for c in chunks if c["choices"] and c["choices"][0].get("finish_reason")]
     assert len(final) == 1 and final[0]["spillway_continuation"]["child"] == "cpu"

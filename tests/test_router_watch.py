@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+from harness import PATIENCE_S, until
 from test_router_upstream import FakeLoader, FakeRouter, told
 
 from supervisor.policy.lifecycle import ChildState as S
@@ -35,6 +36,8 @@ class FakeRouterServer:
         self.listings = 0
         self.streams = 0
         self.keys: list[str | None] = []
+        self.gate: asyncio.Event | None = None  # when set here, /models answers once it is set
+        self.asked = 0  # /models requests received (held by the gate or not)
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -43,6 +46,9 @@ class FakeRouterServer:
         return app
 
     async def models(self, request: web.Request) -> web.Response:
+        self.asked += 1
+        if self.gate is not None:
+            await self.gate.wait()
         self.listings += 1
         self.keys.append(request.headers.get("Authorization"))
         return web.json_response({"object": "list", "data": [
@@ -89,21 +95,47 @@ async def test_a_dropped_event_stream_is_reconnected_and_the_listing_read_again(
         watch = RouterWatch(router, upstream_for, lambda: session)  # type: ignore[arg-type]
         router.to(S.STARTING)
         router.to(S.READY)  # the watch starts following
-        for _ in range(100):
-            if "alpha" in upstreams and upstreams["alpha"].state is S.READY:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: "alpha" in upstreams and upstreams["alpha"].state is S.READY)
         assert upstreams["alpha"].state is S.READY and upstreams["beta"].state is S.STOPPED
         # While the stream is down, alpha's instance died and nobody sent the event: the
         # listing read on reconnecting says so.
         fake.status["alpha"] = "unloaded"
-        for _ in range(100):
-            if fake.streams >= 2 and upstreams["alpha"].state is not S.READY:
-                break
-            await asyncio.sleep(0.02)
+        await until(lambda: fake.streams >= 2 and upstreams["alpha"].state is not S.READY)
         assert fake.listings >= 2 and fake.streams >= 2
         assert upstreams["alpha"].state is S.STOPPED  # an instance gone without a failure code
         assert set(fake.keys) == {"Bearer k"}  # the router's private key, on every question
+        await watch.close()
+    await server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_router_just_ready_is_waited_for_until_it_has_listed_its_models() -> None:
+    # A request for alpha sent as Spillway became ready went to the routers' own pool (alpha's
+    # entry not yet made: the listing not yet read), and the GPU router answered 400 `model is
+    # not loaded`. Requests that name a model wait for `listed_since_ready` (RouterModels.listed).
+    fake = FakeRouterServer()
+    fake.gate = asyncio.Event()
+    server = TestServer(fake.app())
+    await server.start_server()
+    router = FakeRouter()
+    router.state = S.STOPPED
+    router.base_url = f"http://127.0.0.1:{server.port}"
+    router.line_listeners = []  # type: ignore[attr-defined]
+    router.pid = None  # type: ignore[attr-defined]
+    upstreams, upstream_for = upstream_maker(router)
+    async with aiohttp.ClientSession() as session:
+        watch = RouterWatch(router, upstream_for, lambda: session)  # type: ignore[arg-type]
+        assert watch.listed_since_ready.is_set()  # not serving: nothing to wait for
+        router.to(S.STARTING)
+        router.to(S.READY)
+        assert not watch.listed_since_ready.is_set()
+        await until(lambda: fake.asked == 1)  # the listing asked for, and held
+        assert not watch.listed_since_ready.is_set() and upstreams == {}
+        fake.gate.set()
+        await asyncio.wait_for(watch.listed_since_ready.wait(), PATIENCE_S)
+        assert set(upstreams) == {"alpha", "beta"}  # every model's entry made by then
+        router.to(S.STOPPING)  # not serving: nothing to wait for again
+        assert watch.listed_since_ready.is_set()
         await watch.close()
     await server.close()
 

@@ -51,7 +51,7 @@ def test_a_child_failing_every_request_is_drained_and_restarted(
     flag.unlink()  # the restart heals it
     status, answer = s.post("/v1/chat/completions", body)
     assert status == 200
-    assert eventually(lambda: s.child("gpu")["restarts"] >= 1, timeout=30)
+    assert eventually(lambda: s.child("gpu")["restarts"] >= 1)
     assert f"[gpu] sick ({kind})" in s.log_text()
     _, timeline = s.get("/spillway/timeline")
     drained = [t for t in timeline["events"] if t["child"] == "gpu" and t["state"] == "DRAINING"]

@@ -25,7 +25,16 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from cdp import Browser, Page
-from harness import REPO, Spillway, real_config, router_config, write_json
+from harness import (
+    DOOMED_TOKENS,
+    PATIENCE_S,
+    REPO,
+    Spillway,
+    real_config,
+    router_config,
+    until,
+    write_json,
+)
 from test_own_routes import make_routes
 
 from conftest import SpillwayFactory
@@ -202,7 +211,7 @@ def daemon(spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, tmp_
     return s, nvml
 
 
-async def updated(page: Page, more_than: int = 0, timeout: float = 15.0) -> int:
+async def updated(page: Page, more_than: int = 0, timeout: float = PATIENCE_S) -> int:
     """The page's count of refreshes, once it is past `more_than`."""
     return int(await page.wait_for(
         f"Number(document.body.dataset.updates || 0) > {more_than} && "
@@ -229,7 +238,8 @@ async def test_the_page_renders_and_follows_the_daemon_without_a_reload(
     on_the_card(nvml, s, free_mib=19800)
     # An incident for the incidents pane: the GPU child dies as the request's task launches.
     assert s.arm({})[0] == 200
-    code, _ = await asyncio.to_thread(s.post, "/v1/chat/completions", CHAT)
+    code, _ = await asyncio.to_thread(s.post, "/v1/chat/completions",
+                                      {**CHAT, "max_tokens": DOOMED_TOKENS, "ignore_eos": True})
     assert code == 200
     [incident] = await asyncio.to_thread(s.wait_incidents, 1)
     await asyncio.to_thread(s.wait_ready)
@@ -244,7 +254,7 @@ async def test_the_page_renders_and_follows_the_daemon_without_a_reload(
         # The chart: free, used and each child's own, each with points.
         series = await page.wait_for(
             f"(() => {{ const s = {SERIES}; return Object.keys(s).length === 4 && "
-            "Object.values(s).every(n => n >= 2) && s; })()", timeout=20)
+            "Object.values(s).every(n => n >= 2) && s; })()")
         assert set(series) == {"free", "used", "child:gpu", "child:cpu"}, series
         legend = await page.evaluate("document.querySelector('#legend').textContent")
         assert "gpu child" in legend and "GiB" in legend
@@ -264,7 +274,7 @@ async def test_the_page_renders_and_follows_the_daemon_without_a_reload(
             "document.querySelector('li[data-series=\"child:gpu\"] strong').textContent"
             " === 'not running'")
         assert (await asyncio.to_thread(s.post, "/spillway/gpu/resume", {}))[0] == 200
-        await page.wait_for(f"{card('gpu')}.state === 'READY'", timeout=30)
+        await page.wait_for(f"{card('gpu')}.state === 'READY'")
         assert await page.evaluate("window.sameDocument") is True
         on_the_card(nvml, s, free_mib=19700)
         await updated(page, await updated(page) + 1)
@@ -273,10 +283,8 @@ async def test_the_page_renders_and_follows_the_daemon_without_a_reload(
         # The policy holds in a real browser: an injected inline script does not run.
         await page.evaluate("document.body.append(Object.assign(document.createElement("
                             "'script'), {textContent: 'window.injected = true'})); 0")
-        for _ in range(100):  # the browser reports the refusal a moment later
-            if any("Content Security Policy" in p for p in page.problems):
-                break
-            await asyncio.sleep(0.05)
+        # The browser reports the refusal a moment later.
+        await until(lambda: any("Content Security Policy" in p for p in page.problems))
         assert any("Content Security Policy" in p for p in page.problems), page.problems
         assert await page.evaluate("window.injected") is None
     assert png.startswith(b"\x89PNG")
@@ -330,9 +338,9 @@ async def test_a_button_asks_first_then_does_what_it_says(
         await page.click("#confirm-yes")
         await page.wait_for(
             "document.querySelector('#action-message[data-action=resume]')?.textContent")
-        await asyncio.to_thread(s.wait_state, ("gpu",), ("READY",), 30.0)
+        await asyncio.to_thread(s.wait_state, ("gpu",), ("READY",))
         assert s.child("gpu")["paused"] is False
-        await page.wait_for(f"{card('gpu')}.state === 'READY'", timeout=20)
+        await page.wait_for(f"{card('gpu')}.state === 'READY'")
         assert page.problems == []
 
 

@@ -162,6 +162,8 @@ class ProxyHandler:
             ctx.conversation = conversation
         if self.pools.router:
             named = payload.get("model") if payload else request.query.get("model")
+            if isinstance(named, str):
+                await self.pools.listed()  # a router just ready: its models known first
             ctx.model = self.pools.for_model(named if isinstance(named, str) else None,
                                              request.path)[0]
         idem_key = request.headers.get("Idempotency-Key")

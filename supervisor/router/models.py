@@ -12,6 +12,7 @@ M that fails on the GPU router is replayed on the CPU router for M.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Mapping
@@ -34,6 +35,10 @@ from .upstream import ModelUpstream
 from .watch import RouterWatch
 
 log = logging.getLogger("spillway.router")
+
+# The longest a request naming a model waits for a router's first listing (its GET /models is
+# given 10 s; past that, the request goes on as naming no known model, as before).
+LISTING_WAIT_S = 10.0
 
 
 @dataclass
@@ -188,6 +193,17 @@ class RouterModels:
     def dispatch(self) -> None:
         for entry in self.entries.values():
             entry.pool.dispatch()
+
+    async def listed(self, timeout: float = LISTING_WAIT_S) -> None:
+        """Until every router that is ready has listed its models since it became ready (at
+        most `timeout`): a request for a model sent as Spillway became ready went to the
+        routers' own pool as naming no known model, and the GPU router, which loads only what
+        Spillway asks, answered 400 `model is not loaded`."""
+        pending = [w.listed_since_ready.wait() for w in self.watches.values()
+                   if not w.listed_since_ready.is_set()]
+        if pending:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*pending), timeout)
 
     def listing(self) -> list[str]:
         """The models in the routers' own order (the GPU router's first)."""

@@ -56,6 +56,11 @@ class RouterWatch:
         self._ports: dict[int, str] = {}  # instance port -> model
         self._followed: set[str] = set()  # the models whose READY it is told of
         self._task: asyncio.Task[None] | None = None
+        # Set when nothing is to be waited for: the router is not serving, or it has listed
+        # its models since it became ready (or failed to). Cleared in between: a request that
+        # names a model must not be served as naming none while its entry is not yet made.
+        self.listed_since_ready = asyncio.Event()
+        self.listed_since_ready.set()
         child.line_listeners.append(self.heard_line)
         child.listeners.append(self._router_changed)
 
@@ -103,11 +108,14 @@ class RouterWatch:
                         reason: str) -> None:
         if new is ChildState.READY and (self._task is None or self._task.done()):
             self._ports.clear()
+            self.listed_since_ready.clear()
             self._task = asyncio.get_running_loop().create_task(
                 self._follow(), name=f"router-watch-{child.name}")
-        elif new not in SERVING and self._task is not None:
-            self._task.cancel()
-            self._task = None
+        elif new not in SERVING:
+            self.listed_since_ready.set()
+            if self._task is not None:
+                self._task.cancel()
+                self._task = None
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.child.api_key}"}
@@ -120,6 +128,9 @@ class RouterWatch:
                 await self._events()
             except (aiohttp.ClientError, TimeoutError, ValueError) as e:
                 log.info("[%s] model events: %s; reconnecting", self.child.name, e)
+            finally:
+                # A listing that failed is not waited for: requests go on as before.
+                self.listed_since_ready.set()
             await asyncio.sleep(RECONNECT_S)
 
     async def refresh(self) -> None:
@@ -134,6 +145,7 @@ class RouterWatch:
             if info.status == "loaded" and info.port:
                 self._ports[info.port] = info.name
             self._upstream(info.name).heard_listing(info)
+        self.listed_since_ready.set()
 
     async def _events(self) -> None:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=None)

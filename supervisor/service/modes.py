@@ -108,7 +108,7 @@ class RouterMode:
         return self._models
 
     def pools(self) -> Pools:
-        return Pools(self.pool, self.find_model, self._models.pools)
+        return Pools(self.pool, self.find_model, self._models.pools, self._models.listed)
 
     def find_model(self, name: str) -> tuple[str, Pool] | None:
         entry = self._models.find(name)

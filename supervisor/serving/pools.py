@@ -9,7 +9,7 @@ router answers in its own words (`model 'x' not found`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 
 from .pool import Pool
 
@@ -23,14 +23,22 @@ ROUTER_ROUTES = frozenset({"/models/load", "/models/unload"})
 
 class Pools:
     def __init__(self, main: Pool, lookup: ModelLookup | None = None,
-                 every: Callable[[], list[Pool]] | None = None) -> None:
+                 every: Callable[[], list[Pool]] | None = None,
+                 listed: Callable[[], Awaitable[None]] | None = None) -> None:
         self.main = main
         self.lookup = lookup
         self._every = every
+        self._listed = listed
 
     @property
     def router(self) -> bool:
         return self.lookup is not None
+
+    async def listed(self) -> None:
+        """Until the models are known that a router which has just become ready serves (its
+        listing read): asked before `for_model` for a request that names a model."""
+        if self._listed is not None:
+            await self._listed()
 
     def for_model(self, model: str | None, path: str = "") -> tuple[str | None, Pool]:
         """(the model's canonical name, its pool); (None, the main pool) when the request names

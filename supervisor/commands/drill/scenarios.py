@@ -82,6 +82,7 @@ class Drill:
         self.model = client.model  # router mode: the drilled model (A); None: single-model
         self.second = second_model  # router mode: the model that loads next to it (B)
         self._words_per_token: dict[str | None, float] = {}  # by child (None: the model's)
+        self._per_s: float | None = None  # the GPU child's tokens a second, once measured
 
     @property
     def gpu(self) -> str:
@@ -121,6 +122,24 @@ class Drill:
     async def messages(self, tokens: int, note: str = "") -> list[dict[str, str]]:
         text = await self.prompt(tokens)
         return [{"role": "user", "content": f"{note} Summarise: {text}"}]
+
+    async def armed(self, asked: int) -> tuple[int, dict[str, Any]]:
+        """max_tokens and the extra fields of a request the simulated failure is armed for
+        (asked before the failure is armed: it may measure the GPU child's speed). The arm acts
+        as Spillway reads the child's task-launch line, while the child goes on: a small fast
+        model (the tests' own) answered a few tokens whole before the line was read on a busy
+        machine, and nothing was caught. So, simulated: about a second of answer at the GPU
+        child's own speed, its end of text ignored, at most half a slot (the prompt may leave
+        less: the answer then stops at the slot's end), never less than asked. With ballast (a
+        real GPU) the memory fails the request, not a read: as asked."""
+        if not self.provoker.simulated:
+            return asked, {}
+        wanted = max(asked, int(await self._speed()))
+        slots = [int(ctx) for child in (GPU_CHILD, CPU_CHILD)
+                 if (ctx := self._info(await self.client.status(), child).get("ctx_per_slot"))]
+        if slots:
+            wanted = min(wanted, max(asked, min(slots) // 2))
+        return wanted, {"ignore_eos": True}
 
     async def settle(self) -> None:
         """Wait until the GPU child (router mode: A on the GPU router) is back before the next
@@ -172,9 +191,11 @@ class Drill:
     async def non_streaming(self) -> ScenarioResult:
         r = self._new(1, "a non-streaming request over the GPU profile",
                       "completed once on the CPU child (2 attempts), request id kept")
+        tokens, extra = await self.armed(16)
         before = await self.client.tasks_started()
         async with self.failing():
-            sent = await self.client.chat(1, await self.messages(self.prompt_tokens), 16)
+            sent = await self.client.chat(1, await self.messages(self.prompt_tokens), tokens,
+                                          extra=extra)
         r.requests.append(sent)
         r.executions = await self._executions(before)
         await self.settle()
@@ -183,9 +204,10 @@ class Drill:
     async def streaming(self) -> ScenarioResult:
         r = self._new(2, "the same request, streamed",
                       "a whole stream ([DONE], no error event) from the CPU child, 2 attempts")
+        tokens, extra = await self.armed(16)
         async with self.failing():
-            sent = await self.client.chat(2, await self.messages(self.prompt_tokens), 16,
-                                          stream=True)
+            sent = await self.client.chat(2, await self.messages(self.prompt_tokens), tokens,
+                                          stream=True, extra=extra)
         r.requests.append(sent)
         await self.settle()
         return r
@@ -193,9 +215,11 @@ class Drill:
     async def cancellation(self) -> ScenarioResult:
         r = self._new(3, "cancellation: the client leaves during the failover",
                       "the replay is cancelled with its client: no work left on the CPU child")
+        tokens, extra = await self.armed(400)
         async with self.failing():
-            sent = await self.client.chat(3, await self.messages(self.prompt_tokens), 400,
-                                          stream=True, leave_after_first_event=True)
+            sent = await self.client.chat(3, await self.messages(self.prompt_tokens), tokens,
+                                          stream=True, leave_after_first_event=True,
+                                          extra=extra)
         r.requests.append(sent)
         # The CPU child must let go of the abandoned replay (llama-server notices a closed
         # stream at its next write). Polled slowly: /slots answers wake llama-server's waits.
@@ -217,11 +241,12 @@ class Drill:
         r = self._new(4, f"concurrent traffic: {clients} clients during the failure",
                       "each completed exactly once or got a controlled error (503/502 JSON, or "
                       "one SSE error event)")
+        tokens, extra = await self.armed(48)
         before = await self.client.tasks_started()
         async with self.failing():
             tasks = [asyncio.create_task(self.client.chat(
-                4, await self.messages(self.prompt_tokens // 2, f"client {i}."), 48,
-                stream=i % 2 == 1)) for i in range(clients)]
+                4, await self.messages(self.prompt_tokens // 2, f"client {i}."), tokens,
+                stream=i % 2 == 1, extra=extra)) for i in range(clients)]
             r.requests.extend(await asyncio.gather(*tasks))
         r.executions = await self._executions(before)
         await self.settle()
@@ -235,12 +260,14 @@ class Drill:
         messages: list[dict[str, str]] = await self.messages(self.prompt_tokens // 4,
                                                              "Plan a trip.")
         for step in range(steps):
+            tokens, extra = 12, dict[str, Any]()
             if step == fail_before_step:
+                tokens, extra = await self.armed(tokens)
                 ctx: contextlib.AbstractAsyncContextManager[None] = self.failing()
             else:
                 ctx = contextlib.nullcontext()
             async with ctx:
-                answer = await self._model_call(r, messages, step)
+                answer = await self._model_call(r, messages, step, tokens, extra)
             if answer is None:
                 r.notes.append(f"step {step}: the model call was never answered")
                 break
@@ -253,12 +280,12 @@ class Drill:
         return r
 
     async def _model_call(self, r: ScenarioResult, messages: list[dict[str, str]],
-                          step: int) -> str | None:
+                          step: int, tokens: int, extra: dict[str, Any]) -> str | None:
         """One model call, retried (never the tool) on a controlled error, with the same
         Idempotency-Key, as a careful agent does."""
         key = f"drill-agent-{id(r)}-step-{step}"
         for _ in range(4):
-            sent = await self.client.chat(5, messages, 12,
+            sent = await self.client.chat(5, messages, tokens, extra=extra,
                                           headers={"Idempotency-Key": key})
             r.requests.append(sent)
             if sent.complete:
@@ -288,11 +315,34 @@ class Drill:
                 r.notes.append(f"the GPU child could not be stopped: {answer}")
 
         await self.settle()
+        max_tokens = await self._cut_answer(cut_after)
         r.requests.append(await self.client.chat(
-            7, await self.messages(16, "Write a long story."), cut_after * 8, stream=True,
+            7, await self.messages(16, "Write a long story."), max_tokens, stream=True,
             extra={"ignore_eos": True}, cut=(cut_after, stop_the_gpu)))
         await self.settle()
         return r
+
+    async def _cut_answer(self, cut_after: int, seconds: float = 3.0) -> int:
+        """max_tokens for scenario 7's stream: about `seconds` of answer at the GPU child's own
+        speed, so that the child is still generating when the drill's word to stop it arrives
+        (the word goes from the drill through Spillway while the child goes on writing: a small
+        fast model wrote a fixed 64 tokens, and then 370 tokens sized by a 2 s guess, before it
+        on a busy machine, and the stream was never cut); within the smaller slot less its
+        short prompt, so that the CPU child can go on from the cut; and at least 8 tokens an
+        event read before the cut."""
+        floor = cut_after * 8
+        wanted = max(floor, int(await self._speed() * seconds))
+        status = await self.client.status()
+        slots = [int(ctx) for child in (GPU_CHILD, CPU_CHILD)
+                 if (ctx := self._info(status, child).get("ctx_per_slot"))]
+        return min(wanted, max(floor, min(slots) - 64)) if slots else wanted
+
+    def _info(self, status: dict[str, Any], child: str) -> dict[str, Any]:
+        """A child's figures in the status; in router mode, the drilled model's on it."""
+        if self.model is not None:
+            return model_info(status, child, self.model)
+        found: dict[str, Any] = status["children"].get(child) or {}
+        return found
 
     # --- scenario 6: a second model takes the last VRAM (router mode) -------------------------
 
@@ -338,14 +388,30 @@ class Drill:
     async def _long_answer(self, seconds: float = 4.0) -> int:
         """max_tokens for an answer of about `seconds` on the GPU router (A's own speed, from a
         short request's timings), so that A's requests are still running when B loads."""
-        body = {"model": self.model, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
-                "messages": await self.messages(16, "Warm up.")}
-        try:
-            answer = await self.client.post_json("/v1/chat/completions", body)
-            per_s = float((answer.get("timings") or {}).get("predicted_per_second") or 0)
-        except Exception:  # noqa: BLE001 - a guess is still a length
-            per_s = 0.0
+        per_s = await self._speed()
         return 256 if per_s <= 0 else max(64, min(4096, int(per_s * seconds)))
+
+    async def _speed(self) -> float:
+        """The GPU child's (router mode: A's on the GPU router) tokens a second, from a short
+        answer's timings, measured once a drill; 0 when it cannot say."""
+        if self._per_s is None:
+            self._per_s = await self._measure_speed()
+        return self._per_s
+
+    async def _measure_speed(self) -> float:
+        # 64 tokens: a child that has just started is slow for its first few (a 16-token
+        # measure on a busy machine said 185 tokens a second of a child that then ran 1,440).
+        body: dict[str, Any] = {"max_tokens": 64, "temperature": 0, "ignore_eos": True,
+                                "messages": await self.messages(16, "Warm up.")}
+        if self.model is not None:
+            body["model"] = self.model
+        try:
+            # (PLAIN where a small child serves: the speed is the GPU child's, not its.)
+            pin = {"X-Spillway-Fallback": self.client.fallback} if self.client.fallback else {}
+            answer = await self.client.post_json("/v1/chat/completions", body, **pin)
+            return float((answer.get("timings") or {}).get("predicted_per_second") or 0)
+        except Exception:  # noqa: BLE001 - a guess is still a length
+            return 0.0
 
     async def _while_loading(self, models: dict[str, Any], max_tokens: int,
                              clients: int) -> list[Sent]:
@@ -404,9 +470,10 @@ class Drill:
         text = await self._for_both(status)
         gpu_was = state_of(status, GPU_CHILD)
         # The request the GPU child loses accepts the smaller model: rerouted, not replayed.
+        tokens, extra = await self.armed(16)
         async with self.failing():
             first = await self.client.chat(8, [{"role": "user", "content": f"Summarise: {text}"}],
-                                           16, headers=SMALLER)
+                                           tokens, headers=SMALLER, extra=extra)
         first.gpu_when_sent = gpu_was
         r.requests.append(first)
         # While the GPU child is down: more that accept the smaller model (as many as the small
