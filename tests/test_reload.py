@@ -41,6 +41,40 @@ def edit(s: Spillway, **sections: dict[str, Any]) -> None:
     os.replace(tmp, s.config_path)
 
 
+async def reload_under_traffic(s: Spillway, change: dict[str, Any],
+                               done: Any) -> list[int]:
+    """Four clients (two streaming) send requests while `change` is saved; each answer's
+    status (negative: incomplete); back once `done()` holds and eight more were answered, each
+    of them whole."""
+    results: list[int] = []
+    odd: list[Any] = []
+    stop = asyncio.Event()
+
+    async def client(http: aiohttp.ClientSession, stream: bool) -> None:
+        while not stop.is_set():
+            async with http.post(f"{s.url}/v1/chat/completions",
+                                 json={**CHAT, "max_tokens": 24, "stream": stream}) as r:
+                body = await r.read()
+                complete = r.status == 200 and (
+                    body.rstrip().endswith(b"data: [DONE]") if stream
+                    else bool(json.loads(body)["choices"]))
+                results.append(r.status if complete else -r.status)
+                if not complete:
+                    odd.append((r.status, stream, body[-300:]))
+
+    async with aiohttp.ClientSession() as http:
+        clients = [asyncio.create_task(client(http, i % 2 == 1)) for i in range(4)]
+        await eventually_async(lambda: len(results) >= 8)
+        edit(s, **change)
+        assert await eventually_async(done), s.status()["config"]
+        before = len(results)
+        await eventually_async(lambda: len(results) >= before + 8)
+        stop.set()
+        await asyncio.gather(*clients)
+    assert results and all(r == 200 for r in results), (results, odd)
+    return results
+
+
 def test_an_invalid_file_keeps_the_running_config_and_says_why(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
     s = spillway(fake_config(fake_server, tiny_model))
@@ -104,33 +138,10 @@ async def test_a_reload_that_changes_a_childs_args_under_traffic_drops_no_reques
         spillway: SpillwayFactory, llama_server: Path, tiny_model: Path) -> None:
     s = spillway(real_config(llama_server, tiny_model))
     gpu_pid, cpu_pid = s.child("gpu")["pid"], s.child("cpu")["pid"]
-    results: list[int] = []
-    odd: list[Any] = []
-    stop = asyncio.Event()
-
-    async def traffic(http: aiohttp.ClientSession, stream: bool) -> None:
-        while not stop.is_set():
-            async with http.post(f"{s.url}/v1/chat/completions",
-                                 json={**CHAT, "max_tokens": 24, "stream": stream}) as r:
-                body = await r.read()
-                complete = (r.status == 200 and (not stream or body.rstrip().endswith(
-                    b"data: [DONE]")) and (stream or json.loads(body)["choices"]))
-                results.append(r.status if complete else -r.status)
-                if not complete:
-                    odd.append((r.status, stream, dict(r.headers), body[-300:]))
-
-    async with aiohttp.ClientSession() as http:
-        clients = [asyncio.create_task(traffic(http, i % 2 == 1)) for i in range(4)]
-        await eventually_async(lambda: len(results) >= 8)
-        # The GPU child's command changes: it must be drained and restarted.
-        edit(s, gpu={"args": ["-ngl", "99", "-b", "512"]})
-        await eventually_async(lambda: s.child("gpu")["pid"] not in (None, gpu_pid) and
-                               s.child("gpu")["state"] == "READY", 30)
-        before = len(results)
-        await eventually_async(lambda: len(results) >= before + 8)
-        stop.set()
-        await asyncio.gather(*clients)
-    assert results and all(r == 200 for r in results), (results, odd)
+    # The GPU child's command changes: it must be drained and restarted.
+    await reload_under_traffic(s, {"gpu": {"args": ["-ngl", "99", "-b", "512"]}},
+                               lambda: s.child("gpu")["pid"] not in (None, gpu_pid) and
+                               s.child("gpu")["state"] == "READY")
     gpu = s.child("gpu")
     assert "-b" in gpu["command"] and s.child("cpu")["pid"] == cpu_pid
     assert transitions(s.log_text(), "gpu")[2:6] == [

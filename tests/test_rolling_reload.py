@@ -8,17 +8,16 @@ llama-server's own words."""
 from __future__ import annotations
 
 import asyncio
-import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
-from harness import REPO, Spillway, eventually, eventually_async, fake_config, real_config
-from test_reload import edit
+from harness import (
+    PATIENCE_S, REPO, eventually, fake_config, real_config,
+)
+from test_reload import edit, reload_under_traffic
 
 from conftest import SpillwayFactory
 from supervisor.policy.rollout import Outcome, goes_on, order, settled
@@ -74,40 +73,6 @@ def moments_with_none_ready(events: list[dict[str, Any]], since: float) -> list[
     return bad
 
 
-async def reload_under_traffic(s: Spillway, change: dict[str, Any],
-                               done: Any, settle_s: float = 60.0) -> tuple[list[int], float]:
-    """Four clients (two streaming) send requests while `change` is saved; each answer's
-    status (negative: incomplete); back once `done()` holds and eight more were answered."""
-    results: list[int] = []
-    odd: list[Any] = []
-    stop = asyncio.Event()
-
-    async def client(http: aiohttp.ClientSession, stream: bool) -> None:
-        while not stop.is_set():
-            async with http.post(f"{s.url}/v1/chat/completions",
-                                 json={**CHAT, "stream": stream}) as r:
-                body = await r.read()
-                complete = r.status == 200 and (
-                    body.rstrip().endswith(b"data: [DONE]") if stream
-                    else bool(json.loads(body)["choices"]))
-                results.append(r.status if complete else -r.status)
-                if not complete:
-                    odd.append((r.status, stream, body[-300:]))
-
-    async with aiohttp.ClientSession() as http:
-        clients = [asyncio.create_task(client(http, i % 2 == 1)) for i in range(4)]
-        await eventually_async(lambda: len(results) >= 8, 30)
-        since = time.time()
-        edit(s, **change)
-        assert await eventually_async(done, settle_s), s.status()["config"]
-        before = len(results)
-        await eventually_async(lambda: len(results) >= before + 8, 30)
-        stop.set()
-        await asyncio.gather(*clients)
-    assert results and all(r == 200 for r in results), (results, odd)
-    return results, since
-
-
 @pytest.mark.asyncio
 async def test_a_reload_of_both_commands_restarts_one_child_at_a_time(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
@@ -155,7 +120,7 @@ async def test_a_reload_of_the_binary_under_steady_traffic_answers_every_request
         rollout = s.status()["config"]["rollout"]
         return bool(rollout) and rollout["outcomes"] == {"cpu": "ready", "gpu": "ready"}
 
-    await reload_under_traffic(s, {"model": {"llama_server": str(wrapper)}}, rolled, 90)
+    await reload_under_traffic(s, {"model": {"llama_server": str(wrapper)}}, rolled)
     timeline = s.get("/spillway/timeline")[1]["events"]
     since = min(e["time"] for e in timeline if e["state"] == "DRAINING")
     assert moments_with_none_ready(timeline, since) == []
@@ -194,7 +159,7 @@ async def test_a_new_command_that_fails_its_first_start_is_rolled_back(
     shown = await asyncio.to_thread(
         subprocess.run, [sys.executable, "-m", "supervisor", "status", "--config",
                          str(s.config_path)], capture_output=True, text=True, cwd=REPO,
-        env=s.env, timeout=30)
+        env=s.env, timeout=PATIENCE_S)
     assert f"--chat-template-file {bad}" in shown.stdout, shown.stdout
     assert "rolled back" in shown.stdout and "failed to open file" in shown.stdout
 
@@ -207,7 +172,7 @@ def test_a_reload_to_a_value_llama_server_would_refuse_keeps_the_children_servin
     args = [a if a != "2" else "abc" for a in s.config["model"]["args"]]  # -np abc
     assert "abc" in args
     edit(s, model={"args": args})
-    error = eventually(lambda: s.status()["config"]["error"], 10)
+    error = eventually(lambda: s.status()["config"]["error"])
     assert error and "model.args[" in error and "-np takes a whole number, not 'abc'" in error
     assert s.post("/v1/chat/completions", CHAT)[0] == 200
     assert {n: s.child(n)["pid"] for n in ("gpu", "cpu")} == pids
@@ -229,7 +194,7 @@ def test_a_command_that_cannot_start_at_boot_ends_spillway_with_its_words(
                  start=False)
     result = subprocess.run([sys.executable, "-m", "supervisor", "run", "--config",
                              str(s.config_path)], capture_output=True, text=True,
-                            cwd=s.folder, env=s.env, timeout=60)
+                            cwd=s.folder, env=s.env, timeout=PATIENCE_S)
     assert result.returncode == 1, result.stderr[-2000:]
     assert said in result.stderr
     assert "the GPU child's command cannot start" in result.stderr

@@ -404,7 +404,7 @@ def real_llama_under_contract(llama_server: Path, tiny_model: Path,
                     return bool(r.status == 200)
             except OSError:
                 return False
-        assert eventually(ready, timeout=60), (tmp_path / "llama.log").read_text()
+        assert eventually(ready), (tmp_path / "llama.log").read_text()
         yield port
     finally:
         proc.terminate()
@@ -435,7 +435,7 @@ def test_spillway_predicts_as_the_pinned_llama_server_beside_it(
     contracted(s)
     s.start(wait_ready=False)
     # Before: both real children left their ports for AIP_HTTP_PORT, and never served.
-    s.wait_state(("gpu", "cpu"), ("READY",), timeout=90)
+    s.wait_state(("gpu", "cpu"), ("READY",))
     body = json.dumps({"instances": SAME_ANSWERS + SHAPES}).encode()
     theirs_status, theirs = _post(reference, PREDICT, body, {})
     ours_status, ours = _post(s.port, PREDICT, body, {})
