@@ -59,7 +59,7 @@ async def rig_client(tmp_path: Path, api_key: str | None = None,
         rig.proxied.append(request.path)
         return web.Response(text="proxied")
 
-    answered = StreamRoutes(rig.streams, Metrics(), lambda: rig.clock[0]).table()
+    answered = StreamRoutes(rig.streams, Metrics(), lambda: rig.clock[0], lambda: 30.0).table()
     app = build_app(cast(Any, proxy), auth, routes.table(), answered,
                     on_refused=rig.refused.append)
     async with TestClient(TestServer(app)) as c:
