@@ -28,8 +28,8 @@ CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "stream":
     ("/v1/messages", CHAT, False, None),
     ("/v1/messages", {**CHAT, "thinking": {"type": "enabled", "budget_tokens": 99}}, False,
      c.Refusal.REASONING),
-    ("/v1/messages", {**CHAT, "tools": [{"name": "t", "input_schema": {}}]}, False,
-     c.Refusal.TOOLS),
+    # Tools offered are no reason to refuse (issue 42): only a tool call relayed is.
+    ("/v1/messages", {**CHAT, "tools": [{"name": "t", "input_schema": {}}]}, False, None),
     ("/v1/responses", {"input": "x", "stream": True}, False, None),
     ("/responses", {"input": [{"role": "user", "content": "x"}]}, False, None),
     ("/v1/responses", {"input": "x", "text": {"format": {"type": "json_schema"}}}, False,
@@ -46,7 +46,10 @@ CHAT = {"messages": [{"role": "user", "content": "Tell me a story."}], "stream":
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "json_object"}}, False,
      c.Refusal.CONSTRAINED),
     ("/v1/chat/completions", {**CHAT, "response_format": {"type": "text"}}, False, None),
-    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, False, c.Refusal.TOOLS),
+    ("/v1/chat/completions", {**CHAT, "tools": [{"type": "function"}]}, False, None),
+    ("/v1/chat/completions", {**CHAT, "functions": [{"name": "f"}]}, False, None),
+    ("/v1/responses", {"input": "x", "tools": [{"type": "function", "name": "f"}]}, False,
+     None),
     ("/v1/chat/completions", {**CHAT, "n": 2}, False, c.Refusal.CHOICES),
     ("/v1/chat/completions", {**CHAT, "messages": []}, False, c.Refusal.PROMPT),
     ("/v1/chat/completions", {**CHAT, "messages": [{"role": "assistant", "content": [
@@ -349,3 +352,177 @@ def test_which_children_prefill_a_final_assistant_message() -> None:
         .prefills_assistant
     assert not ChildConfig(**{**base.__dict__,
                               "env": {"LLAMA_ARG_PREFILL_ASSISTANT": "false"}}).prefills_assistant
+
+
+# --- issue 42: what llama.cpp's web UI sends ----------------------------------------------------
+
+# The web UI's chat body (tools/ui/src/lib/services/chat.service.ts in the pinned llama.cpp):
+# its two built-in client tools, progress events, a ping every second, reasoning parsed.
+UI_TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_datetime",
+        "description": "Returns the current local date and time in ISO 8601 format, with the "
+                       "IANA time zone name",
+        "parameters": {"type": "object", "properties": {}, "required": []}}},
+    {"type": "function", "function": {
+        "name": "get_info",
+        "description": "Get runtime info (OS name), may call when user asks about local files "
+                       "or shell commands",
+        "parameters": {"type": "object", "properties": {}, "required": []}}},
+]
+UI_BODY: dict[str, Any] = {
+    "messages": [{"role": "user", "content": "Tell me a story."}], "stream": True,
+    "return_progress": True, "sse_ping_interval": 1, "tools": UI_TOOLS,
+    "reasoning_format": "auto", "reasoning_control": True, "timings_per_token": True,
+    "backend_sampling": False, "chat_template_kwargs": {"enable_thinking": True},
+    "max_tokens": 100}
+# The pinned server's chunks for it, as measured with curl: every prompt progress event is a
+# role delta with `prompt_progress`; then a role delta without; then the tokens.
+IDENT = {"id": "chatcmpl-A", "created": 100, "model": "m", "system_fingerprint": "b0",
+         "object": "chat.completion.chunk"}
+
+
+def progress(processed: int, total: int = 48, ident: dict[str, Any] = IDENT) -> dict[str, Any]:
+    return {**ident, "choices": [{"index": 0, "finish_reason": None,
+                                  "delta": {"role": "assistant", "content": None}}],
+            "prompt_progress": {"total": total, "cache": 0, "processed": processed,
+                                "time_ms": processed}}
+
+
+def delta(ident: dict[str, Any] = IDENT, **fields: Any) -> dict[str, Any]:
+    return {**ident, "choices": [{"index": 0, "finish_reason": None, "delta": fields}]}
+
+
+def followed(*events: dict[str, Any]) -> c.Transcript:
+    t = c.Transcript("chat")
+    for e in events:
+        t.take(e)
+    return t
+
+
+TOOL_CALL = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
+                             "function": {"name": "get_datetime", "arguments": ""}}]}
+
+
+@pytest.mark.parametrize(("name", "body", "events", "refusal"), [
+    ("tools offered, text relayed", UI_BODY,
+     [progress(0), progress(48), delta(role="assistant", content=None), delta(content="Once")],
+     None),
+    ("a tool call relayed", UI_BODY, [progress(0), delta(**TOOL_CALL)], c.Refusal.TOOLS),
+    ("progress only", UI_BODY, [progress(0)], None),
+    ("progress and a ping only", UI_BODY, [progress(0), progress(16)], None),
+    ("text, then a tool call", UI_BODY,
+     [progress(0), delta(content="Let me look."), delta(**TOOL_CALL)], c.Refusal.TOOLS),
+    ("functions offered, text relayed", {**CHAT, "functions": [{"name": "f"}]},
+     [delta(role="assistant", content=None), delta(content="Once")], None),
+    ("a legacy function call relayed", {**CHAT, "functions": [{"name": "f"}]},
+     [delta(role="assistant", content=None), delta(function_call={"name": "f"})],
+     c.Refusal.TOOLS),
+    ("reasoning relayed", UI_BODY, [progress(0), delta(reasoning_content="Hm")], None),
+    ("reasoning, then text", UI_BODY,
+     [delta(reasoning_content="Hm"), delta(content="Once")], None),
+    ("text, then reasoning", UI_BODY,
+     [delta(content="Once"), delta(reasoning_content="Hm")], c.Refusal.REASONING),
+])
+def test_tools_offered_are_continued_unless_a_call_was_relayed(
+        name: str, body: dict[str, Any], events: list[dict[str, Any]],
+        refusal: c.Refusal | None) -> None:
+    """Issue 42: the web UI offers its built-in tools with every chat. A stream that offers
+    tools is followed (body_refusal) and continued unless a tool call was relayed."""
+    assert c.body_refusal("/v1/chat/completions", body, False) is None, name
+    d = c.decide(body, followed(*events), False, None, 1.0, True)
+    assert d.refusal == refusal and d.allowed == (refusal is None), name
+
+
+def test_messages_and_responses_with_tools_continue_until_a_call_is_relayed() -> None:
+    tools = {**CHAT, "tools": [{"name": "t", "input_schema": {}}]}
+    assert c.body_refusal("/v1/messages", tools, False) is None
+    t = c.Transcript("messages")
+    t.take({"type": "message_start", "message": {"id": "msg_1", "model": "m"}})
+    t.take({"type": "content_block_start", "index": 0,
+            "content_block": {"type": "text", "text": ""}})
+    t.take({"type": "content_block_delta", "index": 0,
+            "delta": {"type": "text_delta", "text": "Once"}})
+    assert c.decide(tools, t, False, None, 1.0, True).allowed
+    assert c.continuation_body(tools, t)["tools"] == tools["tools"]
+    t.take({"type": "content_block_start", "index": 1,
+            "content_block": {"type": "tool_use", "id": "t1", "name": "t", "input": {}}})
+    assert c.decide(tools, t, False, None, 1.0, True).refusal == c.Refusal.TOOLS
+    offered = {"input": "x", "stream": True, "tools": [{"type": "function", "name": "f"}]}
+    r = c.Transcript("responses")
+    r.take({"type": "response.created", "response": {"id": "resp_1"}})
+    r.take({"type": "response.output_item.added", "item": {"type": "message", "id": "msg_1"}})
+    r.take({"type": "response.output_text.delta", "delta": "Once"})
+    assert c.decide(offered, r, False, None, 1.0, True).allowed
+    assert c.continuation_body(offered, r)["tools"] == offered["tools"]
+    r.take({"type": "response.output_item.added", "item": {"type": "function_call"}})
+    assert c.decide(offered, r, False, None, 1.0, True).refusal == c.Refusal.TOOLS
+
+
+def test_a_stream_cut_during_prefill_is_the_same_request_once_more() -> None:
+    """Only progress events relayed: nothing generated, nothing to continue from."""
+    t = followed(progress(0), progress(16))
+    assert t.role_sent and t.id == "chatcmpl-A" and t.tokens == 0 and not t.generated
+    body = c.continuation_body(UI_BODY, t)
+    assert body == UI_BODY and body is not UI_BODY
+
+
+def test_everything_else_the_ui_sends_goes_to_the_continuation_as_it_was() -> None:
+    t = followed(progress(0), delta(role="assistant", content=None),
+                 delta(reasoning_content="Hm,"), delta(reasoning_content=" a robot"),
+                 delta(content="Once"))
+    body = c.continuation_body(UI_BODY, t)
+    for key in ("return_progress", "sse_ping_interval", "tools", "reasoning_format",
+                "reasoning_control", "timings_per_token", "backend_sampling",
+                "chat_template_kwargs", "stream"):
+        assert body[key] == UI_BODY[key], key
+    assert body["max_tokens"] == 97  # reasoning tokens are generated tokens too
+
+
+def test_relayed_reasoning_goes_back_as_the_final_messages_reasoning_content() -> None:
+    """The pinned llama-server continues a final assistant message's reasoning_content (its
+    autoparser: the template's reasoning start and the text end the prompt, the reasoning
+    closed before any content)."""
+    t = followed(delta(role="assistant", content=None), delta(reasoning_content="Hm,"),
+                 delta(reasoning_content=" a robot"))
+    assert (t.reasoning_text, t.text, t.tokens, t.reasoning) == ("Hm, a robot", "", 2, False)
+    body = c.continuation_body(UI_BODY, t)
+    assert body["messages"][-1] == {"role": "assistant", "content": "",
+                                    "reasoning_content": "Hm, a robot"}
+    assert body["continue_final_message"] is True and body["add_generation_prompt"] is False
+    t.take(delta(content="Once"))
+    assert c.continuation_body(UI_BODY, t)["messages"][-1] == {
+        "role": "assistant", "content": "Once", "reasoning_content": "Hm, a robot"}
+    assert t.generated == "Hm, a robotOnce"
+    # The client's own prefill (with its reasoning) is extended.
+    prefill = {**UI_BODY, "messages": [*UI_BODY["messages"], {
+        "role": "assistant", "content": "", "reasoning_content": "First,"}]}
+    body = c.continuation_body(prefill, followed(delta(reasoning_content=" think")))
+    assert body["messages"][-1] == {"role": "assistant", "content": "",
+                                    "reasoning_content": "First, think"}
+    assert len(body["messages"]) == 2
+    # Reasoning counts toward the token limit.
+    many = followed(*[delta(reasoning_content="x")] * 100)
+    assert c.decide(CHAT, many, False, None, 1.0, True).refusal == c.Refusal.SPENT
+
+
+def test_the_continuations_progress_and_reasoning_join_the_stream() -> None:
+    """The other child's prompt progress events go on without their role (the client has one);
+    an echo of the relayed reasoning is stripped from its first reasoning delta."""
+    before = followed(progress(0), progress(48), delta(role="assistant", content=None),
+                      delta(reasoning_content="Hm,"))
+    stream = ContinuedStream(before, {"tokens_before": 1})
+    other = {**IDENT, "id": "chatcmpl-B", "created": 200}
+    raw = b"".join(event(e) for e in (
+        progress(0, 52, other), progress(52, 52, other),
+        delta(other, role="assistant", content=None),
+        delta(other, reasoning_content="Hm, a"), delta(other, reasoning_content="Hm,"),
+        delta(other, content="Once"))) + b":\n\n"
+    out = stream.rewrite(raw)
+    assert out.endswith(b":\n\n")  # llama-server's ping, a comment: as it is
+    events = events_of(out)  # (the comment has no data)
+    assert [e["prompt_progress"]["processed"] for e in events[:2]] == [0, 52]
+    assert all(e["id"] == "chatcmpl-A" and e["created"] == 100 for e in events)
+    assert all("role" not in e["choices"][0]["delta"] for e in events)
+    assert [e["choices"][0]["delta"] for e in events[2:]] == [
+        {"reasoning_content": " a"}, {"reasoning_content": "Hm,"}, {"content": "Once"}]

@@ -4,16 +4,24 @@ the other child, as one stream.
 The text already relayed goes back as the final assistant message (chat and /v1/responses,
 with `continue_final_message`; /v1/messages, which llama-server continues by itself) or is
 appended to the prompt (completions); the token limit is lowered by what was generated; every
-other setting (sampling, seed) is the client's own. Measured on the
-pinned build with SmolLM2-135M-Instruct, greedy: the continuation's text is the uninterrupted
-answer's rest, token for token, and its first delta does not echo the prefix (an echo is
-stripped all the same, for builds that send one).
+other setting (sampling, seed, tools, progress and ping options) is the client's own. Measured
+on the pinned build with SmolLM2-135M-Instruct, greedy: the continuation's text is the
+uninterrupted answer's rest, token for token, and its first delta does not echo the prefix (an
+echo is stripped all the same, for builds that send one).
+
+Tools offered are no reason to refuse (llama.cpp's web UI offers its built-in ones with every
+chat): only a tool call already relayed is, since half a call cannot be continued. The
+continuation offers the same tools, so the model may still call one after its text. Reasoning
+text on chat routes goes back as the final message's `reasoning_content`, which the pinned
+llama-server continues (its autoparser puts the template's reasoning start and the text in the
+generation prompt, and closes it before any content); reasoning on /v1/messages (thinking
+blocks) and /v1/responses (reasoning items) is never continued, nor reasoning that came after
+content (a message has one place for each).
 
 Never when the grammar state would restart (grammar, json_schema, a JSON response_format: the
 constraint would apply to the rest as if it were the whole, as NVIDIA Dynamo's request
-migration notes), for tools (a tool call half sent cannot be continued), for reasoning text (its
-template position is not the answer's), for n > 1, for a prompt that is not one string, when the
-client opted out, or when a finish was already sent. Pure: no I/O, no clock.
+migration notes), for n > 1, for a prompt that is not one string, when the client opted out,
+or when a finish was already sent. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
@@ -44,8 +52,8 @@ class Refusal(enum.StrEnum):
     ROUTE = "route"  # not a chat or completion stream
     OPTED_OUT = "opted_out"
     CONSTRAINED = "constrained"  # grammar / json_schema / response_format: state would restart
-    TOOLS = "tools"
-    REASONING = "reasoning"
+    TOOLS = "tools"  # a tool call was relayed
+    REASONING = "reasoning"  # reasoning a continuation cannot carry (see the module's note)
     CHOICES = "choices"  # n > 1
     PROMPT = "prompt"  # not one string: nothing to append the text to
     FINISHED = "finished"  # a finish_reason (or stop) was already relayed
@@ -79,8 +87,7 @@ def body_refusal(path: str, payload: dict[str, Any] | None, opted_out: bool) -> 
         return Refusal.OPTED_OUT
     if _constrained(kind, payload):
         return Refusal.CONSTRAINED
-    if payload.get("tools") or payload.get("functions"):
-        return Refusal.TOOLS
+    # (Tools offered are no reason: a stream is refused only once a call was relayed.)
     n = payload.get("n", 1)
     if not isinstance(n, int) or n != 1:
         return Refusal.CHOICES
@@ -122,14 +129,16 @@ class Transcript:
 
     kind: str  # route_kind
     text: str = ""
-    tokens: int = 0  # text events relayed: one generated token each (a few merge, for UTF-8)
+    reasoning_text: str = ""  # chat: the `reasoning_content` relayed
+    tokens: int = 0  # text and reasoning events relayed: one generated token each (a few
+    # merge, for UTF-8)
     id: str | None = None
     created: int | None = None
     model: str | None = None
     system_fingerprint: str | None = None
     role_sent: bool = False
     tool_calls: bool = False
-    reasoning: bool = False
+    reasoning: bool = False  # reasoning that cannot be continued (not `reasoning_text`)
     finished: bool = False
     item_id: str | None = None  # /v1/responses: the output message's id
 
@@ -159,6 +168,21 @@ class Transcript:
         if isinstance(piece, str) and piece:
             self.text += piece
             self.tokens += 1
+
+    def _reasoning(self, piece: Any) -> None:
+        if not isinstance(piece, str) or not piece:
+            return
+        if self.text:
+            # Reasoning after content: the final message has one place for each, and would
+            # put this reasoning before the content, which is not what the model saw.
+            self.reasoning = True
+        self.reasoning_text += piece
+        self.tokens += 1
+
+    @property
+    def generated(self) -> str:
+        """All the text the model generated and the client has (reasoning, then content)."""
+        return self.reasoning_text + self.text
 
     def _native(self, event: dict[str, Any]) -> None:
         self._text(event.get("content"))
@@ -232,7 +256,7 @@ class Transcript:
         self.role_sent = self.role_sent or bool(delta.get("role"))
         self.tool_calls = self.tool_calls or bool(delta.get("tool_calls") or
                                                   delta.get("function_call"))
-        self.reasoning = self.reasoning or bool(delta.get("reasoning_content"))
+        self._reasoning(delta.get("reasoning_content"))
         self._text(delta.get("content"))
 
 
@@ -259,7 +283,8 @@ def decide(payload: dict[str, Any], transcript: Transcript, continued_before: bo
     if transcript.tool_calls:
         return Decision(False, "a tool call had begun", Refusal.TOOLS)
     if transcript.reasoning:
-        return Decision(False, "reasoning text had begun", Refusal.REASONING)
+        return Decision(False, "reasoning that cannot be continued had begun",
+                        Refusal.REASONING)
     limit = token_limit(transcript.kind, payload)
     if limit is not None and limit - transcript.tokens <= 0:
         return Decision(False, "its token limit is used up", Refusal.SPENT)
@@ -283,8 +308,9 @@ def token_limit(kind: str, payload: dict[str, Any]) -> int | None:
 
 
 def continuation_body(payload: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
-    """The request for the other child: the relayed text as the answer's start, the limit
-    lowered by what was generated, everything else the client's own."""
+    """The request for the other child: the relayed text (and reasoning) as the answer's start,
+    the limit lowered by what was generated, everything else the client's own (its tools,
+    progress and ping options, template kwargs included)."""
     body = copy.deepcopy(payload)
     body["stream"] = True
     kind = transcript.kind
@@ -293,8 +319,10 @@ def continuation_body(payload: dict[str, Any], transcript: Transcript) -> dict[s
         if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
             body[key] = value - transcript.tokens
             break
-    if not transcript.text:
-        return body  # nothing relayed yet but the role: the same request, once more
+    if not transcript.text and not transcript.reasoning_text:
+        # Nothing generated relayed yet (the role, prompt progress, pings): the same request,
+        # once more.
+        return body
     if kind == "responses":
         given = body.get("input")
         items: list[Any] = [{"role": "user", "content": given}] if isinstance(given, str) \
@@ -309,7 +337,9 @@ def continuation_body(payload: dict[str, Any], transcript: Transcript) -> dict[s
         # --prefill-assistant); the Messages API has no continue_final_message to ask for it.
         _extend_final(body["messages"], transcript.text)
     elif kind == "chat":
-        _extend_final(body["messages"], transcript.text)
+        # With reasoning: llama-server resolves `continue_final_message: true` to continuing
+        # the reasoning when the content is empty, else to the content after closed reasoning.
+        _extend_final(body["messages"], transcript.text, reasoning=transcript.reasoning_text)
         body["continue_final_message"] = True
         body["add_generation_prompt"] = False
     else:
@@ -317,12 +347,20 @@ def continuation_body(payload: dict[str, Any], transcript: Transcript) -> dict[s
     return body
 
 
-def _extend_final(messages: list[Any], text: str, shape: dict[str, str] | None = None) -> None:
+def _extend_final(messages: list[Any], text: str, shape: dict[str, str] | None = None,
+                  reasoning: str = "") -> None:
     """The relayed text as the final assistant message: the client's own prefill, when its
     last message is one, is extended (no second assistant message); else one is added (with
-    `shape`'s extra keys: a /v1/responses item is a `message`)."""
+    `shape`'s extra keys: a /v1/responses item is a `message`). `reasoning`, the relayed
+    reasoning, goes in its `reasoning_content`."""
     last = messages[-1] if messages else None
     if isinstance(last, dict) and last.get("role") == "assistant":
         last["content"] = last["content"] + text
+        if reasoning:
+            own = last.get("reasoning_content")
+            last["reasoning_content"] = (own if isinstance(own, str) else "") + reasoning
     else:
-        messages.append({**(shape or {}), "role": "assistant", "content": text})
+        added: dict[str, Any] = {**(shape or {}), "role": "assistant", "content": text}
+        if reasoning:
+            added["reasoning_content"] = reasoning
+        messages.append(added)

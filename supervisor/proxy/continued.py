@@ -1,9 +1,11 @@
 """The other child's continuation events, rewritten so that the client sees one stream.
 
 The client already has the first child's role delta, its id, created and model: the
-continuation's own are replaced by those, its role delta is dropped, an echo of the relayed text
-is stripped, its usage counts the tokens sent before, and its final event says, in a
-`spillway_continuation` field, that it was continued and from where. /v1/messages and
+continuation's own are replaced by those, its role delta is dropped (its prompt progress
+events, asked for with `return_progress`, go on without the role: the client sees the other
+child's prefill), an echo of the relayed text (and of the relayed reasoning) is stripped, its
+usage counts the tokens sent before, and its final event says, in a `spillway_continuation`
+field, that it was continued and from where. /v1/messages and
 /v1/responses, whose events open a message (a content block, an output item) before its text,
 lose the continuation's opening events, and their closing ones carry the whole text. Pure bytes
 in, bytes out.
@@ -41,6 +43,7 @@ class ContinuedStream:
         self.before = before
         self.note = note  # the final event's `spillway_continuation`
         self._echo = before.text  # stripped from the first text, if it starts with it
+        self._reasoning_echo = before.reasoning_text  # the same, for the first reasoning
         self.text = ""  # what the continuation added
 
     def rewrite(self, blocks: bytes) -> bytes:
@@ -71,6 +74,12 @@ class ContinuedStream:
         self.text += text
         return text
 
+    def _reasoning_piece(self, text: str) -> str:
+        if self._reasoning_echo and text.startswith(self._reasoning_echo):
+            text = text[len(self._reasoning_echo):]
+        self._reasoning_echo = ""
+        return text
+
     def _one(self, obj: dict[str, Any]) -> dict[str, Any] | None:
         if "error" in obj or obj.get("type") == "error":
             return obj
@@ -92,6 +101,8 @@ class ContinuedStream:
         if isinstance(usage, dict):
             self._usage(usage)
             keep = True
+        # A prompt progress event says something even without its role delta.
+        keep = keep or "prompt_progress" in obj
         if final:
             obj["spillway_continuation"] = self.note
         return obj if keep else None
@@ -104,6 +115,10 @@ class ContinuedStream:
                 delta.pop("role", None)
             if isinstance(delta.get("content"), str):
                 delta["content"] = self._piece(delta["content"])
+            if isinstance(delta.get("reasoning_content"), str):
+                delta["reasoning_content"] = self._reasoning_piece(delta["reasoning_content"])
+                if not delta["reasoning_content"]:
+                    del delta["reasoning_content"]  # all echo: nothing left to say
             said = bool(delta.get("content")) or \
                 any(v is not None for k, v in delta.items() if k != "content")
         elif isinstance(choice.get("text"), str):

@@ -477,11 +477,12 @@ class ProxyHandler:
         failure, so_far, lease = cut.failure, ctx.follow, nxt.lease
         assert so_far is not None and ctx.payload is not None
         other = lease.name
-        if so_far.text and so_far.kind != "native_completion":  # (that one counts its own)
+        if so_far.generated and so_far.kind != "native_completion":  # (that counts its own)
             # Stream events merge a few tokens (UTF-8 pieces): the other child's tokenizer
-            # says how many the relayed text holds, for max_tokens and usage.
+            # says how many the relayed text (reasoning included) holds, for max_tokens and
+            # usage.
             counted = await tokens.count_text(self.forwarder.session, lease.upstream,
-                                              so_far.text, ctx.payload.get("model"))
+                                              so_far.generated, ctx.payload.get("model"))
             if counted is not None:
                 so_far.tokens = max(so_far.tokens, counted)
         limit = continuation.token_limit(so_far.kind, ctx.payload)
