@@ -29,12 +29,23 @@ WORDS = (
 ).split()
 
 
+# A reasoning model's chat template (`reasoning=True`): Qwen3.5-4B's, as the pinned llama.cpp
+# ships it in models/templates/ (and tests it in test-chat.cpp, continuations of reasoning and of
+# content included). Its generation prompt opens a think block (`<think>\n`) unless
+# `chat_template_kwargs: {"enable_thinking": false}`, so llama-server's autoparser (a TAG_BASED
+# reasoning template) parses everything a random model generates as `reasoning_content`: the
+# weights never emit `</think>`.
+QWEN35_TEMPLATE = Path(__file__).with_name("templates") / "Qwen3.5-4B.jinja"
+# Its markers, as tokens of their own (USER_DEFINED: always rendered as text, as Qwen's are).
+REASONING_TOKENS = (b"<think>", b"</think>", b"<tool_call>", b"</tool_call>")
+
 # Fill-in-the-middle tokens (`fim=True`): with them llama-server serves /infill, building the
 # prompt from them as it does for a code model; without them it answers /infill with a 501.
 FIM_TOKENS = (b"<|fim_prefix|>", b"<|fim_suffix|>", b"<|fim_middle|>")
 
 
-def vocabulary(fim: bool = False) -> tuple[list[bytes], list[float], list[int]]:
+def vocabulary(fim: bool = False, reasoning: bool = False,
+               ) -> tuple[list[bytes], list[float], list[int]]:
     tokens: list[bytes] = [b"<unk>", b"<s>", b"</s>", b"<|im_start|>", b"<|im_end|>"]
     types = [2, 3, 3, 3, 3]  # UNKNOWN, CONTROL x4
     for b in range(256):
@@ -58,17 +69,23 @@ def vocabulary(fim: bool = False) -> tuple[list[bytes], list[float], list[int]]:
         tokens.extend(FIM_TOKENS)
         types.extend([3] * len(FIM_TOKENS))  # CONTROL
         scores.extend([0.0] * len(FIM_TOKENS))
+    if reasoning:
+        tokens.extend(REASONING_TOKENS)
+        types.extend([4] * len(REASONING_TOKENS))  # USER_DEFINED
+        scores.extend([0.0] * len(REASONING_TOKENS))
     return tokens, scores, types
 
 
 def write_tiny_model(path: Path, *, n_embd: int = 256, n_layer: int = 4, n_ff: int = 512,
                      n_head: int = 4, n_head_kv: int = 4, n_ctx_train: int = 4096,
-                     seed: int = 1, q8: bool = False, fim: bool = False) -> Path:
+                     seed: int = 1, q8: bool = False, fim: bool = False,
+                     reasoning: bool = False) -> Path:
     """Q8_0 weight matrices (`q8`) go through the buffers a CUDA build's memory pool grows at
     run time: that is where a runtime OOM happens on a real GPU. `fim` adds fill-in-the-middle
-    tokens (see FIM_TOKENS)."""
+    tokens (see FIM_TOKENS); `reasoning`, a reasoning model's template and its think tokens
+    (see QWEN35_TEMPLATE)."""
     rng = np.random.default_rng(seed)
-    tokens, scores, types = vocabulary(fim)
+    tokens, scores, types = vocabulary(fim, reasoning)
     n_vocab = len(tokens)
     path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(str(path), "llama")
@@ -91,9 +108,9 @@ def write_tiny_model(path: Path, *, n_embd: int = 256, n_layer: int = 4, n_ff: i
     w.add_eos_token_id(2)
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
-    w.add_chat_template(CHATML)
+    w.add_chat_template(QWEN35_TEMPLATE.read_text() if reasoning else CHATML)
     if fim:
-        first = len(tokens) - len(FIM_TOKENS)
+        first = len(tokens) - len(FIM_TOKENS) - (len(REASONING_TOKENS) if reasoning else 0)
         for i, key in enumerate((gguf.Keys.Tokenizer.FIM_PRE_ID, gguf.Keys.Tokenizer.FIM_SUF_ID,
                                  gguf.Keys.Tokenizer.FIM_MID_ID)):
             w.add_uint32(key, first + i)
@@ -136,6 +153,9 @@ if __name__ == "__main__":
     parser.add_argument("--n-ff", type=int, default=512)
     parser.add_argument("--q8", action="store_true", help="Q8_0 weight matrices")
     parser.add_argument("--fim", action="store_true", help="fill-in-the-middle tokens")
+    parser.add_argument("--reasoning", action="store_true",
+                        help="a reasoning template (Qwen3.5's) and its think tokens")
     a = parser.parse_args()
     print(write_tiny_model(a.path, n_ctx_train=a.n_ctx_train, n_embd=a.n_embd,
-                           n_layer=a.n_layer, n_ff=a.n_ff, q8=a.q8, fim=a.fim))
+                           n_layer=a.n_layer, n_ff=a.n_ff, q8=a.q8, fim=a.fim,
+                           reasoning=a.reasoning))
