@@ -98,8 +98,17 @@ def body_refusal(path: str, payload: dict[str, Any] | None, opted_out: bool) -> 
 
 
 def _constrained(kind: str, payload: dict[str, Any]) -> bool:
-    """A grammar, a schema or a JSON format: its state would restart in the middle."""
+    """A grammar, a schema or a JSON format: its state would restart in the middle. So would a
+    forced tool call's (tool_choice `required`, a named tool, Anthropic's `any`; the legacy
+    function_call naming one): llama-server constrains those from the first token, where
+    `auto` waits for the model's own tool-call marker."""
     if any(payload.get(k) for k in _CONSTRAINTS):
+        return True
+    choice = payload.get("tool_choice")
+    if choice == "required" or (isinstance(choice, dict) and
+                                choice.get("type") in ("function", "any", "tool")):
+        return True
+    if isinstance(payload.get("function_call"), dict):
         return True
     fmt = payload.get("response_format")
     if kind == "responses":  # the Responses API names its format under `text`
