@@ -16,7 +16,13 @@ lines are written and the process dies with SIGABRT, taking the real server with
   FAULT_PATHS=*         any route may trigger, not only the generation routes
   FAULT_ONCE_FILE=PATH  fire at most once across restarts (the file records that it fired)
   FAULT_WHEN=launch     abort once the real server launched the task (default)
-  FAULT_WHEN=events:K   abort after K SSE events of the stream reached Spillway
+  FAULT_WHEN=events:K   abort after K SSE events of the stream reached Spillway (events with
+                        data: llama-server's pings, `:` comments, are not counted)
+  FAULT_WHEN=tokens:K   abort after the Kth event that carries generated text (a chat delta's
+                        `content` or `reasoning_content`, a completion's `content` or `text`),
+                        whatever progress events and pings came before
+  FAULT_BODIES_FILE=PATH  append one JSON line (path, headers, body) per generation request,
+                        fault or not: what Spillway sent the child
   FAULT_MODE=abort      CUDA lines, then SIGABRT (default)
   FAULT_MODE=survive    answer HTTP 500 "Compute error." and log a Vulkan OOM line; stay alive
   FAULT_LINES=full      the whole CUDA out-of-memory message before the abort (default)
@@ -38,6 +44,7 @@ import asyncio
 import contextlib
 import ctypes
 import ctypes.util
+import json
 import os
 import signal
 import socket
@@ -124,6 +131,41 @@ def should_fire(path: str, body: bytes) -> bool:
     return True
 
 
+def record_body(request: web.Request, body: bytes) -> None:
+    path = ENV.get("FAULT_BODIES_FILE")
+    if not path or request.path not in GENERATION:
+        return
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        parsed = None
+    with open(path, "a") as f:
+        f.write(json.dumps({"path": request.path, "headers": dict(request.headers),
+                            "body": parsed}) + "\n")
+
+
+def counts(part: bytes, unit: str) -> bool:
+    """Whether one SSE event counts toward FAULT_WHEN's K: any data event (`events`), or one
+    that carries generated text (`tokens`)."""
+    data = b"\n".join(line[5:].strip() for line in part.split(b"\n")
+                      if line.startswith(b"data:"))
+    if not data:
+        return False  # a comment (llama-server's ping): no event
+    if unit == "events":
+        return True
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return False
+    if not isinstance(event, dict):
+        return False
+    pieces = [event.get("content"), event.get("text")]
+    for choice in event.get("choices") or []:
+        delta = choice.get("delta") or {}
+        pieces += [delta.get("content"), delta.get("reasoning_content"), choice.get("text")]
+    return any(isinstance(p, str) and p for p in pieces)
+
+
 def die() -> None:
     """As a CUDA build dies: the real server aborts, the CUDA lines are the last ones out."""
     state.dying = True  # from now on nothing answers: a dying process sends no responses
@@ -144,6 +186,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
     if state.stalled and request.path == "/health":
         return web.json_response({"status": "ok"})  # the HTTP thread, alive while stuck
     body = await request.read()
+    record_body(request, body)
     fire = should_fire(request.path, body)
     mode = ENV.get("FAULT_MODE", "abort")
     when = ENV.get("FAULT_WHEN", "launch")
@@ -172,20 +215,25 @@ async def proxy(request: web.Request) -> web.StreamResponse:
                 k: v for k, v in upstream.headers.items() if k.lower() not in HOP})
             await resp.prepare(request)
             events = 0
-            limit = int(when.split(":")[1]) if fire and when.startswith("events:") else None
+            unit, _, k = when.partition(":")
+            limit = int(k) if fire and unit in ("events", "tokens") else None
+            pending = b""
             async for chunk in upstream.content.iter_any():
                 if limit is not None:
                     # Relay whole events one by one, to die right after the Kth.
-                    for part in chunk.split(b"\n\n"):
+                    *parts, pending = (pending + chunk).split(b"\n\n")
+                    for part in parts:
                         if not part:
                             continue
                         await resp.write(part + b"\n\n")
-                        events += 1
+                        events += counts(part, unit)
                         if events >= limit:
                             await asyncio.sleep(0.05)  # let it reach Spillway
                             die()
                 else:
                     await resp.write(chunk)
+            if pending:
+                await resp.write(pending)
             await resp.write_eof()
             return resp
     except aiohttp.ClientConnectorError:
