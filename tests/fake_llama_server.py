@@ -16,6 +16,10 @@ Switches come from environment variables (a child's `env` table in the Spillway 
   FAKE_CRASH_LINES=terse|full|none  what to print before that abort (default: full CUDA lines)
   FAKE_HANG_AFTER=N        generation requests after the Nth never answer
   FAKE_STALL_AFTER_EVENTS=K  a stream stops after K events and never goes on (/health answers)
+  FAKE_ABORT_AFTER_EVENTS=K  a chat stream's process aborts (SIGABRT, after the CUDA lines of
+                           FAKE_CRASH_LINES) right after its Kth event
+  FAKE_TOOL_CALL_AT=K      a chat stream's Kth event (from 0) is a tool call delta, as
+                           llama-server streams one (the call's id and name, empty arguments)
   FAKE_NO_SLOTS=1          /slots answers 501, as with llama-server --no-slots
   FAKE_SICK_FILE=PATH      while PATH exists, every generation request gets a 500 server_error
                            that names no cause, /health still 200; with FAKE_SICK_OOM_LINE=1
@@ -230,8 +234,11 @@ async def chat(request: web.Request) -> web.StreamResponse:
             # (and the rest of the HTTP side) still answers.
             log("0.00.000.000 W fake: the inference loop is stuck")
             await asyncio.sleep(3600)
-        chunk = {"choices": [{"finish_reason": None, "index": 0,
-                              "delta": {"content": f"tok{i} "}}],
+        delta: dict[str, Any] = {"content": f"tok{i} "}
+        if str(i) == ENV.get("FAKE_TOOL_CALL_AT"):
+            delta = {"tool_calls": [{"index": 0, "id": "call_fake", "type": "function",
+                                     "function": {"name": "get_datetime", "arguments": ""}}]}
+        chunk = {"choices": [{"finish_reason": None, "index": 0, "delta": delta}],
                  "object": "chat.completion.chunk", "model": "fake",
                  "fake": {"pid": os.getpid(), "t": time.time(), "i": i}}
         try:
@@ -239,6 +246,12 @@ async def chat(request: web.Request) -> web.StreamResponse:
         except ConnectionError:
             record_cut(request, i)
             raise
+        if str(i + 1) == ENV.get("FAKE_ABORT_AFTER_EVENTS"):
+            await asyncio.sleep(0.05)  # the event reaches Spillway first
+            for line in {"full": CUDA_FULL, "terse": CUDA_TERSE}.get(
+                    ENV.get("FAKE_CRASH_LINES", "full"), []):
+                log(line)
+            os.abort()
         await asyncio.sleep(delay)
     final = {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}],
              "object": "chat.completion.chunk", "model": "fake", "timings": timings(count)}
