@@ -170,6 +170,7 @@ async def test_the_web_uis_stream_continues_after_a_death_in_prefill_or_after_a_
     _, continuation = check_passed_on(tmp_path, body)
     [record] = s.wait_incidents(1)
     assert record["decision"] == "continued" and record["replay_child"] == "cpu"
+    assert 0 < record["continued_after_s"] < 60  # the death to the CPU child's first token
     if when == "events:1":
         assert not text_before and record["tokens_before"] == 0
         assert continuation == body  # nothing generated: the same request once more

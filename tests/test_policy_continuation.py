@@ -526,12 +526,15 @@ def test_the_continuations_progress_and_reasoning_join_the_stream() -> None:
                       delta(reasoning_content="Hm,"))
     stream = ContinuedStream(before, {"tokens_before": 1})
     other = {**IDENT, "id": "chatcmpl-B", "created": 200}
-    raw = b"".join(event(e) for e in (
-        progress(0, 52, other), progress(52, 52, other),
+    prefill = b"".join(event(e) for e in (progress(0, 52, other), progress(52, 52, other)))
+    out = stream.rewrite(prefill)
+    # Not a token yet: the incident's continued_after_s runs on to the first one.
+    assert out and not stream.generated
+    out += stream.rewrite(b"".join(event(e) for e in (
         delta(other, role="assistant", content=None),
         delta(other, reasoning_content="Hm, a"), delta(other, reasoning_content="Hm,"),
-        delta(other, content="Once"))) + b":\n\n"
-    out = stream.rewrite(raw)
+        delta(other, content="Once"))) + b":\n\n")
+    assert stream.generated
     assert out.endswith(b":\n\n")  # llama-server's ping, a comment: as it is
     events = events_of(out)  # (the comment has no data)
     assert [e["prompt_progress"]["processed"] for e in events[:2]] == [0, 52]

@@ -45,6 +45,7 @@ class ContinuedStream:
         self._echo = before.text  # stripped from the first text, if it starts with it
         self._reasoning_echo = before.reasoning_text  # the same, for the first reasoning
         self.text = ""  # what the continuation added
+        self.generated = False  # whether a generated piece (text, reasoning, a call) went out
 
     def rewrite(self, blocks: bytes) -> bytes:
         """Whole SSE events (each ending in a blank line) -> what the client gets."""
@@ -72,12 +73,14 @@ class ContinuedStream:
             text = text[len(self._echo):]
         self._echo = ""  # only the first piece may echo
         self.text += text
+        self.generated = self.generated or bool(text)
         return text
 
     def _reasoning_piece(self, text: str) -> str:
         if self._reasoning_echo and text.startswith(self._reasoning_echo):
             text = text[len(self._reasoning_echo):]
         self._reasoning_echo = ""
+        self.generated = self.generated or bool(text)
         return text
 
     def _one(self, obj: dict[str, Any]) -> dict[str, Any] | None:
@@ -119,6 +122,8 @@ class ContinuedStream:
                 delta["reasoning_content"] = self._reasoning_piece(delta["reasoning_content"])
                 if not delta["reasoning_content"]:
                     del delta["reasoning_content"]  # all echo: nothing left to say
+            self.generated = self.generated or bool(delta.get("tool_calls") or
+                                                    delta.get("function_call"))
             said = bool(delta.get("content")) or \
                 any(v is not None for k, v in delta.items() if k != "content")
         elif isinstance(choice.get("text"), str):

@@ -395,18 +395,20 @@ class Forwarder:
 
     async def _relay(self, ctx: RequestCtx, attempt: Attempt, child: Upstream, generation: int,
                      upstream: UpstreamResponse, resp: web.StreamResponse, buffer: bytes,
-                     anthropic: bool, rewrite: Callable[[bytes], bytes] | None = None,
+                     anthropic: bool, continued: ContinuedStream | None = None,
                      ) -> Answered | Broken | Interrupted | AttemptFailure:
-        """Whole events, as they come (through `rewrite`, for a continuation). Reads and writes
-        fail apart: a read error is the child's failure, a write error is the client leaving
-        (it propagates)."""
+        """Whole events, as they come (rewritten by `continued`, for a continuation). Reads and
+        writes fail apart: a read error is the child's failure, a write error is the client
+        leaving (it propagates)."""
         whole, pending = sse.split_complete(buffer)
         last = b""
         while True:
             if whole:
-                if rewrite is not None:
-                    whole = rewrite(whole)
-                    if whole and attempt.first_byte_s is None:  # the continuation's first
+                if continued is not None:
+                    whole = continued.rewrite(whole)
+                    if continued.generated and attempt.first_byte_s is None:
+                        # The continuation's first token (its progress events and pings, sent
+                        # before, are not one).
                         attempt.first_byte_s = time.monotonic() - ctx.received
                 await resp.write(whole)
                 ctx.captured(whole)
@@ -430,8 +432,8 @@ class Forwarder:
             # its plain-text proxy error (no error event, no [DONE]).
             return await self._stream_broke(ctx, child, generation, resp, anthropic)
         if pending:
-            if rewrite is not None:
-                pending = rewrite(pending + sse.SEPARATOR) if pending.strip() else b""
+            if continued is not None:
+                pending = continued.rewrite(pending + sse.SEPARATOR) if pending.strip() else b""
             await resp.write(pending)
             ctx.captured(pending)
         self._final_figures(attempt, last + pending)
@@ -526,7 +528,7 @@ class Forwarder:
                     return await self.end_broken(ctx, resp, failure, interrupted.anthropic,
                                                  "; its continuation was refused")
                 result = await self._relay(ctx, attempt, child, generation, sent, resp, b"",
-                                           interrupted.anthropic, rewrite=stream.rewrite)
+                                           interrupted.anthropic, continued=stream)
             finally:
                 sent.close()
         finally:
