@@ -436,6 +436,12 @@ TOOL_CALL = {"tool_calls": [{"index": 0, "id": "call_1", "type": "function",
      [delta(reasoning_content="Hm"), delta(content="Once")], None),
     ("text, then reasoning", UI_BODY,
      [delta(content="Once"), delta(reasoning_content="Hm")], c.Refusal.REASONING),
+    # Reasoning parsing off (the UI's "disable reasoning parsing"): the text may be a think
+    # block's that the template opened, and the continuation would close it.
+    ("reasoning parsing off, text relayed", {**UI_BODY, "reasoning_format": "none"},
+     [delta(content="Once")], c.Refusal.REASONING),
+    ("reasoning parsing off, progress only", {**UI_BODY, "reasoning_format": "none"},
+     [progress(0)], None),
 ])
 def test_tools_offered_are_continued_unless_a_call_was_relayed(
         name: str, body: dict[str, Any], events: list[dict[str, Any]],

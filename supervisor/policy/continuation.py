@@ -16,7 +16,8 @@ text on chat routes goes back as the final message's `reasoning_content`, which 
 llama-server continues (its autoparser puts the template's reasoning start and the text in the
 generation prompt, and closes it before any content); reasoning on /v1/messages (thinking
 blocks) and /v1/responses (reasoning items) is never continued, nor reasoning that came after
-content (a message has one place for each).
+content (a message has one place for each), nor a chat's text with reasoning parsing off (it may
+be a think block's).
 
 Never when the grammar state would restart (grammar, json_schema, a JSON response_format: the
 constraint would apply to the rest as if it were the whole, as NVIDIA Dynamo's request
@@ -293,6 +294,13 @@ def decide(payload: dict[str, Any], transcript: Transcript, continued_before: bo
         return Decision(False, "a tool call had begun", Refusal.TOOLS)
     if transcript.reasoning:
         return Decision(False, "reasoning that cannot be continued had begun",
+                        Refusal.REASONING)
+    if transcript.kind == "chat" and transcript.text and payload.get("reasoning_format") == "none":
+        # Measured with a template that opens a think block in its generation prompt: the
+        # stream's content is then the reasoning, and the continuation's prompt would close the
+        # block before it (`<think>\n\n</think>\n\n` + the text): the model would answer instead.
+        return Decision(False, "reasoning parsing is off (reasoning_format none): the text may "
+                               "be a think block's, which a continuation would close",
                         Refusal.REASONING)
     limit = token_limit(transcript.kind, payload)
     if limit is not None and limit - transcript.tokens <= 0:
