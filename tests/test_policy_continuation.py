@@ -548,3 +548,14 @@ def test_the_continuations_progress_and_reasoning_join_the_stream() -> None:
     assert all("role" not in e["choices"][0]["delta"] for e in events)
     assert [e["choices"][0]["delta"] for e in events[2:]] == [
         {"reasoning_content": " a"}, {"reasoning_content": "Hm,"}, {"content": "Once"}]
+
+
+def test_the_continuations_own_tool_call_reaches_the_client() -> None:
+    """The continuation offers the same tools: a call the model makes after the relayed text
+    goes to the client as it came, in the first stream's id."""
+    stream = ContinuedStream(followed(delta(role="assistant", content=None),
+                                      delta(content="Let me see.")), {})
+    other = {**IDENT, "id": "chatcmpl-B"}
+    out = events_of(stream.rewrite(event(delta(other, **TOOL_CALL))))
+    assert out[0]["id"] == "chatcmpl-A" and out[0]["choices"][0]["delta"] == TOOL_CALL
+    assert stream.generated
