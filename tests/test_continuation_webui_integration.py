@@ -212,21 +212,29 @@ async def test_a_reasoning_stream_continues_as_reasoning(
                         if d.get("reasoning_content")).startswith(reasoning)
 
 
-async def test_a_responses_reasoning_item_is_not_continued_the_client_is_told_at_once(
+@pytest.mark.parametrize(("route", "body", "reasoning_event"), [
+    ("/v1/responses", {"input": STORY, "stream": True, "max_output_tokens": 40, "tools": [
+        {"type": "function", "name": "get_datetime", "parameters": {"type": "object"}}]},
+     "response.reasoning_text.delta"),
+    # (No `thinking` asked for: the pinned build sends a thinking block all the same.)
+    ("/v1/messages", {"messages": [{"role": "user", "content": STORY}], "stream": True,
+                      "max_tokens": 40, "tools": [{"name": "get_datetime",
+                                                   "input_schema": {"type": "object"}}]},
+     "content_block_delta"),
+])
+async def test_reasoning_a_continuation_cannot_carry_ends_with_the_error_event_at_once(
         spillway: SpillwayFactory, llama_server: Path, thinking_model: Path, injector: Path,
-        tmp_path: Path) -> None:
-    """/v1/responses streams reasoning as a reasoning item, which a continuation cannot
-    carry: the death ends the stream with the error event, straight away."""
+        tmp_path: Path, route: str, body: dict[str, Any], reasoning_event: str) -> None:
+    """/v1/responses streams reasoning as a reasoning item, /v1/messages as a thinking block:
+    a continuation cannot carry either, so the death ends the stream with the error event,
+    straight away (tools offered are no reason: the incident names the reasoning)."""
     s = spillway(children(llama_server, thinking_model, injector, tmp_path, "events:5",
                           ctx=8192))
-    body = {"input": STORY, "stream": True, "max_output_tokens": 40, "tools": [
-        {"type": "function", "name": "get_datetime", "parameters": {"type": "object"}}]}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as http:
-        async with http.post(f"{s.url}/v1/responses", json=body) as r:
+        async with http.post(f"{s.url}{route}", json=body) as r:
             raw = await r.read()
     events = data_events(raw)
-    assert any(isinstance(e, dict) and e.get("type") == "response.reasoning_text.delta"
-               for e in events)
-    assert "error" in events[-1] and "not continued" in events[-1]["error"]["message"]
+    assert any(isinstance(e, dict) and e.get("type") == reasoning_event for e in events)
+    assert "not continued" in events[-1]["error"]["message"]
     [record] = s.wait_incidents(1)
     assert record["decision"] == "passed_on" and "reasoning" in record["reason"]
