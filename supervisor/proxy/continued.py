@@ -5,10 +5,9 @@ continuation's own are replaced by those, its role delta is dropped (its prompt 
 events, asked for with `return_progress`, go on without the role: the client sees the other
 child's prefill), an echo of the relayed text (and of the relayed reasoning) is stripped, its
 usage counts the tokens sent before, and its final event says, in a `spillway_continuation`
-field, that it was continued and from where. /v1/messages and
-/v1/responses, whose events open a message (a content block, an output item) before its text,
-lose the continuation's opening events, and their closing ones carry the whole text. Pure bytes
-in, bytes out.
+field, that it was continued and from where. /v1/messages and /v1/responses, whose events open
+a message (a content block, an output item) before its text, lose the continuation's opening
+events, and their closing ones carry the whole text. Pure bytes in, bytes out.
 """
 
 from __future__ import annotations
