@@ -4,7 +4,9 @@ without npm or when npm fails (a fake npm on PATH)."""
 
 from __future__ import annotations
 
+import os
 import stat
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -239,6 +241,17 @@ def test_a_failed_npm_build_is_one_line_with_its_log_and_nothing_is_cached(
     assert "ENOTFOUND" in log.read_text() and "$ npm ci" in log.read_text()
     assert webui.cached_ui(webui.pin()) is None
     assert not list(cache.glob("web-ui-build-*"))  # the sources' folder is gone
+    # The next start does not pay for npm's retries again: one line, no npm, for a day.
+    log.write_text("kept")
+    assert webui.web_ui_for_quickstart(embedded(cache)) is None
+    err = capsys.readouterr().err
+    assert err.startswith("spillway: the chat page's build failed 0 min ago; it is tried again")
+    assert err.count("\n") == 1 and str(log) in err and log.read_text() == "kept"
+    mark = cache / webui.pin().folder / webui.FAILED_MARK
+    day_ago = time.time() - webui.RETRY_AFTER_S - 60
+    os.utime(mark, (day_ago, day_ago))
+    assert webui.web_ui_for_quickstart(embedded(cache)) is None
+    assert "(npm ci: exit 1)" in capsys.readouterr().err and "ENOTFOUND" in log.read_text()
 
 
 def test_a_good_build_is_cached_and_not_run_again(
@@ -250,7 +263,12 @@ def test_a_good_build_is_cached_and_not_run_again(
                                 'echo "<!doctype html>" > dist/index.html && '
                                 'echo "x" > dist/_app/bundle.js; fi\n')
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:/usr/bin:/bin")  # the fakes first
+    mark = cache / webui.pin().folder / webui.FAILED_MARK  # a failure of long ago
+    mark.parent.mkdir(parents=True)
+    mark.touch()
+    os.utime(mark, (0, 0))
     dist = webui.ensure_web_ui()
+    assert not mark.exists()
     assert dist == cache / webui.pin().folder / "dist"
     assert (dist / "index.html").is_file() and (dist / "_app" / "bundle.js").is_file()
     assert runs.read_text().splitlines() == ["ci", "run build"]

