@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Spillway, fake_server_script, injector_script  # noqa: E402
 from tinymodel import write_tiny_model  # noqa: E402
 
-from supervisor.commands import bootstrap  # noqa: E402
+from supervisor.commands import bootstrap, webui  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -22,6 +22,18 @@ def llama_server() -> Path:
     """A real llama-server: $LLAMA_SERVER, or the cached build (built now if missing: about
     five minutes on two cores, once per machine)."""
     return bootstrap.ensure_llama_server()
+
+
+@pytest.fixture(scope="session")
+def web_ui() -> Path:
+    """llama.cpp's web UI (the quickstart's chat page), its built `dist` folder: cached, or
+    built now by the quickstart's own function (npm ci and npm run build on the pinned sdist's
+    tools/ui, about two minutes, once per machine). Fails, never skips, without Node.js 20.19+
+    and npm or when the build fails: CI has both and must run the tests that need it."""
+    try:
+        return webui.ensure_web_ui()
+    except webui.WebUiError as e:
+        pytest.fail(f"the web UI could not be built: {e}")
 
 
 @pytest.fixture(scope="session")

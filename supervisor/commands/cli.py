@@ -122,7 +122,9 @@ def cmd_init(args: argparse.Namespace) -> int:
 
 
 def cmd_quickstart(args: argparse.Namespace) -> int:
-    """Provide llama-server and a small model, write a config, run the daemon."""
+    """Provide llama-server, a small model and the chat page, write a config, run the daemon."""
+    from . import webui
+
     if args.router and args.small:
         print("spillway quickstart: --small and --router do not go together (router mode has "
               "no small child)", file=sys.stderr)
@@ -142,6 +144,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
     except (bootstrap.BootstrapError, OSError) as e:
         print(f"spillway quickstart: {e}", file=sys.stderr)
         return EXIT_FAIL
+    # After the binary and the model: the chat page is optional, and says so when it fails.
+    ui = webui.web_ui_for_quickstart(binary)
     devices = list_devices(str(binary))
     if not reuse:
         bootstrap.write_default_config(path, binary, model, devices, listen=listen,
@@ -156,6 +160,12 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         hint = bootstrap.outdated_quickstart_config(path)
         if hint:
             print(f"spillway: {hint}", file=sys.stderr)
+    try:
+        changed = webui.serve_in_config(path, ui)
+    except (OSError, config_edit.EditError, ValueError) as e:
+        changed = f"could not give {path} the chat page's --path: {e}"
+    if changed:
+        print(f"spillway: {changed}", file=sys.stderr)
     if devices:
         print(f"spillway: GPU child on {devices[0]}", file=sys.stderr)
     else:
@@ -171,7 +181,8 @@ def cmd_quickstart(args: argparse.Namespace) -> int:
         print(f"spillway: {path} has no small child ([small] path); --rewrite-config writes "
               "one", file=sys.stderr)
     bootstrap.remember_quickstart_config(path)
-    return _run_daemon(cfg, on_ready=_quickstart_welcome(cfg, model if cfg.router else None))
+    return _run_daemon(cfg, on_ready=_quickstart_welcome(cfg, model if cfg.router else None,
+                                                         webui.serves_chat_page(cfg)))
 
 
 def _quickstart_config(args: argparse.Namespace) -> Path:
@@ -222,9 +233,10 @@ def _quickstart_listen(wanted: str | None, reused: Path | None) -> str | None:
     return instead if answer in ("", "y", "yes") else None
 
 
-def _quickstart_welcome(cfg: config.Config,
-                        model: Path | None) -> Callable[[Sequence[str]], None]:
-    """Once Spillway serves: the newcomer's three lines (a chat, the status, the page)."""
+def _quickstart_welcome(cfg: config.Config, model: Path | None,
+                        chat_page: bool = False) -> Callable[[Sequence[str]], None]:
+    """Once Spillway serves: the newcomer's lines (a chat, the status, the page, and the chat
+    page when the children serve one)."""
     from . import quickstart
 
     try:
@@ -238,7 +250,7 @@ def _quickstart_welcome(cfg: config.Config,
 
     def show(listening: Sequence[str]) -> None:
         text = quickstart.welcome(cfg, listening, quickstart.own_command(), flag,
-                                  model=model.stem if model else None)
+                                  model=model.stem if model else None, chat_page=chat_page)
         print(f"\n{text}\n", file=sys.stderr, flush=True)
 
     return show

@@ -81,10 +81,11 @@ def chat_body(model: str | None) -> str:
 
 
 def welcome(cfg: Config, listening: Sequence[str], command: str, config_flag: str,
-            model: str | None = None) -> str:
+            model: str | None = None, chat_page: bool = False) -> str:
     """The lines printed once Spillway serves. `config_flag` is what the client commands need
     to find this config (empty when they find it by themselves); `model` names the model a
-    router-mode request must ask for."""
+    router-mode request must ask for; `chat_page`: the children serve llama.cpp's web UI at
+    `/` (named only then: without it `/` is llama-server's 404)."""
     url = base_url(listening[0])
     auth = " -H \"Authorization: Bearer $SPILLWAY_API_KEY\"" if cfg.server.api_key else ""
     lines = [
@@ -94,6 +95,8 @@ def welcome(cfg: Config, listening: Sequence[str], command: str, config_flag: st
         f"  {command} status{config_flag}    # children, GPU memory, waiting line, incidents",
         f"  {url}/spillway/    # the status page, in a browser",
     ]
+    if chat_page:
+        lines.append(f"  {url}/    # the chat page (llama.cpp's web UI), in a browser")
     if cfg.small_child is not None:
         small = Path(cfg.child(cfg.small_child).model_path).stem
         lines += [
