@@ -43,12 +43,6 @@ LONG_QUESTION = ("Here are some notes about rivers. Rivers carry water from the 
                  "sea. ") * 8 + "Summarize these notes in one sentence."
 
 
-@pytest.fixture(scope="session")
-def web_ui() -> Path:
-    # TEMP: replaced by the conftest fixture web_ui (built by the tests' own setup) on merge
-    return Path("/tmp/uibuild/ui/dist")
-
-
 def ui_config(llama_server: Path, model: Path, web_ui: Path, *more: str,
               injector: Path | None = None, fired: Path | None = None,
               events: int = 0, ctx: int = 2048) -> dict[str, Any]:
