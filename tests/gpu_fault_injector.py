@@ -14,6 +14,7 @@ lines are written and the process dies with SIGABRT, taking the real server with
   FAULT_MARKER=TEXT     trigger on a generation request whose body contains TEXT
   FAULT_NTH=N           trigger on the Nth generation request
   FAULT_PATHS=*         any route may trigger, not only the generation routes
+  FAULT_ON_PATH=PATH    trigger on a request for PATH, whatever its route (a web UI's file)
   FAULT_ONCE_FILE=PATH  fire at most once across restarts (the file records that it fired)
   FAULT_WHEN=launch     abort once the real server launched the task (default)
   FAULT_WHEN=events:K   abort after K SSE events of the stream reached Spillway (events with
@@ -115,14 +116,19 @@ def _launched() -> None:
 
 
 def should_fire(path: str, body: bytes) -> bool:
+    if ENV.get("FAULT_ON_PATH") is not None:
+        return path == ENV["FAULT_ON_PATH"] and _first_time()
     if path not in GENERATION and ENV.get("FAULT_PATHS") != "*":
         return False
     state.requests += 1
     marker = ENV.get("FAULT_MARKER")
     nth = int(ENV.get("FAULT_NTH", "0"))
     hit = (marker is not None and marker.encode() in body) or (nth and state.requests == nth)
-    if not hit:
-        return False
+    return hit and _first_time()
+
+
+def _first_time() -> bool:
+    """False once it fired, with FAULT_ONCE_FILE (across restarts)."""
     once = ENV.get("FAULT_ONCE_FILE")
     if once:
         if Path(once).exists():

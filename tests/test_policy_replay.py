@@ -46,6 +46,31 @@ def test_each_condition_refuses_on_its_own(change: dict[str, object], refusal: R
     assert d.reason.startswith(str(refusal))
 
 
+READ = dataclasses.replace(SAFE, route=RouteClass.PASSTHROUGH, body_replayable=False,
+                           safe_read=True)
+
+
+def test_a_read_caught_in_a_death_goes_to_the_other_child() -> None:
+    """The web UI's files and the routes it polls (a GET without a body) are answered alike by
+    either child: one in flight when the GPU child dies is not a 502."""
+    assert decide(READ).replay
+
+
+@pytest.mark.parametrize("change,refusal", [
+    ({"route": RouteClass.OWN}, Refusal.ROUTE),  # Spillway's own routes: never forwarded
+    ({"safe_read": False}, Refusal.ROUTE),  # a POST to /tools, a slot's save, LoRA
+    ({"bytes_sent": True}, Refusal.BYTES_SENT),
+    ({"timed_out": True}, Refusal.TIMED_OUT),
+    ({"verdict": Verdict(FailureKind.NONE, "HTTP 404")}, Refusal.CHILD_COMPLETED),
+    ({"attempts": 2}, Refusal.ALREADY_REPLAYED),
+    ({"opted_out": True}, Refusal.OPTED_OUT),
+])
+def test_a_read_keeps_the_other_conditions(change: dict[str, object],
+                                           refusal: Refusal) -> None:
+    d = decide(dataclasses.replace(READ, **change))  # type: ignore[arg-type]
+    assert not d.replay and d.refusal is refusal
+
+
 def test_a_deadline_with_room_or_without_an_estimate_allows_the_replay() -> None:
     assert decide(dataclasses.replace(SAFE, deadline_left_s=30.0, target_expected_s=4.0)).replay
     assert decide(dataclasses.replace(SAFE, deadline_left_s=30.0)).replay

@@ -54,3 +54,24 @@ def test_the_chat_page_and_its_bundle_come_through_spillway(
                             {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
                             headers=page_origin)
     assert status == 200 and answer["choices"][0]["message"]["content"] is not None, answer
+
+
+def test_a_file_of_the_page_caught_in_a_gpu_death_comes_from_the_cpu_child(
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, web_ui: Path,
+        injector: Path, tmp_path: Path) -> None:
+    """The page loads some seventy files; one in flight when the GPU child dies is read again
+    from the CPU child (a GET changes nothing), not a 502."""
+    cfg = real_config(llama_server, tiny_model)
+    cfg["model"]["args"] = with_ui(cfg["model"]["args"], web_ui, webui.is_ours)
+    cfg["gpu"] = {**cfg["gpu"], "llama_server": str(injector),
+                  "env": {"REAL_LLAMA_SERVER": str(llama_server),
+                          "FAULT_ON_PATH": "/manifest.webmanifest",
+                          "FAULT_ONCE_FILE": str(tmp_path / "fired")}}
+    s = spillway(cfg)
+    with urllib.request.urlopen(s.url + "/manifest.webmanifest", timeout=60) as r:
+        assert r.status == 200 and r.headers["X-Spillway-Child"] == "cpu"
+        assert r.headers["X-Spillway-Attempts"] == "2"
+        assert b'"name":"llama-ui"' in r.read()
+    assert (tmp_path / "fired").exists()  # the GPU child did die on it
+    incident, = s.get("/spillway/incidents")[1]["incidents"]
+    assert incident["decision"] == "replayed" and incident["replay_child"] == "cpu", incident

@@ -5,7 +5,9 @@ A request may be replayed only when all six hold:
 2. no byte of the response has reached the client;
 3. the evidence says the child did not complete it (a 4xx or a complete answer never replays;
    nor does a read timeout, after which the child may still be working on it);
-4. the route only generates (never /tools, slot save/restore/erase, LoRA, /cors-proxy);
+4. the route only generates (never /tools, slot save/restore/erase, LoRA, /cors-proxy), or
+   the request only reads: a GET or HEAD without a body on llama-server's own routes (/props,
+   /v1/models, /slots, the web UI's files), which either child answers alike;
 5. the client did not opt out (`X-Spillway-Replay: never`), and its deadline leaves room for
    the other child's expected time;
 6. it has not been replayed before.
@@ -65,6 +67,9 @@ class ReplayCase:
     deadline_left_s: float | None  # None: the client gave no deadline
     target_expected_s: float | None  # None: no estimate yet
     target_available: bool  # the other child is ready or can be started in time
+    # A GET or HEAD without a body on a passthrough route: it changes nothing, so it may go
+    # to the other child (the web UI's files and the routes it polls, caught in a GPU death).
+    safe_read: bool = False
 
 
 @dataclass(frozen=True)
@@ -78,11 +83,13 @@ def decide(case: ReplayCase) -> ReplayDecision:
     def no(refusal: Refusal, detail: str = "") -> ReplayDecision:
         return ReplayDecision(False, f"{refusal}{': ' + detail if detail else ''}", refusal)
 
-    # 4. a generation route (asked first: for any other route it is the whole answer)
-    if case.route is not RouteClass.GENERATION:
+    # 4. a generation route, or a read (asked first: for any other route it is the whole
+    # answer)
+    read = case.safe_read and case.route is RouteClass.PASSTHROUGH
+    if case.route is not RouteClass.GENERATION and not read:
         return no(Refusal.ROUTE)
-    # 1. the body
-    if not case.body_replayable:
+    # 1. the body (a read has none to keep)
+    if not case.body_replayable and not read:
         return no(Refusal.BODY)
     # 2. nothing sent yet
     if case.bytes_sent:

@@ -427,7 +427,8 @@ class ProxyHandler:
             deadline_left_s=self._deadline_left(ctx),
             body_size=len(ctx.body),
             max_tokens=estimate.requested_tokens(ctx.payload),
-            smaller_ok=ctx.smaller_ok, prompt_tokens=ctx.prompt_tokens))
+            smaller_ok=ctx.smaller_ok, prompt_tokens=ctx.prompt_tokens,
+            safe_read=request.method in ("GET", "HEAD") and not ctx.body))
         if isinstance(nxt, GiveUp):
             episodes.append(_Episode(failure, "rejected", nxt.reason))
             return Answered(self._controlled_error(ctx, failure, nxt))

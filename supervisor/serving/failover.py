@@ -40,6 +40,7 @@ class Failed:
     max_tokens: int  # what the request asks for (the other upstream's expected time)
     smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
     prompt_tokens: int = 0  # as admission counted it (or its bound): does it fit a slot there
+    safe_read: bool = False  # a GET or HEAD without a body (policy/replay.py's rule 4)
 
 
 @dataclass(frozen=True)
@@ -131,6 +132,7 @@ class Failover:
             target_expected_s=None if target is None else pool.expected_seconds(
                 target, failed.body_size, failed.max_tokens),
             target_available=target is not None and pool.can_take_replay(target),
+            safe_read=failed.safe_read,
         )
 
     async def after_cut(self, cut: Cut) -> GoOn | GiveUp:
