@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 CHAT_ROUTES = frozenset({"/v1/chat/completions", "/chat/completions"})
@@ -140,8 +140,12 @@ class Transcript:
     kind: str  # route_kind
     text: str = ""
     reasoning_text: str = ""  # chat: the `reasoning_content` relayed
-    tokens: int = 0  # text and reasoning events relayed: one generated token each (a few
-    # merge, for UTF-8)
+    tokens: int = 0  # generated tokens relayed: llama-server's own count when an event
+    # carries it (`counted`), else one per event with generated text (a few tokens merge, for
+    # UTF-8; one token never makes two events' worth)
+    counted: bool = False  # `tokens` is llama-server's own figure (tokens_predicted, predicted_n)
+    prompt_tokens: int | None = None  # the prompt's tokens, when an event said (closing usage)
+    text_block: int | None = None  # /v1/messages: the index of the open text block
     id: str | None = None
     created: int | None = None
     model: str | None = None
@@ -151,9 +155,42 @@ class Transcript:
     reasoning: bool = False  # reasoning that cannot be continued (not `reasoning_text`)
     finished: bool = False
     item_id: str | None = None  # /v1/responses: the output message's id
+    _in_event: bool = field(default=False, repr=False)  # the current event counted a token
 
     def take(self, event: dict[str, Any]) -> None:
         """One event's JSON, as it was relayed."""
+        self._in_event = False  # (one generated token at most per event: see `_count`)
+        self._take(event)
+        self._own_count(event)
+
+    def _own_count(self, event: dict[str, Any]) -> None:
+        """llama-server's own figures, where an event carries them: its running count of
+        generated tokens (`tokens_predicted` on /completion, `timings.predicted_n` with
+        `timings_per_token`), which is what its limit is checked against; and the prompt's
+        tokens, for the usage of a stream Spillway closes itself."""
+        timings = event.get("timings")
+        timings = timings if isinstance(timings, dict) else {}
+        for own in (event.get("tokens_predicted"), timings.get("predicted_n")):
+            if isinstance(own, int) and _int(own):
+                self.tokens, self.counted = own, True
+        if _int(event.get("tokens_evaluated")):
+            self.prompt_tokens = event["tokens_evaluated"]
+        if _int(timings.get("prompt_n")):  # (it leaves out the cached part: cache_n adds it)
+            cached = timings.get("cache_n")
+            self.prompt_tokens = timings["prompt_n"] + (cached if _int(cached) else 0)
+        progress = event.get("prompt_progress")
+        if isinstance(progress, dict) and _int(progress.get("total")):
+            self.prompt_tokens = progress["total"]
+
+    def _count(self) -> None:
+        """One generated token for an event with generated text: llama-server sends each
+        sampled token's text in one partial result, which a chat parser may split into more
+        than one event (reasoning, then content); counting pieces would overcount."""
+        if not self._in_event:
+            self._in_event = True
+            self.tokens += 1
+
+    def _take(self, event: dict[str, Any]) -> None:
         if self.id is None:
             self.id = _str(event.get("id"))
             self.model = _str(event.get("model"))
@@ -177,7 +214,7 @@ class Transcript:
     def _text(self, piece: Any) -> None:
         if isinstance(piece, str) and piece:
             self.text += piece
-            self.tokens += 1
+            self._count()
 
     def _reasoning(self, piece: Any) -> None:
         if not isinstance(piece, str) or not piece:
@@ -187,7 +224,7 @@ class Transcript:
             # put this reasoning before the content, which is not what the model saw.
             self.reasoning = True
         self.reasoning_text += piece
-        self.tokens += 1
+        self._count()
 
     @property
     def generated(self) -> str:
@@ -195,10 +232,7 @@ class Transcript:
         return self.reasoning_text + self.text
 
     def _native(self, event: dict[str, Any]) -> None:
-        self._text(event.get("content"))
-        predicted = event.get("tokens_predicted")  # the server's own count, when given
-        if isinstance(predicted, int) and not isinstance(predicted, bool):
-            self.tokens = predicted
+        self._text(event.get("content"))  # (its `tokens_predicted`: see `_own_count`)
         if event.get("stop") is True:
             self.finished = True
 
@@ -215,6 +249,8 @@ class Transcript:
             block = event.get("content_block")
             block_type = block.get("type") if isinstance(block, dict) else None
             self.tool_calls = self.tool_calls or block_type in ("tool_use", "server_tool_use")
+            if block_type == "text" and _int(event.get("index")):
+                self.text_block = event["index"]
             self.reasoning = self.reasoning or block_type in ("thinking", "redacted_thinking")
         elif kind == "content_block_delta":
             delta = event.get("delta")
@@ -274,11 +310,45 @@ def _str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 @dataclass(frozen=True)
 class Decision:
     allowed: bool
     reason: str
     refusal: Refusal | None = None
+    # Not continued, but not broken either: the token limit was reached before the child died,
+    # so the client has the whole answer and only its finish is missing; Spillway sends it as
+    # llama-server would have (proxy/closing.py).
+    closing: bool = False
+
+
+CLOSED_AT_LIMIT = "its token limit was reached before the child died; closed as llama-server " \
+                  "would"
+
+
+def at_limit(payload: dict[str, Any], transcript: Transcript,
+             counted_by: str = "") -> Decision | None:
+    """When the relayed tokens fill the token limit: llama-server stops there with a finish
+    of its own ("length", `stop_type` "limit", "max_tokens"), so the stream is closed with it
+    where its closing events can be told from what was relayed; else it is spent (the error
+    event). None while tokens are left. `counted_by`: who counted, when not the events."""
+    limit = token_limit(transcript.kind, payload)
+    if limit is None or limit - transcript.tokens > 0:
+        return None
+    count = f"{transcript.tokens} of {limit} tokens{counted_by and ', ' + counted_by}"
+    spent = f"its token limit is used up ({count})"
+    if transcript.tool_calls:
+        # The last call's end (and llama-server's final parse of it) is not known.
+        return Decision(False, f"{spent}, in a tool call", Refusal.SPENT)
+    if transcript.kind == "messages" and (transcript.reasoning or transcript.text_block is None):
+        return Decision(False, f"{spent}, and its open block cannot be closed", Refusal.SPENT)
+    if transcript.kind == "responses" and (transcript.reasoning or transcript.item_id is None):
+        return Decision(False, f"{spent}, and its open item cannot be closed", Refusal.SPENT)
+    return Decision(False, f"{CLOSED_AT_LIMIT} ({count})",
+                    Refusal.SPENT, closing=True)
 
 
 def decide(payload: dict[str, Any], transcript: Transcript, continued_before: bool,
@@ -290,6 +360,9 @@ def decide(payload: dict[str, Any], transcript: Transcript, continued_before: bo
         return Decision(False, "a stream is continued at most once", Refusal.ALREADY)
     if transcript.finished:
         return Decision(False, "its finish was already sent", Refusal.FINISHED)
+    if (limited := at_limit(payload, transcript)) is not None:
+        # Before the other refusals: the answer is whole whatever a continuation could carry.
+        return limited
     if transcript.tool_calls:
         return Decision(False, "a tool call had begun", Refusal.TOOLS)
     if transcript.reasoning:
@@ -302,9 +375,6 @@ def decide(payload: dict[str, Any], transcript: Transcript, continued_before: bo
         return Decision(False, "reasoning parsing is off (reasoning_format none): the text may "
                                "be a think block's, which a continuation would close",
                         Refusal.REASONING)
-    limit = token_limit(transcript.kind, payload)
-    if limit is not None and limit - transcript.tokens <= 0:
-        return Decision(False, "its token limit is used up", Refusal.SPENT)
     if deadline_left_s is not None and deadline_left_s < target_expected_s:
         return Decision(False, f"its deadline leaves {max(deadline_left_s, 0):.1f} s, the other "
                                f"child needs about {target_expected_s:.1f} s", Refusal.DEADLINE)
