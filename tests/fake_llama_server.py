@@ -18,6 +18,8 @@ Switches come from environment variables (a child's `env` table in the Spillway 
   FAKE_STALL_AFTER_EVENTS=K  a stream stops after K events and never goes on (/health answers)
   FAKE_ABORT_AFTER_EVENTS=K  a chat stream's process aborts (SIGABRT, after the CUDA lines of
                            FAKE_CRASH_LINES) right after its Kth event
+  FAKE_TOKENIZE_EXTRA=N    /tokenize answers, counting N tokens more than the text's words
+                           (a text that re-tokenizes to more tokens than were generated)
   FAKE_TOOL_CALL_AT=K      a chat stream's Kth event (from 0) is a tool call delta, as
                            llama-server streams one (the call's id and name, empty arguments)
   FAKE_NO_SLOTS=1          /slots answers 501, as with llama-server --no-slots
@@ -262,6 +264,14 @@ async def chat(request: web.Request) -> web.StreamResponse:
     return resp
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """One token a word (the fake's own answers: `tokN ` each), plus FAKE_TOKENIZE_EXTRA."""
+    body = await request.json()
+    words = str(body.get("content", "")).split()
+    extra = int(ENV.get("FAKE_TOKENIZE_EXTRA", "0"))
+    return web.json_response({"tokens": list(range(len(words) + extra))})
+
+
 async def props(request: web.Request) -> web.Response:
     return web.json_response({
         "default_generation_settings": {"n_ctx": int(ENV.get("FAKE_N_CTX", "4096"))},
@@ -328,6 +338,8 @@ def main() -> None:
     app.router.add_post("/v1/chat/completions", chat)
     app.router.add_post("/chat/completions", chat)
     app.router.add_get("/props", props)
+    if "FAKE_TOKENIZE_EXTRA" in ENV:  # (else /tokenize echoes, as the other tests expect)
+        app.router.add_post("/tokenize", tokenize)
     app.router.add_get("/slots", slots)
     app.router.add_route("*", "/{tail:.*}", echo)
     web.run_app(app, host=host, port=port, print=None, access_log=None,

@@ -19,7 +19,7 @@ from ..policy.continuation import Transcript
 from . import sse
 
 
-def _event(obj: dict[str, Any], named: bool = False) -> bytes:
+def encode_event(obj: dict[str, Any], named: bool = False) -> bytes:
     """One event; `named`: with its `event:` line, as the Messages API sends each."""
     data = b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + \
         sse.SEPARATOR
@@ -63,7 +63,7 @@ class ContinuedStream:
                 continue
             kept = self._one(obj) if isinstance(obj, dict) else obj
             if kept is not None:
-                out.append(_event(kept, self.before.kind in _NAMED_EVENTS)
+                out.append(encode_event(kept, self.before.kind in _NAMED_EVENTS)
                            if isinstance(kept, dict) else block + sse.SEPARATOR)
         return b"".join(out)
 

@@ -498,6 +498,13 @@ class Forwarder:
             await resp.write_eof()
         return Broken(resp, failure)
 
+    async def end_closed(self, resp: web.StreamResponse, events: bytes) -> Answered:
+        """The stream's own finish, sent by Spillway (proxy/closing.py): a clean end."""
+        with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
+            await resp.write(events)
+            await resp.write_eof()
+        return Answered(resp)
+
     async def continue_stream(self, ctx: RequestCtx, attempt: Attempt, child: Upstream,
                               interrupted: Interrupted, body: bytes,
                               stream: ContinuedStream, note: bytes) -> Answered | Broken:

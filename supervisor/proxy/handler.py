@@ -23,13 +23,13 @@ from ..records.idempotency import IdempotencyStore, Outcome, StoredResponse, fin
 from ..records.incidents import Incident, IncidentLog, new_incident_id
 from ..records.metrics import Metrics
 from ..serving.pool import Lease, Pool
-from ..serving.failover import Cut, Failed, Failover, GiveUp, GoOn
+from ..serving.failover import Close, Cut, Failed, Failover, GiveUp, GoOn
 from ..serving.pools import Pools
 from ..records.stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
 from ..records.timefmt import rfc3339
 from ..policy import admission, continuation, estimate, prompts, replay
 from ..policy.routes import RouteClass, classify_route, route_label
-from . import errors, tokens
+from . import closing, errors, tokens
 from .auth import AUTHENTICATED, presented_key
 from .bodies import BodyTimeout, BodyTooLarge, BodyUnreadable, parse_json_object, read_body, \
     refusal
@@ -69,7 +69,7 @@ class _Episode:
     """What the handler learned about a failure, for the incident record."""
 
     failure: AttemptFailure
-    decision: str  # replayed | rejected | passed_on
+    decision: str  # replayed | rerouted | rejected | passed_on | continued | finished
     reason: str
     cpu_start_s: float = 0.0
     replay_child: str | None = None
@@ -464,6 +464,8 @@ class ProxyHandler:
             continued_before=ctx.continued, deadline_left_s=self._deadline_left(ctx),
             body_size=len(ctx.body), requested_tokens=estimate.requested_tokens(ctx.payload),
             no_prefill=self.settings.no_prefill))
+        if isinstance(nxt, Close):
+            return await self._close(ctx, cut, nxt.reason, episodes)
         if isinstance(nxt, GiveUp):
             self.metrics.continuations.labels("refused").inc()
             episodes.append(_Episode(failure, "passed_on", f"the stream had started; not "
@@ -484,20 +486,26 @@ class ProxyHandler:
             # usage.
             counted = await tokens.count_text(self.forwarder.session, lease.upstream,
                                               so_far.generated, ctx.payload.get("model"))
-            if counted is not None:
-                so_far.tokens = max(so_far.tokens, counted)
-        limit = continuation.token_limit(so_far.kind, ctx.payload)
-        if limit is not None and limit - so_far.tokens <= 0:
+            if counted is not None and not so_far.counted:
+                # llama-server stops at its limit: a text that re-tokenizes to more tokens than
+                # that (its sampled tokens need not be the tokenizer's own split) was
+                # generated within it, so the count stops there too.
+                limit = continuation.token_limit(so_far.kind, ctx.payload)
+                so_far.tokens = max(so_far.tokens, counted if limit is None
+                                    else min(counted, limit))
+        limited = continuation.at_limit(ctx.payload, so_far,
+                                        f"as the {other} child counts the text")
+        if limited is not None:
             # Counted by the tokenizer, the relayed text already fills the limit (events
-            # undercount, a re-tokenized text can count more): nothing is left to ask for.
+            # undercount, merging a few tokens): nothing is left to ask for.
             lease.close(None, None)
+            if limited.closing:
+                return await self._close(ctx, cut, limited.reason, episodes)
             self.metrics.continuations.labels("refused").inc()
-            reason = (f"its token limit is used up ({so_far.tokens} of {limit} tokens, as the "
-                      f"{other} child counts the text)")
-            episodes.append(_Episode(failure, "passed_on",
-                                     f"the stream had started; not continued: {reason}"))
+            episodes.append(_Episode(failure, "passed_on", f"the stream had started; not "
+                                                           f"continued: {limited.reason}"))
             return await self.forwarder.end_broken(ctx, cut.response, failure, cut.anthropic,
-                                                   f"; not continued: {reason}")
+                                                   f"; not continued: {limited.reason}")
         kind = str(failure.verdict.kind)
         ctx.failover_kind = kind
         log.warning("rid=%s %s child failed mid-stream (%s: %s) after %d tokens; continuing "
@@ -526,6 +534,22 @@ class ProxyHandler:
         self.metrics.continuations.labels(
             "completed" if isinstance(result, Answered) else "failed").inc()
         return result
+
+    async def _close(self, ctx: RequestCtx, cut: Interrupted, reason: str,
+                     episodes: list[_Episode]) -> Answered | Broken:
+        """The token limit was reached before the child died: the client has the whole answer,
+        and gets the finish llama-server would have sent (proxy/closing.py), into the
+        resumable stream's buffer too (the response is its tee)."""
+        failure, so_far = cut.failure, ctx.follow
+        assert so_far is not None and ctx.payload is not None
+        log.warning("rid=%s %s child failed mid-stream (%s: %s) after the last of %d tokens; "
+                    "closing the stream as llama-server would", ctx.request_id, failure.child,
+                    failure.verdict.kind, failure.verdict.evidence, so_far.tokens)
+        episodes.append(_Episode(failure, "finished", reason, tokens_before=so_far.tokens))
+        note = {"from_child": failure.child, "kind": str(failure.verdict.kind),
+                "tokens": so_far.tokens, "reason": "length"}
+        return await self.forwarder.end_closed(
+            cut.response, closing.closing_events(so_far, ctx.payload, note))
 
     def _controlled_error(self, ctx: RequestCtx, failure: AttemptFailure,
                           gave_up: GiveUp) -> web.Response:

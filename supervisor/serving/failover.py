@@ -8,7 +8,9 @@ takes a place on it, and answers one of:
 
 - `Replay`: send the request again, on the lease's upstream (the second and last attempt);
 - `GoOn`: continue the stream from the lease's upstream;
-- `GiveUp`: the controlled error (why, the refusal, when to come back).
+- `GiveUp`: the controlled error (why, the refusal, when to come back);
+- `Close`: after bytes, the stream's token limit was reached before the death: the client has
+  the whole answer, and the stream ends with the finish llama-server would have sent.
 
 The proxy carries it out (the attempt, the continuation, the error's response) and records the
 episode; nothing here touches HTTP.
@@ -67,6 +69,11 @@ class Replay:
 @dataclass(frozen=True)
 class GoOn:
     lease: Lease
+    reason: str
+
+
+@dataclass(frozen=True)
+class Close:
     reason: str
 
 
@@ -135,7 +142,7 @@ class Failover:
             safe_read=failed.safe_read,
         )
 
-    async def after_cut(self, cut: Cut) -> GoOn | GiveUp:
+    async def after_cut(self, cut: Cut) -> GoOn | Close | GiveUp:
         """The stream goes on from the upstream that takes over, when the continuation rule
         allows and it can take a place in time; else why not (the stream ends with its error
         event)."""
@@ -150,6 +157,8 @@ class Failover:
                                if target is not None else None) or 0.0,
             target_available=target is not None and pool.can_take_replay(target),
             target_prefills=target not in cut.no_prefill)
+        if decision.closing:  # (whichever child might have gone on: none is needed)
+            return Close(decision.reason)
         if target is None and name in pool.smaller:
             return GiveUp("a stream from the smaller model is not continued on another model",
                           None, pool.retry_after_s(name))
