@@ -15,6 +15,8 @@ lines are written and the process dies with SIGABRT, taking the real server with
   FAULT_NTH=N           trigger on the Nth generation request
   FAULT_PATHS=*         any route may trigger, not only the generation routes
   FAULT_ON_PATH=PATH    trigger on a request for PATH, whatever its route (a web UI's file)
+  FAULT_CLIENTS_ONLY=1  only a client's request, forwarded by Spillway (with its X-Request-Id),
+                        triggers: not Spillway's own probes (its /health liveness poll)
   FAULT_ONCE_FILE=PATH  fire at most once across restarts (the file records that it fired)
   FAULT_WHEN=launch     abort once the real server launched the task (default)
   FAULT_WHEN=events:K   abort after K SSE events of the stream reached Spillway (events with
@@ -115,7 +117,9 @@ def _launched() -> None:
     state.launched = asyncio.Event()
 
 
-def should_fire(path: str, body: bytes) -> bool:
+def should_fire(path: str, body: bytes, forwarded: bool = True) -> bool:
+    if ENV.get("FAULT_CLIENTS_ONLY") == "1" and not forwarded:
+        return False
     if ENV.get("FAULT_ON_PATH") is not None:
         return path == ENV["FAULT_ON_PATH"] and _first_time()
     if path not in GENERATION and ENV.get("FAULT_PATHS") != "*":
@@ -193,7 +197,7 @@ async def proxy(request: web.Request) -> web.StreamResponse:
         return web.json_response({"status": "ok"})  # the HTTP thread, alive while stuck
     body = await request.read()
     record_body(request, body)
-    fire = should_fire(request.path, body)
+    fire = should_fire(request.path, body, "X-Request-Id" in request.headers)
     mode = ENV.get("FAULT_MODE", "abort")
     when = ENV.get("FAULT_WHEN", "launch")
     if fire and mode == "survive":

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from supervisor.policy.evidence import FailureKind, Verdict
-from supervisor.policy.replay import Refusal, ReplayCase, decide
+from supervisor.policy.replay import Refusal, ReplayCase, decide, unavailable
 from supervisor.policy.routes import RouteClass
 
 SAFE = ReplayCase(
@@ -86,3 +86,17 @@ def test_a_replay_always_means_all_six_hold(kind: FailureKind, body: bool, sent:
     if decide(case).replay:
         assert body and not sent and not opted and attempts < 2
         assert route is RouteClass.GENERATION and case.verdict.child_failed
+
+
+@pytest.mark.parametrize(("refusal", "safe_read", "answer"), [
+    (Refusal.NO_TARGET, False, True),  # capacity: come back later
+    (Refusal.NO_TARGET, True, True),
+    # A read both children failed (issue 43: GET /health in a soak): nobody can answer it now.
+    (Refusal.ALREADY_REPLAYED, True, True),
+    (Refusal.ALREADY_REPLAYED, False, False),  # a generation: the upstream error, 502
+    (Refusal.CHILD_COMPLETED, True, False),
+    (None, True, False),
+])
+def test_what_is_answered_unavailable(refusal: Refusal | None, safe_read: bool,
+                                      answer: bool) -> None:
+    assert unavailable(refusal, safe_read) is answer

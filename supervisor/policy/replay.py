@@ -114,3 +114,11 @@ def decide(case: ReplayCase) -> ReplayDecision:
     if not case.target_available:
         return no(Refusal.NO_TARGET)
     return ReplayDecision(True, f"replay-safe after {case.verdict.kind}")
+
+
+def unavailable(refusal: Refusal | None, safe_read: bool) -> bool:
+    """Whether a request given up on is answered 503 (come back later) rather than 502: when
+    no other child could take it, and when a read (rule 4) failed on both children, which
+    leaves no child to answer it now either. A read's client is often a health check or a page
+    polling `/health` and `/v1/models`: "unavailable, retry after" is what it can act on."""
+    return refusal is Refusal.NO_TARGET or (safe_read and refusal is Refusal.ALREADY_REPLAYED)

@@ -428,7 +428,7 @@ class ProxyHandler:
             body_size=len(ctx.body),
             max_tokens=estimate.requested_tokens(ctx.payload),
             smaller_ok=ctx.smaller_ok, prompt_tokens=ctx.prompt_tokens,
-            safe_read=request.method in ("GET", "HEAD") and not ctx.body))
+            safe_read=_safe_read(ctx)))
         if isinstance(nxt, GiveUp):
             episodes.append(_Episode(failure, "rejected", nxt.reason))
             return Answered(self._controlled_error(ctx, failure, nxt))
@@ -561,7 +561,7 @@ class ProxyHandler:
             return errors.json_error(
                 504, "upstream_error", f"{what}; not replayed: {gave_up.reason}",
                 ctx.request_id, kind=str(v.kind), headers={"x-should-retry": "false"})
-        if gave_up.refusal is replay.Refusal.NO_TARGET:
+        if replay.unavailable(gave_up.refusal, _safe_read(ctx)):
             # Capacity is the cause: a 503 that says when to come back.
             return errors.unavailable(f"{what}, and no other child can take the request now; "
                                       "retry later", ctx.request_id, retry_after_s=back,
@@ -665,6 +665,11 @@ def _outcome(ctx: RequestCtx, status: int, broken: bool) -> str:
     if not ctx.attempts:
         return "rejected"
     return "client_error" if status < 500 else "failed"
+
+
+def _safe_read(ctx: RequestCtx) -> bool:
+    """A GET or HEAD without a body (policy/replay.py's rule 4): it changes nothing."""
+    return ctx.method in ("GET", "HEAD") and not ctx.body
 
 
 def _opted_out(ctx: RequestCtx) -> bool:
