@@ -22,7 +22,9 @@ be a think block's).
 Never when the grammar state would restart (grammar, json_schema, a JSON response_format: the
 constraint would apply to the rest as if it were the whole, as NVIDIA Dynamo's request
 migration notes), for n > 1, for a prompt that is not one string, when the client opted out,
-or when a finish was already sent. Pure: no I/O, no clock.
+or when a finish was already sent. A stream whose relayed tokens already fill its limit is not
+continued but closed (`at_limit`): llama-server would have stopped there, so the client has the
+whole answer and only the finish is missing. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
