@@ -4,7 +4,8 @@ An episode is one failure of a child (one death, one OOM the child survived); an
 request caught in it. A crash that hits 16 requests is one episode and 16 incidents. Fields:
 
     id, episode, time (RFC 3339), request_id, child, kind, evidence, decision (replayed;
-    rerouted: replayed on the small child's smaller model; continued; rejected; passed_on),
+    rerouted: replayed on the small child's smaller model; continued; finished: a stream at its
+    token limit when its child died, closed as llama-server would; rejected; passed_on),
     reason, cpu_start_s (0 when the CPU child was already running), status, tokens, latency_s,
     client_connected
 
@@ -40,6 +41,7 @@ class Incident:
     kind: str
     evidence: str
     decision: str  # replayed | rerouted (to a smaller model) | rejected | passed_on | continued
+    # | finished (closed at its token limit)
     reason: str
     cpu_start_s: float
     status: int
