@@ -142,16 +142,22 @@ def said(record: dict[str, Any]) -> dict[str, Any]:
                                        "status")}
 
 
-async def test_a_question_sent_from_the_ui_is_answered_on_the_page(
-        spillway: SpillwayFactory, llama_server: Path, smollm2: Path, web_ui: Path,
-        browser: Any) -> None:
-    s = await start(spillway, ui_config(llama_server, smollm2, web_ui))
+async def answered(s: Spillway, browser: Any) -> WebUi:
+    """The page opened, QUESTION asked, and its whole answer shown."""
     ui = WebUi(browser, s.url)
     await ui.open(SETTINGS)
     await ui.ask(QUESTION)
     conversation, _ = await the_request(ui)
     shown = await finished_and_whole(s, ui, conversation)
     assert len(plain(shown)) > 20, shown
+    return ui
+
+
+async def test_a_question_sent_from_the_ui_is_answered_on_the_page(
+        spillway: SpillwayFactory, llama_server: Path, smollm2: Path, web_ui: Path,
+        browser: Any) -> None:
+    s = await start(spillway, ui_config(llama_server, smollm2, web_ui))
+    await answered(s, browser)
     assert s.incidents() == []
     assert " 200 " in next(line for line in s.log_text().splitlines()
                            if "POST /v1/chat/completions -> gpu" in line)
@@ -321,12 +327,7 @@ async def test_with_the_gpu_child_paused_the_page_loads_and_the_cpu_child_answer
     code, _ = await asyncio.to_thread(s.post, "/spillway/gpu/pause", {})
     assert code == 200
     await asyncio.to_thread(s.wait_state, ("gpu",), ("STOPPED",))
-    ui = WebUi(browser, s.url)
-    await ui.open(SETTINGS)
-    await ui.ask(QUESTION)
-    conversation, _ = await the_request(ui)
-    shown = await finished_and_whole(s, ui, conversation)
-    assert len(plain(shown)) > 20, shown
+    ui = await answered(s, browser)
     assert " 200 " in next(line for line in s.log_text().splitlines()
                            if "POST /v1/chat/completions -> cpu" in line)
     polled = {r["url"].split("?")[0]: r["status"] for r in await ui.sent()

