@@ -188,3 +188,36 @@ def test_the_status_lists_every_cache_with_a_bound_and_the_debug_route_counts_ob
     assert status["process"]["asyncio_tasks"] > 0
     code, memory = s.get("/spillway/debug/memory")
     assert code == 200 and memory["gc_objects"] > 0
+
+
+def test_a_finished_stream_is_freed_as_the_store_drops_it_without_waiting_for_the_gc() -> None:
+    """A session's `stop` held the producer's task, whose result (the response) holds the
+    session: a cycle, so each expired stream (its buffer, its request) waited for the oldest
+    generation's collection, and RSS grew for minutes after the store was full (issue 43)."""
+    import gc
+    import weakref
+
+    class Producer:  # a task: its result refers back to the session
+        def __init__(self) -> None:
+            self.result: object = None
+
+        def cancel(self) -> None:
+            pass
+
+    store = StreamSessions(ttl_s=1.0)
+    s = store.start("conv", "rid", now=0.0)
+    producer = Producer()
+    producer.result = s
+    s.stop = producer.cancel
+    s.committed = True
+    s.append(b"x" * 1000)
+    store.finished(s, now=0.0)
+    assert s.stop is None
+    gone = weakref.ref(s)
+    del s, producer
+    gc.disable()
+    try:
+        store.prune(now=2.0)
+        assert gone() is None
+    finally:
+        gc.enable()

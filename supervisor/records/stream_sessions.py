@@ -92,6 +92,7 @@ class StreamSession:
         """No more bytes: readers drain what is held and end."""
         if not self.done:
             self.completed_at = max(now, 1e-9)
+            self.stop = None  # nothing left to stop; and it held the producer's task
             self._wake()
 
     def read_from(self, offset: int) -> tuple[Read, bytes]:

@@ -1,8 +1,10 @@
 """A debug switch for finding what grows in a long run: `SPILLWAY_DEBUG_MEMORY=1` in the
 daemon's environment adds `GET /spillway/debug/memory`, which answers the live objects the
 garbage collector tracks, by type (the most numerous), and their change since the route was
-first asked; `SPILLWAY_DEBUG_MEMORY=tracemalloc` also traces allocations from the start (a
-slower daemon) and adds the source lines whose allocated bytes grew most since the first ask.
+first asked (`?collect=1`: after a full collection, so that cyclic garbage waiting for the
+oldest generation's turn is not counted). `SPILLWAY_DEBUG_MEMORY=tracemalloc` also traces
+allocations from the start (a slower daemon) and adds the source lines whose allocated bytes
+grew most since the first ask.
 
 Off by default: counting every object takes tens of milliseconds, tracing slows every
 allocation. bench/soak.py turns the counts on and reads them once a minute.
@@ -43,11 +45,14 @@ class MemoryDebug:
         if trace and not tracemalloc.is_tracing():
             tracemalloc.start(4)
 
-    def report(self) -> dict[str, Any]:
+    def report(self, collect: bool = False) -> dict[str, Any]:
+        """`collect`: a full garbage collection first (what it freed is in `collected`), so
+        that cyclic garbage not yet collected is not taken for growth."""
+        collected = gc.collect() if collect else None
         counts = type_counts()
         if self._first is None:
             self._first = counts
-        out: dict[str, Any] = {"gc_objects": sum(counts.values()),
+        out: dict[str, Any] = {"gc_objects": sum(counts.values()), "collected": collected,
                                "gc_counts": list(gc.get_count()),
                                "top_types": dict(counts.most_common(TOP)),
                                "grown_types": grown(counts, self._first)}
@@ -64,7 +69,7 @@ class MemoryDebug:
         return out
 
     async def route(self, request: web.Request) -> web.StreamResponse:
-        return json_response(self.report())
+        return json_response(self.report(collect=request.query.get("collect") == "1"))
 
 
 def routes_from_env() -> dict[tuple[str, str], OwnRoute]:
