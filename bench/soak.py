@@ -39,6 +39,7 @@ import asyncio
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -368,7 +369,7 @@ def proc_figures(pid: int) -> dict[str, Any]:
 
 
 async def sample(http: aiohttp.ClientSession, url: str, pid: int, minute: int,
-                 tally: Tally, before: Tally | None, deaths: Callable[[], int]
+                 tally: Tally, deaths: Callable[[], int], last: bool = False
                  ) -> dict[str, Any]:
     row: dict[str, Any] = {"minute": minute, **proc_figures(pid)}
     try:
@@ -377,10 +378,15 @@ async def sample(http: aiohttp.ClientSession, url: str, pid: int, minute: int,
         row["asyncio_tasks"] = (status.get("process") or {}).get("asyncio_tasks")
         row["caches"] = {name: {k: v for k, v in c.items() if k in ("entries", "bytes")}
                          for name, c in (status.get("caches") or {}).items()}
-        async with http.get(f"{url}/spillway/debug/memory") as r:
+        # Each minute as the daemon runs (cyclic garbage included); at the end after a full
+        # collection (what is live).
+        async with http.get(f"{url}/spillway/debug/memory",
+                            params={"collect": "1" if last else "0"}) as r:
             if r.status == 200:  # SPILLWAY_DEBUG_MEMORY on
                 memory = await r.json()
                 row["gc_objects"] = memory["gc_objects"]
+                if memory.get("collected") is not None:
+                    row["gc_collected"] = memory["collected"]
                 row["grown_types"] = memory["grown_types"]
                 if "traced_bytes" in memory:
                     row["traced_bytes"] = memory["traced_bytes"]
@@ -396,7 +402,7 @@ async def sample(http: aiohttp.ClientSession, url: str, pid: int, minute: int,
 def second_half_types(rows: Sequence[Mapping[str, Any]], top: int = 15) -> dict[str, int]:
     """The object types that grew most from the middle of the run to its end (from the
     daemon's counts of growth since its first sample, where SPILLWAY_DEBUG_MEMORY is on)."""
-    counted = [r for r in rows if "grown_types" in r]
+    counted = [r for r in rows if "grown_types" in r and "gc_collected" not in r]
     if len(counted) < 3:
         return {}
     mid, last = counted[len(counted) // 2]["grown_types"], counted[-1]["grown_types"]
@@ -452,6 +458,10 @@ def report(result: Mapping[str, Any]) -> str:
         lines += ["", f"RSS: {v['min_mb']:.1f} to {v['max_mb']:.1f} MB; grew "
                   f"{v['first_half_mb']:+.2f} MB in the first half, {v['second_half_mb']:+.2f} "
                   f"MB in the second ({v['last_half_mb_per_min']:+.3f} MB a minute)"]
+    end = result["per_minute"][-1] if result["per_minute"] else {}
+    if "gc_collected" in end:
+        lines += ["", f"At the end, a full collection freed {end['gc_collected']} objects; "
+                  f"{end['gc_objects']} live"]
     if result.get("types_grown_second_half"):
         lines += ["", "Objects that grew most in the second half (type: count): " + ", ".join(
             f"{k} {n}" for k, n in result["types_grown_second_half"].items())]
@@ -505,7 +515,7 @@ async def soak(s: Spillway, minutes: float, clients: int, max_requests: int, see
         async def sampler() -> None:
             minute = 0
             while True:
-                row = await sample(http, s.url, pid, minute, tally, None, deaths)
+                row = await sample(http, s.url, pid, minute, tally, deaths)
                 rows.append(row)
                 caches = " ".join(f"{n}={c['entries']}"
                                   for n, c in (row.get("caches") or {}).items())
@@ -522,7 +532,7 @@ async def soak(s: Spillway, minutes: float, clients: int, max_requests: int, see
         await asyncio.gather(*(client(n, http, s.url, tally, deadline, max_requests, seed)
                                for n in range(clients)))
         watch.cancel()
-        rows.append(await sample(http, s.url, pid, len(rows), tally, None, deaths))
+        rows.append(await sample(http, s.url, pid, len(rows), tally, deaths, last=True))
         rows[-1]["minute"] = round((time.monotonic() - started) / 60, 2)
         text = write(False)
     print(text, flush=True)
@@ -545,6 +555,10 @@ def main() -> None:
                              "the run (the default 10,000 fills after some two hours of this mix)")
     parser.add_argument("--out", type=Path, default=REPO / "bench" / "results")
     args = parser.parse_args()
+    # Stopped early (SIGINT, even where a background shell ignored it; SIGTERM): the daemon and
+    # its children are stopped too, and the files keep the last minute's figures.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     binary = bootstrap.ensure_llama_server()
     with tempfile.TemporaryDirectory(prefix="spillway-soak-") as tmp:
         folder = Path(tmp)
