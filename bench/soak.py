@@ -80,7 +80,7 @@ class Observation:
     finished: bool = False  # a finish_reason (or a whole JSON answer) came
     done: bool = False  # the stream's `data: [DONE]`
     error_event: bool = False  # an event with "error" in the stream
-    error: str = ""  # the first error event, its start
+    error: str = ""  # the first error event, its first 400 bytes (its reason)
     left: bool = False  # the client left on purpose
     timed_out: bool = False
     broken: str = ""  # a connection error, by name
@@ -193,7 +193,7 @@ async def _read_events(r: aiohttp.ClientResponse, obs: Observation,
                 event = {"error": "not JSON"}
             if "error" in event:
                 obs.error_event = True
-                obs.error = obs.error or line[6:206].decode(errors="replace")
+                obs.error = obs.error or line[6:406].decode(errors="replace")
             if any(ch.get("finish_reason") for ch in event.get("choices", [])):
                 obs.finished = True
             if leave_after is not None and events >= leave_after and not obs.finished:
