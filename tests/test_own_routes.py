@@ -92,7 +92,9 @@ def test_the_status_keeps_its_shape(tmp_path: Path) -> None:
     assert set(status) >= {
         "version", "uptime_s", "listen", "serving", "why_not_serving", "children", "gpu",
         "gpu_note", "gpu_child_on_cpu", "waiting", "waiting_requests", "queue", "incidents",
-        "config"}
+        "config", "caches", "process"}
+    assert status["caches"] == {}  # the daemon's (Daemon.caches): none given here
+    assert status["process"] == {"asyncio_tasks": None}  # no running loop here
     assert set(status["queue"]) >= {"max_waiting", "max_wait_s", "service_s"}
     assert set(status["incidents"]) >= {"path", "written", "error", "last"}
     assert status["config"] == {"path": None, "error": None,

@@ -450,6 +450,8 @@ class StreamsConfig:
     ttl_s: float = field(metadata=key("number", 300.0, check=_non_negative))
     max_total_bytes: int = field(metadata=key("number", 64, name="max_total_mib",
                                               check=_non_negative, convert=_from_mib))
+    # Finished streams kept for readers, at most (the oldest go first), whatever their bytes.
+    max_finished: int = field(metadata=key("int", 4096, check=_positive))
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,11 @@ class GpuHistory:
     def __len__(self) -> int:
         return len(self._points)
 
+    @property
+    def max_points(self) -> int:
+        """At most this many points (the newest, not yet a step on, included)."""
+        return self._points.maxlen or 0
+
     def add(self, point: MemoryPoint) -> None:
         points = self._points
         if len(points) >= 2 and points[-1].monotonic - points[-2].monotonic < self.step_s:

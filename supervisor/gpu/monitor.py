@@ -19,6 +19,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from ..records.caches import figures
 from ..policy.devices import Listed, Room, Selection, tightest
 from ..policy.evidence import VramSample
 from .drm import DrmSampler
@@ -63,6 +64,13 @@ class GpuMonitor:
         self.note: str | None = "GPU monitor not started"
         self.available = False
         self._task: asyncio.Task[None] | None = None
+
+    def cache_figures(self) -> dict[str, dict[str, Any]]:
+        """For the status's caches: the samples kept for a death's evidence (a fixed count),
+        and the status page's chart (a count and an age)."""
+        return {"gpu_samples": figures(len(self.history), max_entries=self.history.maxlen),
+                "gpu_chart": figures(len(self.chart), max_entries=self.chart.max_points,
+                                     max_age_s=self.chart.span_s)}
 
     def configure(self, interval_s: float) -> None:
         """A reload: the new sampling interval (the cards stay: gpu.device needs a

@@ -50,13 +50,18 @@ def classify_route(path: str) -> RouteClass:
     return RouteClass.PASSTHROUGH
 
 
+# Routes named in the metrics beyond those above (a path under one counts as it).
+LABELLED_ROUTES = ("/props", "/slots", "/metrics", "/tokenize", "/detokenize",
+                   "/apply-template", "/v1/models", "/models", "/lora-adapters", "/tools")
+# Every value route_label can give: its bound.
+ROUTE_LABEL_COUNT = len(GENERATION_ROUTES | PUBLIC_ROUTES | set(LABELLED_ROUTES)) + 1
+
+
 def route_label(path: str) -> str:
     """A bounded label for metrics and logs: known routes by name, everything else `other`."""
     if path in GENERATION_ROUTES or path in PUBLIC_ROUTES:
         return path
-    known = ("/props", "/slots", "/metrics", "/tokenize", "/detokenize", "/apply-template",
-             "/v1/models", "/models", "/lora-adapters", "/tools")
-    for k in known:
+    for k in LABELLED_ROUTES:
         if path == k or path.startswith(k + "/"):
             return k
     return "other"

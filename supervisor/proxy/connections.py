@@ -27,8 +27,11 @@ import asyncio
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
+
+from ..records.caches import figures
 
 READ_CHUNK_HIGH = 256 * 1024  # stop reading from the socket past this much unread body
 MAX_HEAD_BYTES = 64 * 1024  # a status line and headers larger than this are refused
@@ -304,7 +307,12 @@ class _Idle:
         self.conns: list[_Connection] = []
 
     def put(self, conn: _Connection) -> None:
-        conn.history.last_done = time.monotonic()
+        now = conn.history.last_done = time.monotonic()
+        # Oldest first: the ones idle past keep-alive go now, not only when asked for (a
+        # burst's connections would otherwise stay open until the next burst).
+        while self.conns and now - (self.conns[0].history.last_done or now) >= \
+                self.keepalive_s:
+            self.conns.pop(0).close()
         self.conns.append(conn)
 
     def get(self) -> _Connection | None:
@@ -332,6 +340,12 @@ class UpstreamClient:
     def __init__(self, keepalive_s: float) -> None:
         self.keepalive_s = keepalive_s
         self._idle: dict[tuple[str, int], _Idle] = {}
+
+    def cache_figures(self) -> dict[str, Any]:
+        """For the status's caches: the idle keep-alive connections held (at most as many as
+        requests were in flight at once, each closed once idle for keepalive_s)."""
+        return figures(sum(len(idle.conns) for idle in self._idle.values()),
+                       max_age_s=self.keepalive_s)
 
     async def request(self, host: str, port: int, method: str, target: str,
                       headers: Iterable[tuple[str, str]], body: bytes, use: ConnectionUse, *,

@@ -30,6 +30,9 @@ import enum
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
+
+from .caches import figures
 
 # Rough cost of a stored answer beyond the lengths of its body, headers, key and scope: the
 # entry and the response objects, both ordered maps' nodes, the fingerprint, and each string's
@@ -181,3 +184,9 @@ class IdempotencyStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    def cache_figures(self) -> dict[str, Any]:
+        """For the status's caches: keys held (running ones included) and stored bytes."""
+        return figures(len(self._entries), max_entries=self.max_entries,
+                       size=self._stored_bytes, max_bytes=self.max_total_bytes,
+                       max_age_s=self.ttl_s)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from .caches import figures
 
 log = logging.getLogger("spillway.incidents")
 
@@ -84,6 +85,10 @@ class IncidentLog:
         self.recent: deque[dict[str, Any]] = deque(maxlen=keep)
         self.written = 0
         self.error: str | None = None
+
+    def cache_figures(self) -> dict[str, Any]:
+        """For the status's caches: the newest records kept in memory (a fixed count)."""
+        return figures(len(self.recent), max_entries=self.recent.maxlen)
 
     def configure(self, path: Path, max_bytes: int, backups: int) -> None:
         """A reload: where the records go, and when the file rotates."""

@@ -20,6 +20,8 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..policy.lifecycle import ChildState
+from ..policy.routes import ROUTE_LABEL_COUNT
+from .caches import figures
 from .stream_sessions import StreamSessions
 from ..config.schema import ROUTERS
 
@@ -120,6 +122,9 @@ class Metrics:
             "(the running one is in effect either way).", registry=r)
         self.config_valid.set(1)
         self._request_series: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        # Its bound: every route label, each child or none, each outcome (proxy/handler.py's
+        # _outcome: success, client_error, rejected, failed, client_closed).
+        self.max_request_series = ROUTE_LABEL_COUNT * (len(children) + 1) * 5
         for child in children:
             self.set_state(child, ChildState.STOPPED)
             self.stale_connection_resends.labels(child)  # 0 from the start, not absent
@@ -136,6 +141,11 @@ class Metrics:
             self._request_series[key] = series
         series[0].inc()
         series[1].observe(seconds)
+
+    def cache_figures(self) -> dict[str, Any]:
+        """For the status's caches: the request series kept, one per (route, child, outcome)
+        label set seen (label values are bounded: routes by name, else `other`)."""
+        return figures(len(self._request_series), max_entries=self.max_request_series)
 
     def set_state(self, child: str, state: ChildState) -> None:
         for s in ChildState:

@@ -12,8 +12,9 @@ The same rules as llama-server's `stream_session_manager`:
 - each session keeps at most `max_bytes`, dropping its oldest bytes first; a reader asking for
   a dropped offset is told the offset is lost;
 - a finished session is kept `ttl_s` (counted from its end), then forgotten.
-And one bound of Spillway's own: finished sessions hold at most `max_total_bytes` together
-(the oldest go first). Live ones are bounded by admission (each is a request in flight).
+And bounds of Spillway's own: finished sessions hold at most `max_total_bytes` together, and
+are at most `max_finished` (the oldest go first, whichever bound is reached). Live ones are
+bounded by admission (each is a request in flight).
 
 No clock reads here: the caller passes `now` (wall-clock seconds, as llama-server reports
 `started_at` and `completed_at`). Stopping a producer is the caller's: a session only holds the
@@ -29,6 +30,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .caches import figures
 MAX_CONVERSATION_ID = 512  # characters; llama-server sets none, but an id is kept in memory
 
 
@@ -90,6 +92,7 @@ class StreamSession:
         """No more bytes: readers drain what is held and end."""
         if not self.done:
             self.completed_at = max(now, 1e-9)
+            self.stop = None  # nothing left to stop; and it held the producer's task
             self._wake()
 
     def read_from(self, offset: int) -> tuple[Read, bytes]:
@@ -122,21 +125,29 @@ class StreamSessions:
     max_bytes: int = 4 * 1024 * 1024
     ttl_s: float = 300.0
     max_total_bytes: int = 64 * 1024 * 1024
+    max_finished: int = 4096
     _sessions: dict[str, StreamSession] = field(default_factory=dict)
     # The finished ones in finishing order (expiry and eviction: oldest first).
     _finished: OrderedDict[str, StreamSession] = field(default_factory=OrderedDict)
+    _finished_bytes: int = 0  # their held bytes together (a finished session's never change)
 
-    def configure(self, *, max_bytes: int, ttl_s: float, max_total_bytes: int) -> None:
-        """New limits (a reload): they apply to sessions started from now on, and the total
+    def configure(self, *, max_bytes: int, ttl_s: float, max_total_bytes: int,
+                  max_finished: int | None = None) -> None:
+        """New limits (a reload): they apply to sessions started from now on, and the totals
         at once."""
         self.max_bytes, self.ttl_s, self.max_total_bytes = max_bytes, ttl_s, max_total_bytes
+        if max_finished is not None:
+            self.max_finished = max_finished
         self._evict()
 
     def start(self, conversation_id: str, request_id: str, now: float) -> StreamSession:
         """A new stream for the conversation; the one it had before is stopped."""
         self.prune(now)
-        previous = self._sessions.pop(conversation_id, None)
+        previous = self._sessions.get(conversation_id)
         if previous is not None:
+            # Finished or live, it goes whole: a finished one left in the finishing order
+            # would later be evicted in the new one's name (and counted twice).
+            self._forget(previous)
             self._end(previous, now, cancel=True)
         session = StreamSession(conversation_id, request_id, now, self.max_bytes)
         self._sessions[conversation_id] = session
@@ -154,6 +165,7 @@ class StreamSessions:
             return
         session.finish(now)
         self._finished[session.conversation_id] = session
+        self._finished_bytes += session.held_bytes
         self._evict()
 
     def get(self, conversation_id: str, now: float) -> StreamSession | None:
@@ -174,10 +186,10 @@ class StreamSessions:
     def stop(self, conversation_id: str, now: float) -> bool:
         """The explicit Stop: the producer is stopped and the session forgotten. Idempotent;
         True if there was one."""
-        session = self._sessions.pop(conversation_id, None)
+        session = self._sessions.get(conversation_id)
         if session is None:
             return False
-        self._finished.pop(conversation_id, None)
+        self._forget(session)
         self._end(session, now, cancel=True)
         return True
 
@@ -187,6 +199,7 @@ class StreamSessions:
             self._end(session, now, cancel=True)
         self._sessions.clear()
         self._finished.clear()
+        self._finished_bytes = 0
 
     def prune(self, now: float) -> None:
         """Forget finished sessions past their time to live (oldest first)."""
@@ -214,23 +227,27 @@ class StreamSessions:
                 "held_bytes": self.held_bytes, "finished_budget_bytes": self.max_total_bytes,
                 "ttl_s": self.ttl_s}
 
-    def _finished_bytes(self) -> int:
-        return sum(s.held_bytes for s in self._finished.values())
+    def cache_figures(self) -> dict[str, Any]:
+        """For the status's caches: the finished sessions kept for readers (live ones are
+        requests in flight, bounded by admission)."""
+        return figures(len(self._finished), max_entries=self.max_finished,
+                       size=self._finished_bytes, max_bytes=self.max_total_bytes,
+                       max_age_s=self.ttl_s)
 
     def _evict(self) -> None:
-        # A sum per eviction: finished sessions are few (a home server's conversations of the
-        # last five minutes), and this runs when a stream ends, not per byte.
-        total = self._finished_bytes()
-        while self._finished and total > self.max_total_bytes:
+        """The oldest finished sessions go while over either bound. O(1) per session."""
+        while self._finished and (self._finished_bytes > self.max_total_bytes
+                                  or len(self._finished) > self.max_finished):
             _, oldest = self._finished.popitem(last=False)
             self._sessions.pop(oldest.conversation_id, None)
-            total -= oldest.held_bytes
+            self._finished_bytes -= oldest.held_bytes
 
     def _forget(self, session: StreamSession) -> None:
         if self._sessions.get(session.conversation_id) is session:
             del self._sessions[session.conversation_id]
         if self._finished.get(session.conversation_id) is session:
             del self._finished[session.conversation_id]
+            self._finished_bytes -= session.held_bytes
 
     @staticmethod
     def _end(session: StreamSession, now: float, cancel: bool) -> None:

@@ -24,6 +24,7 @@ import aiohttp
 from ..upstreams.children import Child
 from ..config.schema import Config
 from ..gpu import GpuMonitor
+from ..records.caches import figures
 from ..records.metrics import Metrics
 from ..policy.lifecycle import ChildState
 from ..config.schema import SMALL_CHILD
@@ -121,6 +122,15 @@ class RouterModels:
         log.info("model %s: served by both routers%s", model,
                  f"; its smaller model {smaller} on the GPU router" if smaller else "")
         return entry
+
+    def cache_figures(self) -> dict[str, dict[str, Any]]:
+        """For the status's caches: the models (and aliases) the routers have listed, and
+        their instances' output lines kept (STDERR_TAIL_LINES per model and router)."""
+        lines = [u.cache_figures() for e in self.entries.values() for u in e.upstreams.values()]
+        return {"router_models": figures(len(self.entries) + len(self.aliases)),
+                "router_model_output": figures(sum(f["entries"] for f in lines),
+                                               max_entries=sum(f["max_entries"] for f in lines),
+                                               size=sum(f["bytes"] for f in lines))}
 
     def configure(self, config: Config) -> None:
         """A reload: the new limits for every model's pool and figures."""

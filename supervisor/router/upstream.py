@@ -46,6 +46,7 @@ from ..policy import lifecycle
 from ..policy.evidence import FailureKind
 from ..policy.lifecycle import SERVING, ChildState, Life
 from ..policy.router import ModelInfo, StatusChange, classify_instance_exit
+from ..records.caches import figures, text_bytes
 from ..records.timefmt import rfc3339
 from ..vocabulary import Load, StateListener
 
@@ -169,6 +170,11 @@ class ModelUpstream(LifeReader):
     @property
     def is_ready(self) -> bool:
         return self.state is S.READY
+
+    def cache_figures(self) -> dict[str, Any]:
+        """For the status's caches: its instances' output lines kept."""
+        return figures(len(self._lines), max_entries=self._lines.maxlen,
+                       size=text_bytes(self._lines))
 
     @property
     def stderr_tail(self) -> Sequence[str]:

@@ -61,6 +61,9 @@ from ..policy.progress import DEFAULT_BATCH, stall_timeout
 from ..router.models import RouterModels
 from ..router.upstream import ModelUpstream
 from .systemd import Notifier
+from . import logs
+from ..records.caches import figures
+from ..upstreams.launcher import recent_ports_figures
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -133,7 +136,7 @@ def _idempotency_limits(config: Config) -> _StoreLimits:
 def _stream_limits(config: Config) -> dict[str, Any]:
     s = config.streams
     return {"max_bytes": s.buffer_bytes, "ttl_s": s.ttl_s,
-            "max_total_bytes": s.max_total_bytes}
+            "max_total_bytes": s.max_total_bytes, "max_finished": s.max_finished}
 
 
 def _incident_limits(config: Config) -> tuple[Path, int, int]:
@@ -225,6 +228,28 @@ class Daemon:
         for cfg in self.config.children:
             if cfg.uses_gpu:
                 self.children[cfg.name].extra_env.update(self._gpu_env())
+
+    def caches(self) -> dict[str, dict[str, Any]]:
+        """Everything kept in memory beyond a request's life, each with its size and bounds
+        (the status's `caches`; docs/performance.md lists them)."""
+        out: dict[str, dict[str, Any]] = {
+            "stream_sessions": self.streams.cache_figures(),
+            "idempotency": self.idempotency.cache_figures(),
+            "incidents_recent": self.incidents.cache_figures(),
+            "timeline": figures(len(self.timeline), max_entries=self.timeline.maxlen),
+            **self.monitor.cache_figures(),
+            "metrics_request_series": self.metrics.cache_figures(),
+            "systemd_pending": self.notifier.cache_figures(),
+            "log_pending": logs.pending_figures(),
+            "recent_ports": recent_ports_figures(),
+        }
+        for name, child in self.children.items():
+            out[f"child_output_{name}"] = child.cache_figures()
+        if self._upstream is not None:
+            out["upstream_idle_connections"] = self._upstream.cache_figures()
+        if self.models is not None:
+            out.update(self.models.cache_figures())
+        return out
 
     def _gpu_owners(self) -> dict[str, list[int] | None]:
         """Each child's processes, for the GPU chart: in router mode its models' instances
@@ -565,7 +590,7 @@ class Daemon:
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
                            models=self.models, operator=self.operator, streams=self.streams,
-                           offload=self.offload.to_json)
+                           offload=self.offload.to_json, caches=self.caches)
         app = build_app(self.proxy, self.auth, routes.table(),
                         StreamRoutes(self.streams, self.metrics, time.time,
                                      lambda: self.config.server.body_timeout_s).table(),

@@ -26,7 +26,7 @@ import logging
 import os
 import sys
 import time
-from typing import TextIO
+from typing import Any, TextIO
 
 from aiohttp.http_exceptions import (BadStatusLine, HttpProcessingError, InvalidURLError,
                                      LineTooLong, PayloadEncodingError)
@@ -216,6 +216,15 @@ def quiet_records() -> None:
     logging.logMultiprocessing = False
     if sys.version_info >= (3, 12):
         logging.logAsyncioTasks = False
+
+
+def pending_figures() -> dict[str, Any]:
+    """For the status's caches: the lines a batching handler keeps until the loop's next
+    iteration (written at once past MAX_PENDING characters)."""
+    kept = [h for h in logging.getLogger().handlers if isinstance(h, LoopBatchingHandler)]
+    return {"entries": sum(len(h._pending) for h in kept),
+            "bytes": sum(h._size for h in kept),
+            "max_entries": None, "max_bytes": LoopBatchingHandler.MAX_PENDING, "max_age_s": None}
 
 
 def setup(level: str = "info") -> None:

@@ -42,6 +42,7 @@ from ..proxy.identity import request_id_of
 from ..serving.resources import Resources
 from ..router.models import RouterModels
 from .status_page import StatusPage
+from . import memory_debug
 
 # The header the drill shows its token in (drill_window.py).
 DRILL_HEADER = "X-Spillway-Drill"
@@ -109,6 +110,16 @@ def why_cpu_fatal(child: Child, label: str = "CPU child") -> str:
             "restart.fatal_retry_max_s)")
 
 
+def process_figures() -> dict[str, Any]:
+    """The daemon's own figures a long run watches (bench/soak.py): its asyncio tasks (RSS,
+    fds and threads are the kernel's, in /proc)."""
+    try:
+        tasks: int | None = len(asyncio.all_tasks())
+    except RuntimeError:  # no running loop (a status built outside the daemon's loop)
+        tasks = None
+    return {"asyncio_tasks": tasks}
+
+
 class OwnRoutes:
     def __init__(self, host: Host, *, started: float, children: Mapping[str, Child],
                  resources: Resources, pool: Pool, monitor: GpuMonitor, incidents: IncidentLog,
@@ -116,7 +127,8 @@ class OwnRoutes:
                  models: RouterModels | None = None, operator: Operator | None = None,
                  streams: StreamSessions | None = None,
                  drill: DrillWindow | None = None,
-                 offload: Callable[[], dict[str, Any] | None] | None = None) -> None:
+                 offload: Callable[[], dict[str, Any] | None] | None = None,
+                 caches: Callable[[], dict[str, dict[str, Any]]] | None = None) -> None:
         self.host = host
         self.models = models  # router mode: every model on both routers
         self.started = started  # time.monotonic() when the daemon began
@@ -132,6 +144,7 @@ class OwnRoutes:
         self.streams = streams  # resumable streams' replay buffers
         self.drill = drill or DrillWindow()  # arming answers only while a drill runs
         self.offload = offload  # how much of the GPU child is on the GPU (the daemon's)
+        self.caches = caches  # what the daemon keeps in memory, with each one's bounds
 
     def table(self) -> dict[tuple[str, str], OwnRoute]:
         """(method, path) -> handler, for `build_app`."""
@@ -150,6 +163,7 @@ class OwnRoutes:
         for action in ACTIONS:
             routes[("POST", f"/spillway/gpu/{action}")] = self._gpu_action(action)
         routes.update(StatusPage.load().routes())  # the page at /spillway/ (status_page.py)
+        routes.update(memory_debug.routes_from_env())  # SPILLWAY_DEBUG_MEMORY=1 only
         return routes
 
     # --- the status -------------------------------------------------------------------------
@@ -191,6 +205,9 @@ class OwnRoutes:
             "smaller_models": dict(self.host.config.smaller_models),
             "streams": self.streams.summary() if self.streams is not None else None,
             "drill": self.drill.to_json(),
+            "process": process_figures(),
+            # name -> {entries, bytes, max_entries, max_bytes, max_age_s} (records/caches.py)
+            "caches": self.caches() if self.caches is not None else {},
         }
 
     def _startable(self, name: str) -> bool:

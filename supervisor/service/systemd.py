@@ -33,7 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import sdnotify
 
@@ -144,6 +144,11 @@ class Notifier:
             log.warning("systemd's notify socket is full (PID 1 busy?): WATCHDOG and STATUS "
                         "messages are dropped until it reads again; READY, RELOADING, STOPPING "
                         "and EXTEND_TIMEOUT are retried for %.0f s", RETRY_FOR_S)
+
+    def cache_figures(self) -> dict[str, Any]:
+        """For the status's caches: messages waiting for a full notify socket."""
+        return {"entries": len(self._pending), "bytes": None, "max_entries": MAX_PENDING,
+                "max_bytes": None, "max_age_s": RETRY_FOR_S}
 
     def _queue(self, lines: list[str]) -> None:
         if len(self._pending) >= MAX_PENDING:

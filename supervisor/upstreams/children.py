@@ -46,11 +46,12 @@ from typing import Any
 from .clock import Clock, MonotonicClock
 from ..config.schema import ChildConfig, RestartConfig, command_changed, with_command_of
 from .engine import Engine, LifeReader, exit_within
-from .launcher import Launcher, Process, SubprocessLauncher
+from .launcher import LINE_LIMIT, Launcher, Process, SubprocessLauncher
 from .launcher import pick_port as pick_port  # the drill's import
 from .hostcpu import HostCpu, host_cpu
 from ..policy import lifecycle, rollout, signatures
 from ..policy.refusal import Refusal, read_refusal
+from ..records.caches import figures, text_bytes
 from ..records.timefmt import rfc3339
 from ..vocabulary import Load, StateListener
 from ..policy.evidence import FailureKind, VramSample, classify_exit, describe_exit, exit_signal
@@ -237,6 +238,14 @@ class Child(LifeReader):
         self._tasks: set[asyncio.Task[None]] = set()
 
     # --- reading ----------------------------------------------------------------------------------
+
+    def cache_figures(self) -> dict[str, Any]:
+        """For the status's caches: its output lines kept (the tail, and the lines a crash
+        signature names), each at most LINE_LIMIT bytes."""
+        lines = len(self.stderr_tail) + len(self.marker_lines)
+        cap = STDERR_TAIL_LINES + MARKER_LINES
+        return figures(lines, max_entries=cap, max_bytes=cap * LINE_LIMIT,
+                       size=text_bytes(self.stderr_tail) + text_bytes(self.marker_lines))
 
     @property
     def state(self) -> ChildState:

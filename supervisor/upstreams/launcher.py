@@ -25,9 +25,11 @@ import signal
 import socket
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import aiohttp
+
+from ..records.caches import figures
 
 LINE_LIMIT = 1 << 20  # the longest output line read as one; a longer one is cut
 _PR_SET_PDEATHSIG = 1
@@ -81,6 +83,11 @@ def free_port() -> int:
 # answered by the other child on the same port, and it would be taken for READY (seen once in
 # CI: requests for the GPU child reached the CPU child with the wrong key, and got 401).
 _RECENT_PORTS: deque[int] = deque(maxlen=32)
+
+
+def recent_ports_figures() -> dict[str, Any]:
+    """For the status's caches: the ports handed out lately (a fixed count)."""
+    return figures(len(_RECENT_PORTS), max_entries=_RECENT_PORTS.maxlen)
 
 
 def pick_port(avoid: int | None = None, probe: Callable[[], int] = free_port) -> int:
