@@ -142,14 +142,19 @@ def said(record: dict[str, Any]) -> dict[str, Any]:
                                        "status")}
 
 
-async def answered(s: Spillway, browser: Any) -> WebUi:
-    """The page opened, QUESTION asked, and its whole answer shown."""
+async def answered(s: Spillway, browser: Any, question: str = QUESTION,
+                   fired: Path | None = None, least: int = 20) -> WebUi:
+    """The page opened, `question` asked, and its whole answer shown; with `fired`, through
+    the GPU child's death (the injector's file says it fired)."""
     ui = WebUi(browser, s.url)
     await ui.open(SETTINGS)
-    await ui.ask(QUESTION)
+    await ui.ask(question)
     conversation, _ = await the_request(ui)
+    if fired is not None:
+        await ui.wait_answer_ended()
+        assert os.path.exists(fired), "the GPU child did not die"
     shown = await finished_and_whole(s, ui, conversation)
-    assert len(plain(shown)) > 20, shown
+    assert len(plain(shown)) > least, shown
     return ui
 
 
@@ -170,13 +175,7 @@ async def test_a_gpu_death_mid_answer_the_answer_finishes_on_the_page(
     role and a few tokens): the page shows the whole answer, continued on the CPU child."""
     s = await start(spillway, ui_config(llama_server, smollm2, web_ui, injector=injector,
                                         fired=tmp_path / "fired", events=8))
-    ui = WebUi(browser, s.url)
-    await ui.open(SETTINGS)
-    await ui.ask(QUESTION)
-    conversation, _ = await the_request(ui)
-    await ui.wait_answer_ended()
-    assert (tmp_path / "fired").exists(), "the GPU child did not die"
-    await finished_and_whole(s, ui, conversation)
+    await answered(s, browser, fired=tmp_path / "fired", least=0)
     [record] = await chat_incidents(s)
     assert record["decision"] == "continued" and record["tokens_before"] > 0, said(record)
 
@@ -188,14 +187,7 @@ async def test_a_gpu_death_during_a_long_prompts_prefill_the_answer_finishes_on_
     GPU child dies after the second, before any token of the answer."""
     s = await start(spillway, ui_config(llama_server, smollm2, web_ui, "-b", "16", "-ub", "16",
                                         injector=injector, fired=tmp_path / "fired", events=2))
-    ui = WebUi(browser, s.url)
-    await ui.open(SETTINGS)
-    await ui.ask(LONG_QUESTION)
-    conversation, _ = await the_request(ui)
-    await ui.wait_answer_ended()
-    assert (tmp_path / "fired").exists(), "the GPU child did not die"
-    shown = await finished_and_whole(s, ui, conversation)
-    assert len(plain(shown)) > 10, shown
+    await answered(s, browser, LONG_QUESTION, fired=tmp_path / "fired", least=10)
     [record] = await chat_incidents(s)
     assert record["decision"] == "continued" and record["tokens_before"] == 0, said(record)
 
