@@ -152,7 +152,7 @@ async def answered(s: Spillway, browser: Any, question: str = QUESTION,
     conversation, _ = await the_request(ui)
     if fired is not None:
         await ui.wait_answer_ended()
-        assert os.path.exists(fired), "the GPU child did not die"
+        assert await asyncio.to_thread(fired.exists), "the GPU child did not die"
     shown = await finished_and_whole(s, ui, conversation)
     assert len(plain(shown)) > least, shown
     return ui
