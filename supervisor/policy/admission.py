@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .lifecycle import ChildState
+from .media import Modality
 from .routes import RouteClass
 
 
@@ -57,6 +58,8 @@ class ChildView:
     back_in_s: float | None = None
     label: str = ""  # as people are told ("GPU child"); by default from its name
     smaller: bool = False  # serves a smaller model: only requests that accept one go to it
+    # What its projector takes (/props `modalities`); None: not known yet, taken as able.
+    modalities: frozenset[Modality] | None = None
 
     @property
     def shown(self) -> str:
@@ -74,6 +77,10 @@ class ChildView:
         # llama-server refuses a prompt that fills its slot: it needs room for one more token.
         return self.ctx_per_slot is None or prompt_tokens < self.ctx_per_slot
 
+    def takes(self, media: frozenset[Modality]) -> bool:
+        """Whether its projector takes the request's images, audio or video."""
+        return not media or self.modalities is None or media <= self.modalities
+
 
 @dataclass(frozen=True)
 class Request:
@@ -88,6 +95,10 @@ class Request:
     # It accepts an answer from a smaller model (X-Spillway-Fallback: smaller, or the config's
     # small.requests = "all"): the small child may take it.
     smaller_ok: bool = False
+    # The request's images, audio or video (policy/media.py): only a child whose projector
+    # takes them is sent it, while one of the GPU and CPU children does; when neither does,
+    # it goes where a plain request goes and the child answers as llama-server does.
+    media: frozenset[Modality] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -163,14 +174,14 @@ def _to_smaller(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:
     one), ready with room or startable, when the prompt fits it."""
     small = cap.small
     if not req.smaller_ok or small is None or not small.fits(req.prompt_tokens) or not (
-            small.has_room or small.startable):
-        return None
+            small.has_room or small.startable) or not small.takes(req.media):
+        return None  # (without a projector of its own, it is not sent images or audio)
     # Router mode: the model not loaded on the GPU router, and loading it would fit (4b): it is
     # loaded for the requests after, while the smaller one answers this one.
     gpu = cap.gpu
     warm = gpu.name if gpu_fits and gpu.startable and _headroom_kept(cap) else None
     return Decision(Action.FORWARD, 4, f"rerouted to the smaller model on the {small.shown}: "
-                                       f"{_gpu_cannot(cap, gpu_fits)}", child=small.name,
+                                       f"{_gpu_cannot(cap, gpu_fits, req.media)}", child=small.name,
                     start_child=not small.has_room, warm=warm)
 
 
@@ -180,12 +191,15 @@ def _coming(req: Request, cap: Capacity, gpu_fits: bool, cpu_fits: bool) -> bool
     return (gpu_fits and (_may_serve(gpu) or gpu.startable)) or (
         req.cpu_allowed and cpu_fits and (_may_serve(cpu) or cpu.startable)) or (
         req.smaller_ok and small is not None and small.fits(req.prompt_tokens)
-        and _may_serve(small))
+        and small.takes(req.media) and _may_serve(small))
 
 
-def _gpu_cannot(cap: Capacity, gpu_fits: bool) -> str:
+def _gpu_cannot(cap: Capacity, gpu_fits: bool,
+                media: frozenset[Modality] = frozenset()) -> str:
     """Why the GPU child cannot take a request now, in a few words."""
     gpu = cap.gpu
+    if not gpu_fits and not gpu.takes(media):
+        return f"the {gpu.shown}'s projector does not take its {_words(media)}"
     if not gpu_fits:
         return f"the prompt exceeds the {gpu.shown}'s context"
     if not gpu.ready:
@@ -194,6 +208,11 @@ def _gpu_cannot(cap: Capacity, gpu_fits: bool) -> str:
         return f"the {gpu.shown} is full ({gpu.busy}/{gpu.cap})"
     return (f"the GPU has {cap.vram_free_mib:.0f} MiB free, under the "
             f"{cap.vram_headroom_mib:.0f} MiB headroom")
+
+
+def _words(media: frozenset[Modality]) -> str:
+    names = {Modality.VISION: "images", Modality.AUDIO: "audio", Modality.VIDEO: "video"}
+    return " and ".join(names[m] for m in Modality if m in media)
 
 
 def _why(cap: Capacity) -> str:
@@ -260,6 +279,10 @@ def decide(req: Request, cap: Capacity) -> Decision:
         return Decision(Action.TOO_LONG, 3, f"request ({req.prompt_tokens} tokens) exceeds the "
                                             f"available context size ({limit} tokens), try "
                                             "increasing it", cause="too_long", n_ctx=limit)
+    # Images, audio or video go only to a child whose projector takes them, while the GPU or
+    # the CPU child does (learned from /props); when neither does, where a plain request goes.
+    if req.media and (gpu.takes(req.media) or cpu.takes(req.media)):
+        gpu_fits, cpu_fits = gpu_fits and gpu.takes(req.media), cpu_fits and cpu.takes(req.media)
     # 4. The GPU child: ready, under its cap, VRAM headroom kept.
     if gpu_fits and gpu.has_room and _headroom_kept(cap):
         return Decision(Action.FORWARD, 4, f"{gpu.shown} has room", child=gpu.name)
@@ -281,7 +304,8 @@ def decide(req: Request, cap: Capacity) -> Decision:
     #    RAM, and its expected time fits the client's deadline.
     if req.cpu_allowed and cpu_fits and cpu.ram_ok and cpu_in_time:
         if cpu.has_room:
-            return Decision(Action.FORWARD, 5, f"{cpu.shown}: {_gpu_cannot(cap, gpu_fits)}",
+            return Decision(Action.FORWARD, 5,
+                            f"{cpu.shown}: {_gpu_cannot(cap, gpu_fits, req.media)}",
                             child=cpu.name)
         if cpu.startable:
             return Decision(Action.FORWARD, 5, f"{cpu.shown} started on demand",

@@ -34,6 +34,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..policy import continuation
+from ..policy.media import NO_MEDIA, Media
 from ..policy import evidence as ev
 from ..vocabulary import Attempt, AttemptFailure, Upstream
 from .outcomes import Answered, AttemptResult, Broken, Interrupted
@@ -89,6 +90,7 @@ class RequestCtx:
     model: str | None = None  # router mode: the model it names, as the routers list it
     smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
     prompt_tokens: int = 0  # admission's count of its prompt (or a bound of it)
+    media: Media = NO_MEDIA  # its images, audio and video (policy/media.py)
     # A stream that may be continued on the other child: what the client has of it so far.
     follow: continuation.Transcript | None = None
     continued: bool = False  # it was continued once (never twice)

@@ -27,7 +27,7 @@ from ..serving.failover import Close, Cut, Failed, Failover, GiveUp, GoOn
 from ..serving.pools import Pools
 from ..records.stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
 from ..records.timefmt import rfc3339
-from ..policy import admission, continuation, estimate, prompts, replay
+from ..policy import admission, continuation, estimate, media, prompts, replay
 from ..policy.routes import RouteClass, classify_route, route_label
 from . import closing, errors, tokens
 from .auth import AUTHENTICATED, presented_key
@@ -144,6 +144,7 @@ class ProxyHandler:
             stream=bool(payload.get("stream")) if payload else False,
             client_headers=request.headers, received=started,
             trusted=request.get(AUTHENTICATED, True), own=own,
+            media=media.find(request.path, payload),
         )
         if ctx.stream and self.settings.continue_streams and self.settings.replay and \
                 len(body) <= self.settings.max_replay_body_bytes and \
@@ -336,7 +337,8 @@ class ProxyHandler:
             got = await pool.lease(admission.Request(
                 route=ctx.route, prompt_tokens=count.largest,
                 cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx),
-                exact_count=count.exact, smaller_ok=ctx.smaller_ok),
+                exact_count=count.exact, smaller_ok=ctx.smaller_ok,
+                media=ctx.media.modalities),
                 len(ctx.body), estimate.requested_tokens(ctx.payload))
         if isinstance(got, admission.Decision):
             loading = admission.loading(pool.states(), pin)
@@ -428,7 +430,7 @@ class ProxyHandler:
             body_size=len(ctx.body),
             max_tokens=estimate.requested_tokens(ctx.payload),
             smaller_ok=ctx.smaller_ok, prompt_tokens=ctx.prompt_tokens,
-            safe_read=_safe_read(ctx)))
+            safe_read=_safe_read(ctx), media=ctx.media.modalities))
         if isinstance(nxt, GiveUp):
             episodes.append(_Episode(failure, "rejected", nxt.reason))
             return Answered(self._controlled_error(ctx, failure, nxt))
@@ -463,7 +465,7 @@ class ProxyHandler:
             failure=failure, payload=ctx.payload, so_far=so_far,
             continued_before=ctx.continued, deadline_left_s=self._deadline_left(ctx),
             body_size=len(ctx.body), requested_tokens=estimate.requested_tokens(ctx.payload),
-            no_prefill=self.settings.no_prefill))
+            no_prefill=self.settings.no_prefill, media=ctx.media.modalities))
         if isinstance(nxt, Close):
             return await self._close(ctx, cut, nxt.reason, episodes)
         if isinstance(nxt, GiveUp):

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..policy import continuation, replay
+from ..policy.media import Modality
 from ..policy.routes import RouteClass
 from ..vocabulary import AttemptFailure
 from .pool import Lease, Pool
@@ -43,6 +44,7 @@ class Failed:
     smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
     prompt_tokens: int = 0  # as admission counted it (or its bound): does it fit a slot there
     safe_read: bool = False  # a GET or HEAD without a body (policy/replay.py's rule 4)
+    media: frozenset[Modality] = frozenset()  # its images, audio, video (policy/media.py)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class Cut:
     body_size: int
     requested_tokens: int  # what the request asks for, when its kind has no token limit
     no_prefill: frozenset[str]  # upstreams run with --no-prefill-assistant
+    media: frozenset[Modality] = frozenset()  # its images, audio, video (policy/media.py)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,15 @@ class Failover:
         # is stopped before it is ready (it makes way for the GPU child).
         candidates = [c for c in pool.takeovers(name, failed.smaller_ok)
                       if c not in pool.smaller or pool.fits(c, failed.prompt_tokens)]
+        if failed.media and pool.takes(name, failed.media):
+            # Its images or audio go only to an upstream whose projector takes them: one
+            # without would answer its 500 for them.
+            candidates = [c for c in candidates if pool.takes(c, failed.media)]
+            if not candidates:
+                no = replay.Refusal.NO_TARGET
+                return GiveUp(f"{no}: no other child's projector takes its "
+                              f"{' and '.join(sorted(failed.media))}", no,
+                              pool.retry_after_s(name))
         able = [c for c in candidates if pool.can_take_replay(c)] or candidates[:1]
         refused: GiveUp | None = None
         for target in able:
@@ -148,6 +160,10 @@ class Failover:
         event)."""
         pool, name = self.pool, cut.failure.child
         target = pool.takeover(name, after_bytes=True)  # never onto, or from, another model
+        if target is not None and cut.media and pool.takes(name, cut.media) and \
+                not pool.takes(target, cut.media):
+            return GiveUp(f"the {target} child's projector does not take its "
+                          f"{' and '.join(sorted(cut.media))}", None, pool.retry_after_s(name))
         limit = continuation.token_limit(cut.so_far.kind, cut.payload)
         remaining = (max(limit - cut.so_far.tokens, 0) if limit is not None
                      else cut.requested_tokens)

@@ -35,6 +35,7 @@ from ..policy import admission, replay, sickness, waitline
 from ..policy.admission import Action, Capacity, ChildView, Decision, Request
 from ..policy.evidence import FailureKind
 from ..policy.lifecycle import ChildState
+from ..policy.media import Modality
 from ..vocabulary import Attempt, AttemptEnd, AttemptFailure, Upstream
 
 log = logging.getLogger("spillway.pool")
@@ -208,6 +209,11 @@ class Pool:
         """Whether the prompt has room in one of its slots (unknown: it does)."""
         ctx = self.source.ctx_per_slot(name)
         return ctx is None or prompt_tokens < ctx
+
+    def takes(self, name: str, media: frozenset[Modality]) -> bool:
+        """Whether the upstream's projector takes the request's images, audio or video."""
+        return not media or self.source.child_view(name, 0, 0, 0, with_estimate=False) \
+            .takes(media)
 
     def can_take_replay(self, name: str) -> bool:
         view = self.source.child_view(name, 0, 0, 0)

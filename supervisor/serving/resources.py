@@ -23,7 +23,8 @@ import psutil
 from ..config import gguf_meta, llama_args
 from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
-from ..policy import estimate
+from ..policy import estimate, media
+from ..policy.media import Modality
 from ..policy.devices import Room, short_of, tightest
 from ..policy.admission import ChildView
 from ..policy.lifecycle import DEAD, ChildState
@@ -42,6 +43,8 @@ class Profile:
     ctx_per_slot: int | None = None  # default_generation_settings.n_ctx
     peak_rss: int = 0  # the most resident memory seen (CPU child)
     peak_vram: int = 0  # the most VRAM seen in use by it (GPU child, from NVML)
+    # What its projector takes (/props `modalities`); None until read: taken as able.
+    modalities: frozenset[Modality] | None = None
 
 
 class Resources:
@@ -106,8 +109,11 @@ class Resources:
             profile.slots = int(props.get("total_slots")) or profile.slots
         with contextlib.suppress(AttributeError, TypeError, ValueError):
             profile.ctx_per_slot = int(props["default_generation_settings"]["n_ctx"])
-        log.info("[%s] %s slots of %s tokens; admission cap %d", name, profile.slots,
-                 profile.ctx_per_slot, self.cap(name))
+        modalities = media.from_props(props)
+        if modalities is not None:
+            profile.modalities = modalities
+        log.info("[%s] %s slots of %s tokens; admission cap %d; %s", name, profile.slots,
+                 profile.ctx_per_slot, self.cap(name), media.takes_words(profile.modalities))
 
     def observe_timings(self, name: str, timings: Mapping[str, Any]) -> None:
         self.throughput[name] = estimate.observe(self.throughput[name], timings)
@@ -188,7 +194,11 @@ class Resources:
             name=name, state=state, busy=busy, cap=self.cap(name),
             ctx_per_slot=self.profiles[name].ctx_per_slot, startable=startable, ram_ok=ram_ok,
             expected_s=expected, back_in_s=self.back_in_s(name),
-            label=self.config.child(name).label, smaller=self.config.child(name).smaller)
+            label=self.config.child(name).label, smaller=self.config.child(name).smaller,
+            modalities=self.profiles[name].modalities)
+
+    def modalities(self, name: str) -> frozenset[Modality] | None:
+        return self.profiles[name].modalities
 
     def startable(self, name: str, state: ChildState) -> tuple[bool, bool]:
         """(may be started now, has the RAM it needs): an on-demand child's, without the GPU
@@ -288,6 +298,7 @@ class Resources:
         out: dict[str, Any] = {
             "busy": busy, "cap": self.cap(name), "slots": p.slots,
             "ctx_per_slot": p.ctx_per_slot,
+            "modalities": None if p.modalities is None else sorted(p.modalities),
             "tokens_per_s": {"prompt": t.prompt_tps and round(t.prompt_tps, 1),
                              "generation": t.gen_tps and round(t.gen_tps, 1)},
         }
