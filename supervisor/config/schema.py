@@ -313,6 +313,10 @@ class ChildConfig:
     # Router mode: each model's smaller model, both served by the GPU router (no third process)
     models: Mapping[str, str] = field(default_factory=dict, metadata=key(
         "str_table", {}, only=SMALL_CHILD))
+    # The smaller model's own projector (its --mmproj): model.args' is the large model's, kept
+    # from it. With one, the small child takes the images or audio it takes; without, a
+    # request with media that accepts a smaller model goes where a plain one goes.
+    mmproj: str = field(default="", metadata=key("str", "", only=SMALL_CHILD))
 
     @property
     def on_gpu(self) -> bool:
@@ -884,6 +888,8 @@ def _build_child(name: str, v: Mapping[str, Any], model: ModelConfig,
     if name == SMALL_CHILD:
         shared = llama_args.without(shared, LARGE_MODEL_ONLY)
         model_path = _file(v["path"], base_dir) if v["path"] else ""
+        if v["mmproj"]:
+            shared += ["--mmproj", _file(v["mmproj"], base_dir)]
     merged = llama_args.merge_args(shared, _arg_paths(v["args"], base_dir))
     if name in (GPU_CHILD, SMALL_CHILD) and llama_args.find_flag(merged, "-fit") is None:
         # With fit on, llama-server quietly shrinks the load to the free VRAM, turning a clean
@@ -968,6 +974,9 @@ def _path_problems(values: Mapping[str, Mapping[str, Any]], model: ModelConfig,
     small = children[SMALL_CHILD]
     if small.model_path and not Path(small.model_path).is_file():
         problems.append(Problem(f"{SMALL_CHILD}.path", f"no such file: {small.model_path}"))
+    small_mmproj = llama_args.flag_value(small.args, "--mmproj") if small.mmproj else None
+    if small.model_path and small_mmproj and not Path(small_mmproj).is_file():
+        problems.append(Problem(f"{SMALL_CHILD}.mmproj", f"no such file: {small_mmproj}"))
     children = {n: c for n, c in children.items() if n != SMALL_CHILD or c.model_path}
     for name, child in children.items():
         if child.models_dir and not Path(child.models_dir).is_dir():
