@@ -7,7 +7,9 @@ from typing import Any
 
 import pytest
 
-from supervisor.policy.prompts import FIM_TOKENS, Piece, Plan, Task, plan, upper_bound
+from supervisor.policy.prompts import (
+    FIM_TOKENS, MediaBlob, Piece, Plan, Task, plan, upper_bound,
+)
 from supervisor.proxy.tokens import Count
 
 CHAT = {"messages": [{"role": "user", "content": "hi"}]}
@@ -70,3 +72,19 @@ def test_the_error_names_the_first_prompt_that_does_not_fit() -> None:
     assert count.first_over(512) == 700
     assert count.first_over(700) == 700  # a prompt that fills the slot does not fit
     assert Count((), exact=True).largest == 0
+
+
+def test_a_prompt_object_with_media_is_split_at_the_childrens_marker() -> None:
+    """libmtmd's way: the text between markers tokenized without special tokens, the BOS (and
+    EOS) once (`/tokenize` of an empty text with add_special), and each media item counted on
+    the child."""
+    m = "<__media_x__>"
+    prompt = {"prompt_string": f"look {m} and {m}", "multimodal_data": ["AAA", "BBB"]}
+    got = plan("/completion", {"prompt": prompt}, marker=m)
+    assert got == Plan(None, (Task((Piece("", True), Piece("look ", False),
+                                    Piece(" and ", False)),
+                                   media=(MediaBlob("AAA"), MediaBlob("BBB"))),), True)
+    # Without the marker (not known), or with data that is not base64 text: not counted.
+    assert plan("/completion", {"prompt": prompt}) is None
+    assert plan("/completion", {"prompt": {"prompt_string": "x", "multimodal_data": [1]}},
+                marker=m) is None

@@ -59,11 +59,20 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class MediaBlob:
+    """One media item of a prompt object (`multimodal_data`), counted on the child as its own
+    counting route counts an image or audio part: what the part adds to a chat prompt."""
+
+    data: str  # base64, as the client sent it (its modality: media.sniff)
+
+
+@dataclass(frozen=True)
 class Task:
     """One prompt the child checks against a slot's context on its own."""
 
     pieces: tuple[Piece, ...] = ()
     known: int = 0  # tokens known without asking: token ids given as numbers, FIM tokens
+    media: tuple[MediaBlob, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -82,14 +91,15 @@ def upper_bound(body_size: int, payload: dict[str, Any] | None) -> int:
     return body_size + TEMPLATE_TOKENS + TEMPLATE_TOKENS_PER_MESSAGE * count
 
 
-def plan(path: str, payload: dict[str, Any]) -> Plan | None:
+def plan(path: str, payload: dict[str, Any], marker: str | None = None) -> Plan | None:
     """How the child counts the prompt of a request to `path`; None when it cannot be told
-    (the request is then forwarded, and the child judges it)."""
+    (the request is then forwarded, and the child judges it). `marker`: the children's media
+    marker, which splits a prompt object with `multimodal_data`."""
     route = _COUNT_ROUTES.get(path)
     if route is not None:
         return Plan(route, (), exact=True)
     if path in COMPLETION_ROUTES:
-        tasks = _prompts(payload.get("prompt"), add_special=True)
+        tasks = _prompts(payload.get("prompt"), add_special=True, marker=marker)
         return Plan(None, tasks, exact=True) if tasks else None
     if path in INFILL_ROUTES:
         prompt = payload.get("prompt", "")
@@ -108,20 +118,23 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _prompts(prompt: Any, add_special: bool) -> tuple[Task, ...]:
+def _prompts(prompt: Any, add_special: bool, marker: str | None = None) -> tuple[Task, ...]:
     """llama-server's tokenize_input_prompts: a list without token ids is several prompts, each
     a task of its own; anything else is one prompt. Empty when a prompt cannot be told."""
     if isinstance(prompt, list) and prompt and not any(_is_id(p) for p in prompt):
-        tasks = [_prompt(p, add_special) for p in prompt]
+        tasks = [_prompt(p, add_special, marker) for p in prompt]
         return tuple(t for t in tasks if t is not None) if None not in tasks else ()
-    one = _prompt(prompt, add_special)
+    one = _prompt(prompt, add_special, marker)
     return (one,) if one is not None else ()
 
 
-def _prompt(prompt: Any, add_special: bool) -> Task | None:
+def _prompt(prompt: Any, add_special: bool, marker: str | None = None) -> Task | None:
     """One prompt (llama-server's tokenize_input_subprompt): a string, token ids, a mix of the
-    two, or an object with `prompt_string`; None for anything else (multimodal content)."""
-    if isinstance(prompt, dict) and "multimodal_data" not in prompt:
+    two, or an object with `prompt_string` (and its `multimodal_data`); None for anything
+    else."""
+    if isinstance(prompt, dict) and "multimodal_data" in prompt:
+        return _multimodal(prompt, marker)
+    if isinstance(prompt, dict):
         prompt = prompt.get("prompt_string")
     if isinstance(prompt, str):
         return Task((Piece(prompt, add_special),))
@@ -131,3 +144,20 @@ def _prompt(prompt: Any, add_special: bool) -> Task | None:
                                                    for p in prompt):
         return Task((Piece(prompt, add_special),))
     return None
+
+
+def _multimodal(prompt: dict[str, Any], marker: str | None) -> Task | None:
+    """A prompt object with media, as libmtmd tokenizes it (mtmd.cpp, mtmd_tokenizer): the
+    string split at each marker, each text part tokenized without special tokens, the BOS (and
+    EOS) of the vocabulary added once around the whole (what `/tokenize` with add_special
+    adds to an empty text), and each media item's own tokens. None without the marker (the
+    children's media marker is what splits it) or with anything but base64 strings."""
+    text, data = prompt.get("prompt_string"), prompt.get("multimodal_data")
+    blobs = [b for b in (data if isinstance(data, list) else [data]) if isinstance(b, str)]
+    if marker is None or not isinstance(text, str) or len(blobs) != (
+            len(data) if isinstance(data, list) else 1):
+        return None
+    segments = [seg for seg in text.split(marker) if seg]
+    pieces = (Piece("", add_special=True),
+              *(Piece(seg, add_special=False) for seg in segments))
+    return Task(pieces, media=tuple(MediaBlob(b) for b in blobs))

@@ -90,6 +90,7 @@ class RequestCtx:
     model: str | None = None  # router mode: the model it names, as the routers list it
     smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
     prompt_tokens: int = 0  # admission's count of its prompt (or a bound of it)
+    counted: bool = False  # prompt_tokens is the child's own count, not a bound
     media: Media = NO_MEDIA  # its images, audio and video (policy/media.py)
     # A stream that may be continued on the other child: what the client has of it so far.
     follow: continuation.Transcript | None = None

@@ -62,6 +62,9 @@ class ProxySettings:
     # small.requests = "all": every generation request accepts the small child's smaller
     # model unless it says X-Spillway-Fallback: none.
     smaller_for_all: bool = False
+    # The children's media marker (LLAMA_MEDIA_MARKER): what splits a prompt object's text
+    # around its multimodal_data when it is counted.
+    media_marker: str | None = None
 
 
 @dataclass
@@ -364,11 +367,17 @@ class ProxyHandler:
         # (its context, often the smallest, would otherwise make every prompt counted).
         limit = min(filter(None, (pool.ctx_per_slot(n) for n in pool.roles
                                   if ctx.smaller_ok or n not in pool.smaller)), default=None)
-        if limit is None or bound < limit or ctx.payload is None:
+        # Images and audio are always counted: their base64 says nothing of their tokens (a
+        # 1 MB image is no 350,000 tokens), and the expected times and VRAM need the figure.
+        if ctx.payload is None or (not ctx.media and (limit is None or bound < limit)):
             return tokens.Count((bound if limit is not None else 0,), exact=True)
-        counter = pool.first_ready()
+        modalities = ctx.media.modalities
+        counter = pool.first_ready(modalities)
         counted = None if counter is None else await tokens.count(
-            self.forwarder.session, counter, ctx.path, ctx.payload, limit)
+            self.forwarder.session, counter, ctx.path, ctx.payload, limit or 0,
+            marker=self.settings.media_marker)
+        if counted is not None:
+            ctx.counted = True
         return counted if counted is not None else tokens.Count((0,), exact=True)
 
     def _refusal(self, ctx: RequestCtx, decision: admission.Decision,
@@ -617,10 +626,15 @@ class ProxyHandler:
                 broken: bool) -> None:
         """One log line per request, with its id; and its metrics."""
         last = ctx.last
+        reported = _child_prompt_tokens(ctx)
         self._log_line(request, rid, last.child if last else "-", status,
-                       time.monotonic() - ctx.received, len(ctx.attempts))
+                       time.monotonic() - ctx.received, len(ctx.attempts),
+                       _count_words(ctx, reported))
         ctx.status = status
         self._count(ctx, status, broken)
+        if reported is not None:
+            self.metrics.prompt_count_error.labels("yes" if ctx.media else "no").observe(
+                ctx.prompt_tokens - reported)
 
     def _count(self, ctx: RequestCtx, status: int, broken: bool) -> None:
         """The request's metrics."""
@@ -636,6 +650,8 @@ class ProxyHandler:
             m.replays.labels("completed" if status == 200 and not broken else "failed").inc()
         if ctx.waited_s is not None:
             m.wait.observe(ctx.waited_s)
+        for modality in ctx.media.modalities:
+            m.media_requests.labels(str(modality)).inc()
 
     def _rejected(self, cause: str, path: str) -> None:
         self.metrics.rejections.labels(cause).inc()
@@ -643,11 +659,11 @@ class ProxyHandler:
             self.metrics.requests.labels(route_label(path), "none", "rejected").inc()
 
     def _log_line(self, request: web.Request, rid: str, child: str, status: int,
-                  elapsed: float, attempts: int) -> None:
+                  elapsed: float, attempts: int, counted: str = "") -> None:
         if not self.settings.access_log and 200 <= status < 400 and attempts <= 1:
             return  # only the lines that say something went differently
-        log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d", rid, request.method,
-                 loggable(request.path), child, status, elapsed, attempts)
+        log.info("rid=%s %s %s -> %s %d %.3fs attempts=%d%s", rid, request.method,
+                 loggable(request.path), child, status, elapsed, attempts, counted)
 
 
 def _log_failed_producer(task: asyncio.Task[Answered | Broken | None]) -> None:
@@ -655,6 +671,30 @@ def _log_failed_producer(task: asyncio.Task[Answered | Broken | None]) -> None:
     away): said in the log, not lost as an unretrieved exception."""
     if not task.cancelled() and (error := task.exception()) is not None:
         log.error("a resumable stream's answer failed: %s", error, exc_info=error)
+
+
+def _child_prompt_tokens(ctx: RequestCtx) -> int | None:
+    """The prompt's tokens as the child that answered reported them (its timings: those it
+    processed and those it found cached), for a request Spillway counted; None otherwise (a
+    continued stream's last attempt was another prompt)."""
+    last = ctx.last
+    if not ctx.counted or ctx.continued or last is None or last.timings is None:
+        return None
+    n, cached = last.timings.get("prompt_n"), last.timings.get("cache_n", 0)
+    return n + cached if isinstance(n, int) and isinstance(cached, int) else None
+
+
+def _count_words(ctx: RequestCtx, reported: int | None) -> str:
+    """The access log's fields for a counted prompt: Spillway's figure beside the child's, and
+    the request's media."""
+    if not ctx.counted:
+        return ""
+    words = f" prompt_tokens={ctx.prompt_tokens}"
+    if reported is not None:
+        words += f" child_prompt_tokens={reported}"
+    if ctx.media:
+        words += f' media="{ctx.media.describe()}"'
+    return words
 
 
 def _outcome(ctx: RequestCtx, status: int, broken: bool) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from ..policy import prompts
+from ..policy import media, prompts
 from ..vocabulary import Upstream
 
 log = logging.getLogger("spillway.tokens")
@@ -40,10 +40,11 @@ class Count:
 
 async def count(session: aiohttp.ClientSession, child: Upstream, path: str,
                 payload: dict[str, Any], limit: int = 0,
-                timeout_s: float = 30.0) -> Count | None:
+                timeout_s: float = 30.0, marker: str | None = None) -> Count | None:
     """The prompt's tokens as `child` counts them; None when they cannot be told. A prompt
-    that its bytes show to be under `limit` is not counted: its bound stands."""
-    plan = prompts.plan(path, payload)
+    that its bytes show to be under `limit` is not counted: its bound stands. `marker`: the
+    children's media marker (a prompt object's `multimodal_data`)."""
+    plan = prompts.plan(path, payload, marker)
     if plan is None:
         return None
     timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -66,7 +67,7 @@ async def count(session: aiohttp.ClientSession, child: Upstream, path: str,
 async def _task(session: aiohttp.ClientSession, child: Upstream, task: prompts.Task,
                 model: Any, limit: int, timeout: aiohttp.ClientTimeout) -> int | None:
     bound = task.known + sum(_bound(p) for p in task.pieces)
-    if bound < limit:
+    if bound < limit and not task.media:
         return bound  # surely under the limit: not worth a call
     total = task.known
     for piece in task.pieces:
@@ -74,7 +75,35 @@ async def _task(session: aiohttp.ClientSession, child: Upstream, task: prompts.T
         if n is None:
             return None
         total += n
+    for blob in task.media:
+        n = await _media_tokens(session, child, blob, model, timeout)
+        if n is None:
+            return None
+        total += n
     return total
+
+
+async def _media_tokens(session: aiohttp.ClientSession, child: Upstream,
+                        blob: prompts.MediaBlob, model: Any,
+                        timeout: aiohttp.ClientTimeout) -> int | None:
+    """What one media item costs on `child`: its chat counting route's figure for a message
+    holding the item, less that for the same message empty. The route decodes only the item's
+    header (a placeholder bitmap), and the template's text around the item is the same both
+    times, so the difference is the item's own tokens (and any the projector adds around it)."""
+    audio = media.sniff(blob.data) is media.Modality.AUDIO
+    part = ({"type": "input_audio", "input_audio": {"data": blob.data}} if audio
+            else {"type": "image_url", "image_url": {"url": blob.data}})
+    counts = []
+    for content in ([part], ""):
+        body: dict[str, Any] = {"messages": [{"role": "user", "content": content}]}
+        if isinstance(model, str):
+            body["model"] = model
+        answer = await _post(session, child, "/v1/chat/completions/input_tokens", body, timeout)
+        n = answer.get("input_tokens") if answer is not None else None
+        if not isinstance(n, int):
+            return None
+        counts.append(n)
+    return counts[0] - counts[1]
 
 
 def _bound(piece: prompts.Piece) -> int:

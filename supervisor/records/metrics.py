@@ -27,6 +27,7 @@ from ..config.schema import ROUTERS
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+COUNT_ERROR_BUCKETS = (-64, -16, -4, -1, 0, 1, 4, 16, 64)
 WAIT_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -49,6 +50,16 @@ class Metrics:
             "spillway_stream_time_to_first_token_seconds", "Time from a streamed request's "
             "arrival to its first event reaching the client.", ["route"],
             buckets=TTFT_BUCKETS, registry=r)
+        # Spillway's count of a prompt against the child's own (usage.prompt_tokens, from its
+        # timings): how far the figure admission acted on was off, so it can be judged.
+        self.prompt_count_error = Histogram(
+            "spillway_prompt_count_error_tokens", "Spillway's count of a request's prompt "
+            "tokens less the child's own, for requests it counted (media: with images or "
+            "audio, or not).", ["media"], buckets=COUNT_ERROR_BUCKETS, registry=r)
+        self.media_requests = Counter(
+            "spillway_media_requests_total", "Generation requests with images, audio or "
+            "video, by modality (a request with both counts once in each).", ["modality"],
+            registry=r)
         self.failovers = Counter(
             "spillway_failovers", "Failures of a child caught while serving a request, by kind.",
             ["child", "kind"], registry=r)

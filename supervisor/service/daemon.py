@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import os
+import secrets
 import signal
 import time
 from collections import deque
@@ -78,7 +80,17 @@ UPSTREAM_KEEPALIVE_S = 4.0
 
 # --- settings from the config: one function each, used at start and on every reload -----------
 
-def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, ProxySettings]:
+MEDIA_MARKER_ENV = "LLAMA_MEDIA_MARKER"  # tools/server/server-common.cpp get_media_marker
+
+
+def media_marker() -> str:
+    """One media marker for every child: the environment's, else one drawn now, as random as
+    llama-server's own (it keeps a prompt's text from posing as media)."""
+    return os.environ.get(MEDIA_MARKER_ENV) or f"<__media_{secrets.token_hex(16)}__>"
+
+
+def _proxy_settings(config: Config, media_marker: str | None = None,
+                    ) -> tuple[AuthSettings, ForwardSettings, ProxySettings]:
     """The proxy's settings. On a reload a fresh set is copied onto the live objects (the
     proxy holds them), so whatever is set here is applied live."""
     s, f = config.server, config.failover
@@ -96,7 +108,8 @@ def _proxy_settings(config: Config) -> tuple[AuthSettings, ForwardSettings, Prox
                                            if not c.prefills_assistant),
                       smaller_for_all=((config.small_child is not None
                                         or bool(config.smaller_models))
-                                       and config.small.requests == "all")),
+                                       and config.small.requests == "all"),
+                      media_marker=media_marker),
     )
 
 
@@ -154,6 +167,11 @@ class Daemon:
         self.on_ready = on_ready
         self.started = time.monotonic()
         self.boot = f"{int(time.time()):x}"
+        # The marker of a media item in a prompt (/completion's multimodal_data, which /props
+        # names `media_marker`): llama-server draws a random one per process, so a client's
+        # prompt written for one child would fail on the other, or on the same child after a
+        # restart. Every child gets this one (the environment's LLAMA_MEDIA_MARKER if set).
+        self.media_marker = media_marker()
         self.monitor = GpuMonitor(config.monitor.sample_interval_s)
         self.monitor.owners = self._gpu_owners
         # Which cards the GPU child uses: asked by the monitor at every sample.
@@ -164,7 +182,8 @@ class Daemon:
         self.children: dict[str, Child] = {}
         self.gpu_devices: list[str] = []
         self.config_error: str | None = None
-        self.auth, self.forward_settings, self.proxy_settings = _proxy_settings(config)
+        self.auth, self.forward_settings, self.proxy_settings = _proxy_settings(
+            config, self.media_marker)
         self.incidents = IncidentLog(*_incident_limits(config))
         self.idempotency = IdempotencyStore(**_idempotency_limits(config))
         self.streams = StreamSessions(**_stream_limits(config))
@@ -268,6 +287,7 @@ class Daemon:
         # card it sees, so every vendor's cards are hidden from it.
         # The small child shares the GPU child's cards, and sees what it sees.
         extra = self._gpu_env() if cfg.uses_gpu else dict(HIDE_ALL_GPUS)
+        extra[MEDIA_MARKER_ENV] = self.media_marker
         child = Child(
             cfg, self.config.restart,
             drain_timeout_s=self.config.failover.drain_timeout_s,
@@ -469,7 +489,7 @@ class Daemon:
 
     def _configure_proxy(self, new: Config) -> None:
         """The proxy holds its settings objects: a fresh set is copied onto them."""
-        auth, forward, proxy = _proxy_settings(new)
+        auth, forward, proxy = _proxy_settings(new, self.media_marker)
         _copy_onto(self.auth, auth)
         _copy_onto(self.forward_settings, forward)
         _copy_onto(self.proxy_settings, proxy)

@@ -162,14 +162,15 @@ class Pool:
         self.line.max_waiting = config.queue.max_waiting
         self.sick_after = config.restart.sick_after_errors
 
-    def first_ready(self) -> Upstream | None:
+    def first_ready(self, media: frozenset[Modality] = frozenset()) -> Upstream | None:
         """The upstream a question outside the caps (a token count) goes to: one serving the
-        model the request named (never the smaller one: its tokenizer is not that model's)."""
-        for name in self.roles:
-            member = self.upstreams[name]
-            if member.is_ready and name not in self.smaller:
-                return member
-        return None
+        model the request named (never the smaller one: its tokenizer is not that model's),
+        whose projector takes the request's media when one does."""
+        ready = [name for name in self.roles
+                 if self.upstreams[name].is_ready and name not in self.smaller]
+        able = [name for name in ready if self.takes(name, media)]
+        chosen = able or ready
+        return self.upstreams[chosen[0]] if chosen else None
 
     def takeovers(self, name: str, smaller_ok: bool = False,
                   after_bytes: bool = False) -> list[str]:
