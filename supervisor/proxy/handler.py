@@ -24,7 +24,9 @@ from ..records.incidents import Incident, IncidentLog, new_incident_id
 from ..records.metrics import Metrics
 from ..serving.pool import Lease, Pool
 from ..serving.failover import Close, Cut, Failed, Failover, GiveUp, GoOn
+from ..serving.held import DEFAULT_MAX_HELD_BYTES, LARGE_BODY_BYTES, HeldBodies
 from ..serving.pools import Pools
+from ..gpu import MIB
 from ..records.stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
 from ..records.timefmt import rfc3339
 from ..policy import admission, continuation, estimate, media, prompts, replay
@@ -43,6 +45,7 @@ from .identity import loggable, request_id_of
 log = logging.getLogger("spillway.proxy")
 
 CLIENT_CLOSED = 499  # nginx's status for "the client closed the request"
+_HELD = "spillway_held_bytes"  # the request's place among the large bodies held
 # Headers of a stored answer that a replay from the store repeats.
 _STORED_HEADERS = ("Content-Type", "X-Spillway-Child", "X-Spillway-Attempts",
                    "X-Spillway-Failover")
@@ -65,6 +68,7 @@ class ProxySettings:
     # The children's media marker (LLAMA_MEDIA_MARKER): what splits a prompt object's text
     # around its multimodal_data when it is counted.
     media_marker: str | None = None
+    max_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # failover.max_held_mib (serving/held.py)
 
 
 @dataclass
@@ -86,7 +90,8 @@ class ProxyHandler:
     def __init__(self, pools: Pool | Pools, forwarder: Forwarder, settings: ProxySettings,
                  incidents: IncidentLog, idempotency: IdempotencyStore,
                  metrics: Metrics, streams: StreamSessions | None = None,
-                 wall_clock: Callable[[], float] = time.time) -> None:
+                 wall_clock: Callable[[], float] = time.time,
+                 held: HeldBodies | None = None) -> None:
         # One pool (single-model mode), or one per model (router mode): see pools.py.
         self.pools = pools if isinstance(pools, Pools) else Pools(pools)
         self.forwarder = forwarder
@@ -97,6 +102,8 @@ class ProxyHandler:
         # Resumable streams' replay buffers (X-Conversation-Id): see stream_sessions.py.
         self.streams = streams if streams is not None else StreamSessions()
         self.wall_clock = wall_clock
+        # The large bodies (images, audio, long prompts) held at once, for their replays.
+        self.held = held if held is not None else HeldBodies()
         # Requests in the server (reading a body, waiting in line, at an upstream): what a
         # shutdown waits for. What each upstream is working on is the pool's count.
         self.open_requests = 0
@@ -114,9 +121,46 @@ class ProxyHandler:
             # connection quietly; the exception would be logged as an error of the server's.
             return web.Response(status=CLIENT_CLOSED)
         finally:
+            if request.get(_HELD):
+                self.held.give_back(request[_HELD])
             self.open_requests -= 1
             if self.open_requests == 0:
                 self.idle.set()
+
+    def _hold(self, request: web.Request, size: int) -> bool:
+        """A place among the large bodies held (serving/held.py) for this request's, of `size`
+        bytes (0: not large, nothing held); False when the bound is passed."""
+        taken = request.get(_HELD, 0)
+        self.held.limit = self.settings.max_held_bytes  # (a reload may have changed it)
+        if size == taken:
+            return True
+        if size == 0:
+            self.held.give_back(taken)
+            request[_HELD] = 0
+            return True
+        if not self.held.grow(taken, size):
+            return False
+        request[_HELD] = size
+        return True
+
+    def _hold_announced(self, request: web.Request, rid: str) -> web.StreamResponse | None:
+        """A body its Content-Length says is large takes its place before it is read: a
+        flood of them is refused without their bytes in memory."""
+        announced = request.content_length or 0
+        if LARGE_BODY_BYTES <= announced <= self.settings.max_body_bytes and \
+                not self._hold(request, announced):
+            return self._held_refusal(request, rid, announced)
+        return None
+
+    def _held_refusal(self, request: web.Request, rid: str, size: int) -> web.StreamResponse:
+        held = self.held
+        retry = self.pools.main.service_estimate()[0]
+        return self._early(None, request, rid, "held_bytes", errors.unavailable(
+            f"too many large request bodies (images, audio, long prompts) are held for their "
+            f"replay: {held.held / MIB:.0f} MiB by {held.holders} requests, and this one's "
+            f"{size / MIB:.1f} MiB would pass failover.max_held_mib "
+            f"({held.limit / MIB:.0f} MiB)", rid, retry_after_s=retry,
+            queue_position=held.holders + 1))
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         rid = request_id_of(request)
@@ -129,6 +173,8 @@ class ProxyHandler:
             return self._early(None, request, rid, "bad_request", errors.invalid_request(
                 400, own.message, rid, param=own.header))
         timeout_s = self.settings.body_timeout_s
+        if route is RouteClass.GENERATION and (refused := self._hold_announced(request, rid)):
+            return refused  # before its body is read
         try:
             body = await read_body(request, self.settings.max_body_bytes, timeout_s)
         except (BodyTimeout, BodyTooLarge, BodyUnreadable) as e:
@@ -141,29 +187,19 @@ class ProxyHandler:
             if problem is not None:
                 return self._early(None, request, rid, "bad_request",
                                    errors.invalid_request(400, problem, rid))
+        found = media.find(request.path, payload)
+        held = len(body) if found or len(body) >= LARGE_BODY_BYTES else 0
+        if route is RouteClass.GENERATION and not self._hold(request, held):
+            return self._held_refusal(request, rid, held)
         ctx = RequestCtx(
             request_id=rid, method=request.method, path=request.path,
             path_qs=request.raw_path, route=route, body=body, payload=payload,
             stream=bool(payload.get("stream")) if payload else False,
             client_headers=request.headers, received=started,
-            trusted=request.get(AUTHENTICATED, True), own=own,
-            media=media.find(request.path, payload),
+            trusted=request.get(AUTHENTICATED, True), own=own, media=found,
         )
-        if ctx.stream and self.settings.continue_streams and self.settings.replay and \
-                len(body) <= self.settings.max_replay_body_bytes and \
-                continuation.body_refusal(ctx.path, payload, _opted_out(ctx)) is None:
-            # A stream that may go on from the other child if its own dies after bytes: what
-            # the client receives of it is followed.
-            ctx.follow = continuation.Transcript(continuation.route_kind(ctx.path) or "chat")
-        ctx.smaller_ok = route is RouteClass.GENERATION and payload is not None and (
-            own.fallback == "smaller" or (own.fallback == "" and self.settings.smaller_for_all))
-        conversation = request.headers.get("X-Conversation-Id") if ctx.stream else None
-        if conversation is not None:
-            if not 0 < len(conversation) <= MAX_CONVERSATION_ID:
-                return self._early(ctx, request, rid, "bad_request", errors.invalid_request(
-                    400, f"X-Conversation-Id must be 1 to {MAX_CONVERSATION_ID} characters",
-                    rid, param="X-Conversation-Id"))
-            ctx.conversation = conversation
+        if (refused := self._prepare(request, ctx)) is not None:
+            return refused
         if self.pools.router:
             named = payload.get("model") if payload else request.query.get("model")
             if isinstance(named, str):
@@ -174,6 +210,31 @@ class ProxyHandler:
         if idem_key is not None and request.method == "POST":
             return await self._with_idempotency(request, ctx, idem_key)
         return (await self._serve_and_record(request, ctx)).response
+
+    def _prepare(self, request: web.Request, ctx: RequestCtx) -> web.StreamResponse | None:
+        """What the request's body and headers say of how it is served: followed (a stream
+        that may be continued), open to a smaller model, resumable; a 400 when they say it
+        wrong."""
+        payload = ctx.payload
+        if ctx.stream and self.settings.continue_streams and self.settings.replay and \
+                len(ctx.body) <= self.settings.max_replay_body_bytes and \
+                continuation.body_refusal(ctx.path, payload, _opted_out(ctx)) is None:
+            # A stream that may go on from the other child if its own dies after bytes: what
+            # the client receives of it is followed.
+            ctx.follow = continuation.Transcript(continuation.route_kind(ctx.path) or "chat")
+        fallback = ctx.own.fallback
+        ctx.smaller_ok = ctx.route is RouteClass.GENERATION and payload is not None and (
+            fallback == "smaller" or (fallback == "" and self.settings.smaller_for_all))
+        conversation = request.headers.get("X-Conversation-Id") if ctx.stream else None
+        if conversation is not None:
+            if not 0 < len(conversation) <= MAX_CONVERSATION_ID:
+                return self._early(ctx, request, ctx.request_id, "bad_request",
+                                   errors.invalid_request(
+                                       400, f"X-Conversation-Id must be 1 to "
+                                       f"{MAX_CONVERSATION_ID} characters", ctx.request_id,
+                                       param="X-Conversation-Id"))
+            ctx.conversation = conversation
+        return None
 
     # --- Idempotency-Key ----------------------------------------------------------------------
 

@@ -109,7 +109,7 @@ def _proxy_settings(config: Config, media_marker: str | None = None,
                       smaller_for_all=((config.small_child is not None
                                         or bool(config.smaller_models))
                                        and config.small.requests == "all"),
-                      media_marker=media_marker),
+                      media_marker=media_marker, max_held_bytes=f.max_held_bytes),
     )
 
 
@@ -262,6 +262,9 @@ class Daemon:
             "log_pending": logs.pending_figures(),
             "recent_ports": recent_ports_figures(),
         }
+        if self.proxy is not None:
+            held = self.proxy.held
+            out["held_bodies"] = figures(held.holders, size=held.held, max_bytes=held.limit)
         for name, child in self.children.items():
             out[f"child_output_{name}"] = child.cache_figures()
         if self._upstream is not None:
