@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 from test_pool import FakeSource, make_pool
 
+from supervisor.policy.estimate import Work
 from supervisor.policy import replay
 from supervisor.policy.continuation import Transcript
 from supervisor.policy.evidence import FailureKind, Verdict
@@ -20,7 +21,7 @@ OOM = AttemptFailure("gpu", 1, Verdict(FailureKind.RUNTIME_OOM, "CUDA error: out
 def failed(failure: AttemptFailure = OOM, **more: object) -> Failed:
     values: dict[str, object] = dict(failure=failure, route=RouteClass.GENERATION,
                                      body_replayable=True, opted_out=False, attempts=1,
-                                     deadline_left_s=None, body_size=100, max_tokens=16)
+                                     deadline_left_s=None, work=Work(33, 16))
     values.update(more)
     return Failed(**values)  # type: ignore[arg-type]
 
@@ -76,8 +77,8 @@ def cut(**more: object) -> Cut:
     values: dict[str, object] = dict(
         failure=OOM, payload={"messages": [{"role": "user", "content": "hi"}],
                               "max_tokens": 64, "stream": True},
-        so_far=transcript(), continued_before=False, deadline_left_s=None, body_size=100,
-        requested_tokens=64, no_prefill=frozenset())
+        so_far=transcript(), continued_before=False, deadline_left_s=None,
+        work=Work(33, 64), no_prefill=frozenset())
     values.update(more)
     return Cut(**values)  # type: ignore[arg-type]
 

@@ -13,6 +13,7 @@ from test_failover_unit import cut, failed
 from test_pool import FakeMember, FakeSource
 
 from supervisor.policy.admission import Action, Capacity, ChildView, Request, decide
+from supervisor.policy.estimate import Work
 from supervisor.policy.lifecycle import ChildState
 from supervisor.policy.media import Modality
 from supervisor.policy.routes import RouteClass
@@ -79,9 +80,9 @@ class MediaSource(FakeSource):
         super().__init__({name: 1 for name in states}, states)
         self.modalities = modalities
 
-    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int,
+    def child_view(self, name: str, busy: int, work: Work,
                    with_estimate: bool = True) -> ChildView:
-        view = super().child_view(name, busy, body_size, max_tokens, with_estimate)
+        view = super().child_view(name, busy, work, with_estimate)
         return dataclasses.replace(view, modalities=self.modalities.get(name))
 
 

@@ -12,6 +12,7 @@ import pytest
 
 from typing import Any
 
+from supervisor.policy.estimate import Work
 from supervisor.vocabulary import Load
 from supervisor.policy.admission import Action, ChildView, Decision, Request, decide
 from supervisor.policy.lifecycle import ChildState
@@ -32,7 +33,7 @@ class FakeSource:
         self.durations: list[float] = []
         self.timings: list[tuple[str, Any]] = []
 
-    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int,
+    def child_view(self, name: str, busy: int, work: Work,
                    with_estimate: bool = True) -> ChildView:
         return ChildView(name, self.states[name], busy, self.caps[name], ctx_per_slot=None,
                          startable=self.states[name] == "STOPPED" and name == "cpu")
@@ -56,10 +57,10 @@ class FakeSource:
     def ctx_per_slot(self, name: str) -> int | None:
         return None
 
-    def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
+    def expected_seconds(self, name: str, work: Work) -> float | None:
         return None
 
-    def observe_timings(self, name: str, timings: Any) -> None:
+    def observe_timings(self, name: str, timings: Any, media_items: int = 0) -> None:
         self.timings.append((name, timings))
 
     def observe_duration(self, seconds: float) -> None:
@@ -104,7 +105,7 @@ async def test_caps_hold_and_the_line_is_served_in_order() -> None:
     peak = {"gpu": 0, "cpu": 0}
 
     async def client(i: int) -> None:
-        got = await pool.lease(REQ, 100, 10)
+        got = await pool.lease(REQ, Work(100, 10))
         assert isinstance(got, Lease)
         served.append(i)
         peak[got.name] = max(peak[got.name], pool.busy(got.name))
@@ -126,10 +127,10 @@ async def test_caps_hold_and_the_line_is_served_in_order() -> None:
 @pytest.mark.asyncio
 async def test_a_client_that_leaves_the_line_leaves_at_once_and_loses_nothing() -> None:
     pool = make_pool(FakeSource({"gpu": 1, "cpu": 1}), max_waiting=10, max_wait_s=30)
-    first = await pool.lease(REQ, 1, 1)
-    second = await pool.lease(REQ, 1, 1)
+    first = await pool.lease(REQ, Work(1, 1))
+    second = await pool.lease(REQ, Work(1, 1))
     assert isinstance(first, Lease) and isinstance(second, Lease)
-    waiters = [asyncio.create_task(pool.lease(REQ, 1, 1)) for _ in range(3)]
+    waiters = [asyncio.create_task(pool.lease(REQ, Work(1, 1))) for _ in range(3)]
     await asyncio.sleep(0.01)
     assert len(pool.line) == 3
     waiters[1].cancel()
@@ -148,10 +149,10 @@ async def test_a_client_that_leaves_the_line_leaves_at_once_and_loses_nothing() 
 async def test_a_full_line_and_a_short_wait_are_refused_with_position_and_retry_after() -> None:
     pool = make_pool(FakeSource({"gpu": 1, "cpu": 1}), max_waiting=1, max_wait_s=0.6)
     for _ in range(2):
-        assert isinstance(await pool.lease(REQ, 1, 1), Lease)
-    waiting = asyncio.create_task(pool.lease(REQ, 1, 1))
+        assert isinstance(await pool.lease(REQ, Work(1, 1)), Lease)
+    waiting = asyncio.create_task(pool.lease(REQ, Work(1, 1)))
     await asyncio.sleep(0.01)
-    full = await pool.lease(REQ, 1, 1)
+    full = await pool.lease(REQ, Work(1, 1))
     assert isinstance(full, Decision) and full.action is Action.REJECT
     assert full.queue_position == 2 and "full" in full.reason
     timed_out = await waiting  # nobody released within max_wait_s
@@ -162,8 +163,8 @@ async def test_a_full_line_and_a_short_wait_are_refused_with_position_and_retry_
 @pytest.mark.asyncio
 async def test_replays_go_ahead_of_the_line() -> None:
     pool = make_pool(FakeSource({"gpu": 1, "cpu": 1}), max_waiting=10, max_wait_s=30)
-    held = [await pool.lease(REQ, 1, 1) for _ in range(2)]
-    waiting = asyncio.create_task(pool.lease(REQ, 1, 1))
+    held = [await pool.lease(REQ, Work(1, 1)) for _ in range(2)]
+    waiting = asyncio.create_task(pool.lease(REQ, Work(1, 1)))
     await asyncio.sleep(0.01)
     replay = asyncio.create_task(pool.replay_lease("cpu", None))
     await asyncio.sleep(0.01)
@@ -181,7 +182,7 @@ async def test_replays_go_ahead_of_the_line() -> None:
 async def test_an_on_demand_child_is_started_and_its_start_time_measured() -> None:
     source = FakeSource({"gpu": 1, "cpu": 1}, {"gpu": "BACKOFF", "cpu": "STOPPED"})
     pool = make_pool(source, max_waiting=10, max_wait_s=30)
-    got = await pool.lease(REQ, 1, 1)
+    got = await pool.lease(REQ, Work(1, 1))
     assert isinstance(got, Lease)
     assert got.name == "cpu" and got.start_s == 0.25 and source.started == ["cpu"]
 
@@ -201,7 +202,7 @@ def test_the_gpu_fast_path_answers_as_the_full_decision_does(seed: int) -> None:
     req = dataclasses.replace(REQ, prompt_tokens=rnd.choice([10, 5000]),
                               cpu_allowed=rnd.random() < 0.8)
     fast = pool._gpu_fast_path(req)
-    full = decide(req, pool.capacity(0, 1, 1))
+    full = decide(req, pool.capacity(0, Work(1, 1)))
     if fast is not None:
         assert (full.action, full.child, full.branch) == (fast.action, fast.child, fast.branch)
     else:
@@ -215,10 +216,10 @@ async def test_a_lease_is_never_handed_out_for_an_upstream_that_began_to_drain()
     instead of handing out a lease on a draining upstream."""
     source = FakeSource({"gpu": 1, "cpu": 1})
     pool = make_pool(source, max_waiting=4, max_wait_s=30)
-    on_gpu = await pool.lease(REQ, 1, 1)
-    on_cpu = await pool.lease(REQ, 1, 1)
+    on_gpu = await pool.lease(REQ, Work(1, 1))
+    on_cpu = await pool.lease(REQ, Work(1, 1))
     assert isinstance(on_gpu, Lease) and isinstance(on_cpu, Lease)
-    waiting = asyncio.create_task(pool.lease(REQ, 1, 1))
+    waiting = asyncio.create_task(pool.lease(REQ, Work(1, 1)))
     await asyncio.sleep(0)
     assert len(pool.line) == 1
     on_gpu.close(None, None)  # the line's head gets the GPU place...
@@ -257,7 +258,7 @@ async def test_closing_a_lease_gives_its_place_back_and_learns_from_the_answer()
 
     source = FakeSource({"gpu": 1, "cpu": 1})
     pool = make_pool(source, max_waiting=4, max_wait_s=30)
-    lease = await pool.lease(REQ, 1, 1)
+    lease = await pool.lease(REQ, Work(1, 1))
     assert isinstance(lease, Lease) and pool.upstreams["gpu"].load.in_flight == 1
     attempt = Attempt("gpu", 1, timings={"predicted_n": 4, "predicted_ms": 8.0})
     lease.close(attempt, _answer(200))
@@ -285,7 +286,7 @@ async def test_a_lease_closed_on_a_survived_oom_drains_its_upstream_and_counts_i
     members = {name: FakeMember(name, source) for name in ("gpu", "cpu")}
     metrics = Metrics()
     pool = Pool(source, members, 4, 30, metrics=metrics)  # type: ignore[arg-type]
-    lease = await pool.lease(REQ, 1, 1)
+    lease = await pool.lease(REQ, Work(1, 1))
     assert isinstance(lease, Lease)
     lease.close(None, ending(AttemptFailure("gpu", 1, Verdict(FailureKind.OOM_SURVIVED,
                                                                 "cudaMalloc failed"))))
@@ -314,10 +315,10 @@ async def test_a_burst_before_any_request_finished_is_not_told_a_made_up_wait() 
     # half a second, in the chaos run).
     pool = make_pool(UntimedSource({"gpu": 1, "cpu": 1}), max_waiting=20, max_wait_s=60)
     for _ in range(2):
-        assert isinstance(await pool.lease(REQ, 1, 1), Lease)
-    waiting = [asyncio.create_task(pool.lease(REQ, 1, 1)) for _ in range(20)]
+        assert isinstance(await pool.lease(REQ, Work(1, 1)), Lease)
+    waiting = [asyncio.create_task(pool.lease(REQ, Work(1, 1))) for _ in range(20)]
     await asyncio.sleep(0)
-    refused = await pool.lease(REQ, 1, 1)
+    refused = await pool.lease(REQ, Work(1, 1))
     assert isinstance(refused, Decision) and refused.action is Action.REJECT
     assert refused.retry_after_s is not None and refused.retry_after_s <= 2.0
     assert pool.service_estimate()[1] == "running"

@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .media import NO_MEDIA, Media
+
 ALPHA = 0.3  # weight of the newest observation
 DEFAULT_MAX_TOKENS = 256  # what a request without max_tokens is assumed to generate
 BYTES_PER_TOKEN = 3  # a cautious guess before the prompt is tokenized (English is about 4)
@@ -21,6 +23,25 @@ class Throughput:
     prompt_tps: float | None = None
     gen_tps: float | None = None
     samples: int = 0
+
+
+@dataclass(frozen=True)
+class Work:
+    """What a request asks of a child, for its expected time: its prompt's tokens (counted, or
+    a bound from its body's size), the tokens it may generate, its media (each item an
+    encoder's run before its tokens)."""
+
+    prompt_tokens: int
+    max_tokens: int
+    media: Media = NO_MEDIA
+
+    @classmethod
+    def of_body(cls, body_size: int, max_tokens: int) -> Work:
+        """Before the prompt is counted: its body's size over BYTES_PER_TOKEN."""
+        return cls(prompt_tokens_bound(body_size), max_tokens)
+
+    def with_max_tokens(self, max_tokens: int) -> Work:
+        return Work(self.prompt_tokens, max_tokens, self.media)
 
 
 def _ewma(old: float | None, new: float) -> float:

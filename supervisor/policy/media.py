@@ -24,7 +24,7 @@ from __future__ import annotations
 import base64
 import binascii
 import enum
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -198,3 +198,38 @@ def takes_words(modalities: frozenset[Modality] | None) -> str:
         return ("no projector: image and audio requests are not sent to it while a child "
                 "that takes them serves")
     return "its projector takes " + " and ".join(m.value for m in Modality if m in modalities)
+
+
+
+# An encoder's time per item, learned from the child's own `timings`: llama-server folds the
+# encoder's runs into `prompt_ms` (it logs no time of its own for them at the default
+# verbosity), so the part of a media request's prompt time beyond its tokens at the child's
+# text speed is the encoder's.
+ENCODE_ALPHA = 0.3  # the newest sample's weight
+# Before a child has encoded anything: a CPU encoder takes seconds an image (a 400M-parameter
+# ViT at 336 px is 5-20 s on 4-8 cores); the GPU's is well under one.
+DEFAULT_ENCODE_S = {True: 0.5, False: 10.0}  # on a GPU?
+
+
+def encode_sample(timings: Mapping[str, Any], prompt_tps: float | None,
+                  items: int) -> float | None:
+    """One answer's encoder seconds per item; None without the child's text speed (or
+    timings that say nothing)."""
+    try:
+        n, ms = float(timings.get("prompt_n", 0)), float(timings.get("prompt_ms", 0))
+    except (TypeError, ValueError):
+        return None
+    if not prompt_tps or items <= 0 or ms <= 0:
+        return None
+    return max(0.0, ms / 1000 - n / prompt_tps) / items
+
+
+def fold_encode(old: float | None, seconds: float) -> float:
+    return seconds if old is None else (1 - ENCODE_ALPHA) * old + ENCODE_ALPHA * seconds
+
+
+def encode_seconds(media: Media, per_item_s: float | None, on_gpu: bool) -> float:
+    """The encoder's time for a request's media on one child: each item at the child's own
+    measured time, else the cautious default."""
+    each = per_item_s if per_item_s is not None else DEFAULT_ENCODE_S[on_gpu]
+    return each * len(media.items)

@@ -34,6 +34,7 @@ from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from ..policy import continuation
+from ..policy.estimate import Work
 from ..policy.media import NO_MEDIA, Media
 from ..policy import evidence as ev
 from ..vocabulary import Attempt, AttemptFailure, Upstream
@@ -92,6 +93,7 @@ class RequestCtx:
     prompt_tokens: int = 0  # admission's count of its prompt (or a bound of it)
     counted: bool = False  # prompt_tokens is the child's own count, not a bound
     media: Media = NO_MEDIA  # its images, audio and video (policy/media.py)
+    work: Work = Work(0, 0)  # what it asks of a child, for expected times (once counted)
     # A stream that may be continued on the other child: what the client has of it so far.
     follow: continuation.Transcript | None = None
     continued: bool = False  # it was continued once (never twice)

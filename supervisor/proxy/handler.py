@@ -30,6 +30,7 @@ from ..gpu import MIB
 from ..records.stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
 from ..records.timefmt import rfc3339
 from ..policy import admission, continuation, estimate, media, prompts, replay
+from ..policy.estimate import Work
 from ..policy.routes import RouteClass, classify_route, route_label
 from . import closing, errors, tokens
 from .auth import AUTHENTICATED, presented_key
@@ -398,12 +399,17 @@ class ProxyHandler:
             opted_out = _opted_out(ctx)
             count = await self._prompt_count(ctx)
             ctx.prompt_tokens = count.largest
+            # Its expected time on each child: the counted prompt, else a bound from the
+            # bytes of its text (its media's base64 is no text).
+            text_bytes = max(0, len(ctx.body) - ctx.media.inline_bytes)
+            ctx.work = Work(count.largest if ctx.counted else
+                            estimate.prompt_tokens_bound(text_bytes),
+                            estimate.requested_tokens(ctx.payload), ctx.media)
             got = await pool.lease(admission.Request(
                 route=ctx.route, prompt_tokens=count.largest,
                 cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx),
                 exact_count=count.exact, smaller_ok=ctx.smaller_ok,
-                media=ctx.media.modalities),
-                len(ctx.body), estimate.requested_tokens(ctx.payload))
+                media=ctx.media.modalities), ctx.work)
         if isinstance(got, admission.Decision):
             loading = admission.loading(pool.states(), pin)
             return Answered(self._refusal(ctx, got, count, loading))
@@ -462,7 +468,7 @@ class ProxyHandler:
                        lease: Lease) -> AttemptResult:
         """One attempt on the lease's upstream; the lease is closed with its outcome."""
         child = lease.upstream
-        attempt = Attempt(child.name, len(ctx.attempts) + 1)
+        attempt = Attempt(child.name, len(ctx.attempts) + 1, media_items=len(ctx.media.items))
         ctx.attempts.append(attempt)
         own = [("X-Request-Id", ctx.request_id), ("X-Spillway-Child", child.name),
                ("X-Spillway-Attempts", str(attempt.number))]
@@ -497,8 +503,7 @@ class ProxyHandler:
             opted_out=_opted_out(ctx),
             attempts=len(ctx.attempts),
             deadline_left_s=self._deadline_left(ctx),
-            body_size=len(ctx.body),
-            max_tokens=estimate.requested_tokens(ctx.payload),
+            work=ctx.work,
             smaller_ok=ctx.smaller_ok, prompt_tokens=ctx.prompt_tokens,
             safe_read=_safe_read(ctx), media=ctx.media.modalities))
         if isinstance(nxt, GiveUp):
@@ -534,7 +539,8 @@ class ProxyHandler:
         nxt = await Failover(self._pool(ctx)).after_cut(Cut(
             failure=failure, payload=ctx.payload, so_far=so_far,
             continued_before=ctx.continued, deadline_left_s=self._deadline_left(ctx),
-            body_size=len(ctx.body), requested_tokens=estimate.requested_tokens(ctx.payload),
+            work=Work(ctx.work.prompt_tokens + so_far.tokens, ctx.work.max_tokens,
+                      ctx.work.media),
             no_prefill=self.settings.no_prefill, media=ctx.media.modalities))
         if isinstance(nxt, Close):
             return await self._close(ctx, cut, nxt.reason, episodes)

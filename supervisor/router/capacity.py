@@ -25,6 +25,7 @@ from urllib.parse import quote
 from ..config.schema import SMALL_CHILD, Config
 from ..gpu import MIB, GpuMonitor
 from ..policy.admission import ChildView
+from ..policy.estimate import Work
 from ..policy.lifecycle import ChildState
 from ..serving.resources import Resources
 from .upstream import ModelUpstream
@@ -61,12 +62,12 @@ class ModelResources(Resources):
     def _smaller(self, name: str) -> ModelResources | None:
         return self.smaller if name == SMALL_CHILD else None
 
-    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int,
+    def child_view(self, name: str, busy: int, work: Work,
                    with_estimate: bool = True) -> ChildView:
         smaller = self._smaller(name)
         if smaller is None:
-            return super().child_view(name, busy, body_size, max_tokens, with_estimate)
-        view = smaller.child_view(self.config.gpu_child, busy, body_size, max_tokens,
+            return super().child_view(name, busy, work, with_estimate)
+        view = smaller.child_view(self.config.gpu_child, busy, work,
                                   with_estimate)
         return dataclasses.replace(view, name=name, smaller=True,
                                    label=f"{smaller.model} on the GPU router")
@@ -76,17 +77,18 @@ class ModelResources(Resources):
         return super().ctx_per_slot(name) if smaller is None else \
             smaller.ctx_per_slot(self.config.gpu_child)
 
-    def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
+    def expected_seconds(self, name: str, work: Work) -> float | None:
         smaller = self._smaller(name)
-        return super().expected_seconds(name, body_size, max_tokens) if smaller is None else \
-            smaller.expected_seconds(self.config.gpu_child, body_size, max_tokens)
+        return super().expected_seconds(name, work) if smaller is None else \
+            smaller.expected_seconds(self.config.gpu_child, work)
 
-    def observe_timings(self, name: str, timings: Mapping[str, Any]) -> None:
+    def observe_timings(self, name: str, timings: Mapping[str, Any],
+                        media_items: int = 0) -> None:
         smaller = self._smaller(name)
         if smaller is None:
-            super().observe_timings(name, timings)
+            super().observe_timings(name, timings, media_items)
         else:
-            smaller.observe_timings(self.config.gpu_child, timings)
+            smaller.observe_timings(self.config.gpu_child, timings, media_items)
 
     async def wait_ready(self, name: str, within_s: float) -> float | None:
         smaller = self._smaller(name)

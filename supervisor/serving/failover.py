@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..policy import continuation, replay
+from ..policy.estimate import Work
 from ..policy.media import Modality
 from ..policy.routes import RouteClass
 from ..vocabulary import AttemptFailure
@@ -39,8 +40,7 @@ class Failed:
     opted_out: bool  # X-Spillway-Replay: never
     attempts: int  # attempts made so far
     deadline_left_s: float | None
-    body_size: int
-    max_tokens: int  # what the request asks for (the other upstream's expected time)
+    work: Work  # what the request asks (the other upstream's expected time)
     smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
     prompt_tokens: int = 0  # as admission counted it (or its bound): does it fit a slot there
     safe_read: bool = False  # a GET or HEAD without a body (policy/replay.py's rule 4)
@@ -56,8 +56,7 @@ class Cut:
     so_far: continuation.Transcript
     continued_before: bool
     deadline_left_s: float | None
-    body_size: int
-    requested_tokens: int  # what the request asks for, when its kind has no token limit
+    work: Work  # what the request asks for (max_tokens: when its kind has no token limit)
     no_prefill: frozenset[str]  # upstreams run with --no-prefill-assistant
     media: frozenset[Modality] = frozenset()  # its images, audio, video (policy/media.py)
 
@@ -149,7 +148,7 @@ class Failover:
             attempts=failed.attempts,
             deadline_left_s=failed.deadline_left_s,
             target_expected_s=None if target is None else pool.expected_seconds(
-                target, failed.body_size, failed.max_tokens),
+                target, failed.work),
             target_available=target is not None and pool.can_take_replay(target),
             safe_read=failed.safe_read,
         )
@@ -166,10 +165,10 @@ class Failover:
                           f"{' and '.join(sorted(cut.media))}", None, pool.retry_after_s(name))
         limit = continuation.token_limit(cut.so_far.kind, cut.payload)
         remaining = (max(limit - cut.so_far.tokens, 0) if limit is not None
-                     else cut.requested_tokens)
+                     else cut.work.max_tokens)
         decision = continuation.decide(
             cut.payload, cut.so_far, cut.continued_before, cut.deadline_left_s,
-            target_expected_s=(pool.expected_seconds(target, cut.body_size, remaining)
+            target_expected_s=(pool.expected_seconds(target, cut.work.with_max_tokens(remaining))
                                if target is not None else None) or 0.0,
             target_available=target is not None and pool.can_take_replay(target),
             target_prefills=target not in cut.no_prefill)

@@ -35,12 +35,14 @@ from ..policy import admission, replay, sickness, waitline
 from ..policy.admission import Action, Capacity, ChildView, Decision, Request
 from ..policy.evidence import FailureKind
 from ..policy.lifecycle import ChildState
+from ..policy.estimate import Work
 from ..policy.media import Modality
 from ..vocabulary import Attempt, AttemptEnd, AttemptFailure, Upstream
 
 log = logging.getLogger("spillway.pool")
 ABANDONED = "start_abandoned"  # an upstream started for a request was stopped before ready
 NO_STREAK = sickness.Streak()
+NO_WORK = Work(0, 0)  # for a view of a child that weighs no request
 
 
 class CapacitySource(Protocol):
@@ -49,7 +51,7 @@ class CapacitySource(Protocol):
 
     paused: set[str]
 
-    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int,
+    def child_view(self, name: str, busy: int, work: Work,
                    with_estimate: bool = True) -> ChildView: ...
 
     def vram_free_mib(self) -> float | None: ...
@@ -60,9 +62,10 @@ class CapacitySource(Protocol):
 
     def ctx_per_slot(self, name: str) -> int | None: ...
 
-    def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None: ...
+    def expected_seconds(self, name: str, work: Work) -> float | None: ...
 
-    def observe_timings(self, name: str, timings: Mapping[str, Any]) -> None: ...
+    def observe_timings(self, name: str, timings: Mapping[str, Any],
+                        media_items: int = 0) -> None: ...
 
     def observe_duration(self, seconds: float) -> None: ...
 
@@ -102,8 +105,7 @@ class Lease:
 class _Waiter:
     ticket: waitline.Ticket
     request: Request
-    body_size: int
-    max_tokens: int
+    work: Work
     future: asyncio.Future[Decision]
 
 
@@ -153,8 +155,8 @@ class Pool:
     def ctx_per_slot(self, name: str) -> int | None:
         return self.source.ctx_per_slot(name)
 
-    def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
-        return self.source.expected_seconds(name, body_size, max_tokens)
+    def expected_seconds(self, name: str, work: Work) -> float | None:
+        return self.source.expected_seconds(name, work)
 
     def configure(self, config: Config) -> None:
         """A reload: the waiting line's new bounds (a shorter line keeps who is in it)."""
@@ -213,11 +215,11 @@ class Pool:
 
     def takes(self, name: str, media: frozenset[Modality]) -> bool:
         """Whether the upstream's projector takes the request's images, audio or video."""
-        return not media or self.source.child_view(name, 0, 0, 0, with_estimate=False) \
+        return not media or self.source.child_view(name, 0, NO_WORK, with_estimate=False) \
             .takes(media)
 
     def can_take_replay(self, name: str) -> bool:
-        view = self.source.child_view(name, 0, 0, 0)
+        view = self.source.child_view(name, 0, NO_WORK)
         return view.state in (ChildState.READY, ChildState.STARTING) or view.startable
 
     def service_estimate(self) -> tuple[float, str]:
@@ -225,9 +227,9 @@ class Pool:
                    else time.monotonic() - self._first_unmeasured)
         return waitline.service_estimate(self.source.service_s(), running)
 
-    def capacity(self, waiting: int, body_size: int, max_tokens: int,
+    def capacity(self, waiting: int, work: Work,
                  with_estimate: bool = True) -> Capacity:
-        children = tuple(self.source.child_view(name, self.busy(name), body_size, max_tokens,
+        children = tuple(self.source.child_view(name, self.busy(name), work,
                                                 with_estimate) for name in self.roles)
         servers = sum(c.cap for c in children if c.ready)
         returning = [(c.back_in_s, c.cap) for c in children
@@ -275,7 +277,7 @@ class Pool:
         member.load.take(generation=False)
         return Lease(self, member, counted=False, decision=decision)
 
-    async def lease(self, req: Request, body_size: int, max_tokens: int) -> Lease | Decision:
+    async def lease(self, req: Request, work: Work) -> Lease | Decision:
         """A lease for a generation request (branches 3 to 7 of the admission order), or a
         REJECT/TOO_LONG decision. Handed out only for an upstream that is ready now: a request
         served from the waiting line resumes a moment after its place was taken, and in that
@@ -284,7 +286,7 @@ class Pool:
         began = time.monotonic()
         abandoned = 0
         while True:
-            got = await self._admit(req, body_size, max_tokens)
+            got = await self._admit(req, work)
             if isinstance(got, Decision) and got.cause == ABANDONED and abandoned < 2:
                 abandoned += 1  # its upstream was stopped as it started: admitted anew
             elif isinstance(got, Decision) or got.upstream.is_ready:
@@ -296,7 +298,7 @@ class Pool:
                     req, deadline_s=req.deadline_s - (time.monotonic() - began))
                 began = time.monotonic()
 
-    async def _admit(self, req: Request, body_size: int, max_tokens: int) -> Lease | Decision:
+    async def _admit(self, req: Request, work: Work) -> Lease | Decision:
         began = time.monotonic()
         estimate: float | None = None
         basis = "measured"
@@ -305,7 +307,7 @@ class Pool:
             if fast is not None:
                 self._take(self.roles[0])
                 return Lease(self, self.upstreams[self.roles[0]], counted=True, decision=fast)
-        cap = self.capacity(len(self.line), body_size, max_tokens,
+        cap = self.capacity(len(self.line), work,
                             with_estimate=req.deadline_s is not None)
         decision = admission.decide(req, cap)
         if decision.action is Action.FORWARD and len(self.line) > 0:
@@ -324,7 +326,7 @@ class Pool:
         elif decision.action is Action.WAIT:
             estimate = decision.retry_after_s
             basis = self.service_estimate()[1]
-            decision = await self._wait(req, decision, body_size, max_tokens)
+            decision = await self._wait(req, decision, work)
             if decision.action is not Action.FORWARD:
                 return decision  # dispatch took no place for these
         else:
@@ -362,23 +364,22 @@ class Pool:
         the GPU child ready with room and headroom, the prompt known to fit. Gives the same
         answer decide() would (the tests hold the two to it); None when in doubt."""
         name = self.roles[0]
-        gpu = self.source.child_view(name, self.busy(name), 0, 0, with_estimate=False)
-        if not gpu.has_room or not gpu.fits(req.prompt_tokens):
+        gpu = self.source.child_view(name, self.busy(name), NO_WORK, with_estimate=False)
+        if not gpu.has_room or not gpu.fits(req.prompt_tokens) or not gpu.takes(req.media):
             return None
         free = self.source.vram_free_mib()
         if free is not None and free < self.source.vram_headroom_mib():
             return None
         return Decision(Action.FORWARD, 4, "GPU child has room", child=name)
 
-    async def _wait(self, req: Request, decision: Decision, body_size: int,
-                    max_tokens: int) -> Decision:
+    async def _wait(self, req: Request, decision: Decision, work: Work) -> Decision:
         ticket = self.line.join(time.monotonic())
         if ticket is None:
             return Decision(Action.REJECT, 7, "the waiting line is full",
                             retry_after_s=decision.retry_after_s,
                             queue_position=self.line.max_waiting + 1, cause="queue_full")
         future: asyncio.Future[Decision] = asyncio.get_running_loop().create_future()
-        self._waiters[ticket.id] = _Waiter(ticket, req, body_size, max_tokens, future)
+        self._waiters[ticket.id] = _Waiter(ticket, req, work, future)
         allowed = self.max_wait_s if req.deadline_s is None else min(self.max_wait_s,
                                                                      req.deadline_s)
         log.info("queued at position %d: %s", self.line.position(ticket), decision.reason)
@@ -388,7 +389,7 @@ class Pool:
             return await asyncio.wait_for(asyncio.shield(future), allowed)
         except TimeoutError:
             position = self.line.position(ticket)
-            cap = self.capacity(position - 1, body_size, max_tokens)
+            cap = self.capacity(position - 1, work)
             return Decision(Action.REJECT, 7, f"waited {allowed:.0f} s without capacity "
                                               f"freeing", retry_after_s=cap.wait_s,
                             queue_position=position, cause="wait_timeout")
@@ -412,7 +413,7 @@ class Pool:
             if fut.done():
                 self._replays.popleft()
                 continue
-            view = self.source.child_view(name, self.busy(name), 0, 0)
+            view = self.source.child_view(name, self.busy(name), NO_WORK)
             if not view.has_room:
                 break
             self._replays.popleft()
@@ -423,7 +424,7 @@ class Pool:
             if waiter is None or waiter.future.done():
                 self.line.leave(head)
                 continue
-            cap = self.capacity(0, waiter.body_size, waiter.max_tokens)
+            cap = self.capacity(0, waiter.work)
             decision = admission.can_serve_now(waiter.request, cap)
             if decision is None:
                 break
@@ -454,7 +455,7 @@ class Pool:
         was running), or None."""
         began = time.monotonic()
         limit = self.max_wait_s if within_s is None else min(within_s, self.max_wait_s)
-        view = self.source.child_view(name, self.busy(name), 0, 0)
+        view = self.source.child_view(name, self.busy(name), NO_WORK)
         start_s = 0.0  # it was running
         if view.ready and not view.has_room:
             # Busy: wait only if the estimated wait fits; a replay that would sit out the
@@ -474,7 +475,7 @@ class Pool:
             if waited is None:
                 return None
             start_s = waited
-        view = self.source.child_view(name, self.busy(name), 0, 0)
+        view = self.source.child_view(name, self.busy(name), NO_WORK)
         if view.has_room and not self._replays:
             self._take(name)
             return start_s
@@ -510,7 +511,7 @@ class Pool:
         elif lease.counted and end.status is not None:
             self._answered(name, end)
         if attempt is not None and attempt.timings and end.timed:
-            self.source.observe_timings(name, attempt.timings)
+            self.source.observe_timings(name, attempt.timings, attempt.media_items)
         if lease.counted and attempt is not None and end.ok:
             self.source.observe_duration(now - attempt.started)
         self.last_used[name] = now

@@ -24,6 +24,7 @@ from ..config import gguf_meta, llama_args
 from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
 from ..policy import estimate, media
+from ..policy.estimate import Work
 from ..policy.media import Modality
 from ..policy.devices import Room, short_of, tightest
 from ..policy.admission import ChildView
@@ -55,6 +56,8 @@ class Resources:
         self.monitor = monitor
         self.profiles = {name: Profile(slots=self._slots_from_args(name)) for name in children}
         self.throughput = {name: estimate.Throughput() for name in children}
+        # Each child's encoder: seconds per image or audio clip, from its own timings.
+        self.encode_s: dict[str, float] = {}
         self.service: float | None = None  # seconds per generation request (moving average)
         self.ram_available: int | None = None
         self.model_size = 0
@@ -115,8 +118,17 @@ class Resources:
         log.info("[%s] %s slots of %s tokens; admission cap %d; %s", name, profile.slots,
                  profile.ctx_per_slot, self.cap(name), media.takes_words(profile.modalities))
 
-    def observe_timings(self, name: str, timings: Mapping[str, Any]) -> None:
-        self.throughput[name] = estimate.observe(self.throughput[name], timings)
+    def observe_timings(self, name: str, timings: Mapping[str, Any],
+                        media_items: int = 0) -> None:
+        """An answer's timings. With media, its prompt time holds the encoder's runs too: the
+        part beyond its tokens at the child's text speed is the encoder's, per item; the text
+        speeds are learned from answers without media only."""
+        if not media_items:
+            self.throughput[name] = estimate.observe(self.throughput[name], timings)
+            return
+        found = media.encode_sample(timings, self.throughput[name].prompt_tps, media_items)
+        if found is not None:
+            self.encode_s[name] = media.fold_encode(self.encode_s.get(name), found)
 
     def observe_duration(self, seconds: float) -> None:
         self.service = seconds if self.service is None else (
@@ -183,13 +195,13 @@ class Resources:
         configured = self.config.child(name).max_concurrency
         return configured or self.profiles[name].slots or 1
 
-    def child_view(self, name: str, busy: int, body_size: int, max_tokens: int,
+    def child_view(self, name: str, busy: int, work: Work,
                    with_estimate: bool = True) -> ChildView:
         """What admission needs of one child; called on every request, so kept cheap (the
         time estimate only when the request has a deadline to weigh it against)."""
         state = self.children[name].state
         startable, ram_ok = self.startable(name, state)
-        expected = self.expected_seconds(name, body_size, max_tokens) if with_estimate else None
+        expected = self.expected_seconds(name, work) if with_estimate else None
         return ChildView(
             name=name, state=state, busy=busy, cap=self.cap(name),
             ctx_per_slot=self.profiles[name].ctx_per_slot, startable=startable, ram_ok=ram_ok,
@@ -235,10 +247,15 @@ class Resources:
             return child.last_start_s
         return None
 
-    def expected_seconds(self, name: str, body_size: int, max_tokens: int) -> float | None:
-        """How long a request would take on the child, from its own reported speeds."""
-        return estimate.expected_seconds(self.throughput[name],
-                                         estimate.prompt_tokens_bound(body_size), max_tokens)
+    def expected_seconds(self, name: str, work: Work) -> float | None:
+        """How long a request would take on the child, from its own reported speeds, and its
+        encoder's time for each image or audio clip."""
+        text = estimate.expected_seconds(self.throughput[name], work.prompt_tokens,
+                                         work.max_tokens)
+        if text is None or not work.media:
+            return text
+        return text + media.encode_seconds(work.media, self.encode_s.get(name),
+                                           self.config.child(name).uses_gpu)
 
     def _fresh_rooms(self) -> list[Room]:
         """The free memory of each card the GPU child uses; none when the figures are stale
@@ -299,6 +316,7 @@ class Resources:
             "busy": busy, "cap": self.cap(name), "slots": p.slots,
             "ctx_per_slot": p.ctx_per_slot,
             "modalities": None if p.modalities is None else sorted(p.modalities),
+            "encode_s_per_item": self.encode_s.get(name),
             "tokens_per_s": {"prompt": t.prompt_tps and round(t.prompt_tps, 1),
                              "generation": t.gen_tps and round(t.gen_tps, 1)},
         }
