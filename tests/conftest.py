@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from harness import Spillway, fake_server_script, injector_script  # noqa: E402
+from tinymm import write_tiny_projector  # noqa: E402
 from tinymodel import write_tiny_model  # noqa: E402
 
 from supervisor.commands import bootstrap, webui  # noqa: E402
@@ -36,9 +37,22 @@ def web_ui() -> Path:
         pytest.fail(f"the web UI could not be built: {e}")
 
 
+# The tiny model's embedding width: its projector's output must be as wide, or llama-server
+# exits 1 while loading the pair.
+TINY_N_EMBD = 256
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf")
+    return write_tiny_model(tmp_path_factory.mktemp("model") / "tiny.gguf", n_embd=TINY_N_EMBD)
+
+
+@pytest.fixture(scope="session")
+def tiny_projector(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model's multimodal projector (`--mmproj`): a vision and an audio encoder in one
+    file, 16 tokens an image and 50 per started 30 s of audio (see tinymm.py)."""
+    return write_tiny_projector(tmp_path_factory.mktemp("mmproj") / "tiny-mmproj.gguf",
+                                n_embd_text=TINY_N_EMBD)
 
 
 @pytest.fixture(scope="session")
