@@ -128,3 +128,32 @@ def test_takes_and_from_props() -> None:
     assert media.takes(None, audio)  # not known yet: taken as able
     assert media.takes(frozenset(), media.NO_MEDIA)
     assert not media.takes(frozenset(), image)
+
+
+def test_a_prompt_ending_with_the_marker_is_refused_before_it_aborts_a_child() -> None:
+    m = "<__media_abc__>"
+    ending = {"prompt": {"prompt_string": f"look {m}", "multimodal_data": [PNG]}}
+    assert "aborts" in (media.aborts_child("/completion", ending, m) or "")
+    listed = {"prompt": [{"prompt_string": "fine", "multimodal_data": []},
+                         {"prompt_string": m, "multimodal_data": [PNG]}]}
+    assert media.aborts_child("/v1/completions", listed, m) is not None
+    text_after = {"prompt": {"prompt_string": f"look {m} now", "multimodal_data": [PNG]}}
+    assert media.aborts_child("/completion", text_after, m) is None
+    assert media.aborts_child("/completion", ending, None) is None  # marker not known
+    assert media.aborts_child("/v1/chat/completions", ending, m) is None
+
+
+def test_the_encoders_time_is_the_prompt_time_beyond_its_tokens() -> None:
+    # 116 prompt tokens at 100 tokens/s is 1.16 s; 3.16 s measured: 2 s of encoder, 1 s each.
+    timings = {"prompt_n": 116, "prompt_ms": 3160.0}
+    assert media.encode_sample(timings, 100.0, 2) == pytest.approx(1.0)
+    assert media.encode_sample(timings, None, 2) is None  # text speed unknown yet
+    assert media.encode_sample({"prompt_n": 10, "prompt_ms": 50.0}, 100.0, 1) == 0.0
+    assert media.fold_encode(None, 2.0) == 2.0
+    assert media.fold_encode(2.0, 1.0) == pytest.approx(1.7)
+    two = media.find("/v1/chat/completions", chat(
+        {"type": "image_url", "image_url": {"url": PNG}},
+        {"type": "input_audio", "input_audio": {"data": WAV}}))
+    assert media.encode_seconds(two, 1.5, on_gpu=False) == 3.0
+    assert media.encode_seconds(two, None, on_gpu=False) == 2 * media.DEFAULT_ENCODE_S[False]
+    assert media.encode_seconds(media.NO_MEDIA, 1.5, on_gpu=True) == 0.0

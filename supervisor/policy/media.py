@@ -233,3 +233,22 @@ def encode_seconds(media: Media, per_item_s: float | None, on_gpu: bool) -> floa
     measured time, else the cautious default."""
     each = per_item_s if per_item_s is not None else DEFAULT_ENCODE_S[on_gpu]
     return each * len(media.items)
+
+
+def aborts_child(path: str, payload: dict[str, Any] | None, marker: str | None) -> str | None:
+    """A request the pinned llama-server cannot survive, said why; None for any other. A
+    prompt object whose `prompt_string` ends with the media marker leaves the child no text
+    token to decode after its last media item: it aborts (`GGML_ASSERT(batch.size() > 0)` in
+    tools/server/server-context.cpp), taking every request in flight with it, and a replay
+    would take the other child down the same way (tests/fixtures/multimodal)."""
+    if not payload or marker is None or path not in COMPLETION_ROUTES:
+        return None
+    prompt = payload.get("prompt")
+    for entry in prompt if isinstance(prompt, list) else [prompt]:
+        if isinstance(entry, dict) and "multimodal_data" in entry and \
+                isinstance(entry.get("prompt_string"), str) and \
+                entry["prompt_string"].endswith(marker):
+            return ("prompt_string ends with a media marker: llama-server aborts on a prompt "
+                    "whose last piece is media (GGML_ASSERT(batch.size() > 0)), taking every "
+                    "request in flight with it; put text after the last marker")
+    return None

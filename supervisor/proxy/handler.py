@@ -201,6 +201,10 @@ class ProxyHandler:
         )
         if (refused := self._prepare(request, ctx)) is not None:
             return refused
+        if ctx.media and (fatal := media.aborts_child(ctx.path, payload,
+                                                      self.settings.media_marker)):
+            return self._early(ctx, request, rid, "bad_request",
+                               errors.invalid_request(400, fatal, rid, param="prompt"))
         if self.pools.router:
             named = payload.get("model") if payload else request.query.get("model")
             if isinstance(named, str):
