@@ -15,10 +15,10 @@ from test_pool import FakeMember, FakeSource
 from supervisor.policy.admission import Action, Capacity, ChildView, Request, decide
 from supervisor.policy.estimate import Work
 from supervisor.policy.lifecycle import ChildState
-from supervisor.policy.media import Modality
+from supervisor.policy.media import Modality, find
 from supervisor.policy.routes import RouteClass
 from supervisor.serving.failover import Failover, GiveUp, GoOn, Replay
-from supervisor.serving.pool import Pool
+from supervisor.serving.pool import Lease, Pool
 
 BOTH = frozenset({Modality.VISION, Modality.AUDIO})
 VISION = frozenset({Modality.VISION})
@@ -129,3 +129,46 @@ async def test_a_cut_image_stream_goes_on_only_where_a_projector_takes_it() -> N
     refused = await Failover(pool).after_cut(cut(media=VISION))
     assert isinstance(refused, GiveUp) and "projector does not take" in refused.reason
 
+
+
+class ReserveSource(MediaSource):
+    """The GPU has 2,000 MiB free, a 1,024 MiB headroom, and each image's encoder took
+    400 MiB above the child's baseline."""
+
+    def vram_free_mib(self) -> float | None:
+        return 2000.0
+
+    def vram_headroom_mib(self) -> float:
+        return 1024.0
+
+    def media_reserve_mib(self, items: int) -> float:
+        return 400.0 * items
+
+
+async def test_the_headroom_keeps_room_for_the_images_encoded_at_once() -> None:
+    image = find("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+    source = ReserveSource({"gpu": BOTH, "cpu": BOTH}, {"gpu": "READY", "cpu": "READY"})
+    source.caps = {"gpu": 4, "cpu": 1}
+    members = {n: FakeMember(n, source) for n in ("gpu", "cpu")}
+    pool = Pool(source, members, 4, 30.0)  # type: ignore[arg-type]
+
+    async def lease(req: Request, work: Work) -> Lease:
+        got = await pool.lease(req, work)
+        assert isinstance(got, Lease), got
+        pool.carry_media(got, len(work.media.items))  # as the handler does, attempting
+        return got
+
+    # 2,000 MiB free over a 1,024 MiB headroom; one image keeps 400 more: the GPU child.
+    first = await lease(IMAGE, Work(100, 10, image))
+    # A second while the first is encoded: 1,024 + 2 x 400 = 1,824 kept: still the GPU child.
+    second = await lease(IMAGE, Work(100, 10, image))
+    # A third: 1,024 + 3 x 400 = 2,224 > 2,000 free: the CPU child takes it.
+    third = await lease(IMAGE, Work(100, 10, image))
+    # A text request still goes to the GPU child: no encoder to make room for.
+    text = await lease(dataclasses.replace(IMAGE, media=frozenset()), Work(100, 10))
+    assert [x.name for x in (first, second, third, text)] == ["gpu", "gpu", "cpu", "gpu"]
+    assert pool.media_in_flight("gpu") == 2
+    for x in (first, second, third, text):
+        x.close(None, None)
+    assert pool.media_in_flight("gpu") == 0

@@ -157,3 +157,18 @@ def test_the_encoders_time_is_the_prompt_time_beyond_its_tokens() -> None:
     assert media.encode_seconds(two, 1.5, on_gpu=False) == 3.0
     assert media.encode_seconds(two, None, on_gpu=False) == 2 * media.DEFAULT_ENCODE_S[False]
     assert media.encode_seconds(media.NO_MEDIA, 1.5, on_gpu=True) == 0.0
+
+
+def test_the_encoders_memory_is_learned_from_samples_above_the_baseline() -> None:
+    mib = 1 << 20
+    m = media.EncoderMemory()
+    m = media.observe_memory(m, 900 * mib, 1)  # no baseline yet: nothing learned
+    assert m.per_item_bytes == 0 and media.reserve_bytes(m, 3) == 0
+    m = media.observe_memory(m, 1000 * mib, 0)  # idle of media: the baseline
+    m = media.observe_memory(m, 1300 * mib, 1)  # one image encoding: 300 MiB above
+    assert m.per_item_bytes == 300 * mib
+    m = media.observe_memory(m, 1400 * mib, 2)  # two at once, 200 each: the most stays
+    assert m.per_item_bytes == 300 * mib and m.samples == 2
+    assert media.reserve_bytes(m, 2) == 600 * mib
+    m = media.observe_memory(m, 1100 * mib, 0)  # a new baseline (a larger KV in use)
+    assert m.baseline_bytes == 1100 * mib and m.per_item_bytes == 300 * mib

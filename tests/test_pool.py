@@ -44,6 +44,9 @@ class FakeSource:
     def vram_headroom_mib(self) -> float:
         return 0.0
 
+    def media_reserve_mib(self, items: int) -> float:
+        return 0.0
+
     def service_s(self) -> float | None:
         return 1.0
 

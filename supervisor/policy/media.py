@@ -252,3 +252,31 @@ def aborts_child(path: str, payload: dict[str, Any] | None, marker: str | None) 
                     "whose last piece is media (GGML_ASSERT(batch.size() > 0)), taking every "
                     "request in flight with it; put text after the last marker")
     return None
+
+
+# The vision (or audio) encoder's compute buffer is allocated at each encode
+# (ggml_backend_sched_alloc_graph), so an image request grows the GPU child's memory while it
+# is encoded: the headroom must keep room for it on top of the usual margin.
+@dataclass(frozen=True)
+class EncoderMemory:
+    """What the GPU child's samples taught of its encoder's memory."""
+
+    baseline_bytes: int | None = None  # its use with no media in flight (the latest such)
+    per_item_bytes: int = 0  # the most seen above the baseline, per media item in flight
+    samples: int = 0  # samples taken with media in flight
+
+
+def observe_memory(m: EncoderMemory, used_bytes: int, items_in_flight: int) -> EncoderMemory:
+    """One sample of the GPU child's own memory, with the media items it was working on."""
+    if items_in_flight <= 0:
+        return EncoderMemory(used_bytes, m.per_item_bytes, m.samples)
+    if m.baseline_bytes is None:
+        return m
+    above = max(0, used_bytes - m.baseline_bytes) // items_in_flight
+    return EncoderMemory(m.baseline_bytes, max(m.per_item_bytes, above), m.samples + 1)
+
+
+def reserve_bytes(m: EncoderMemory, items: int) -> int:
+    """VRAM to keep free, beyond the headroom, for `items` media items being encoded at once
+    (those in flight and the one asking): none until a sample showed what one takes."""
+    return m.per_item_bytes * max(0, items)

@@ -488,6 +488,7 @@ class ProxyHandler:
                                          f"queue-estimate;dur={ctx.wait_estimate_s * 1000:.1f};"
                                          f'desc="{ctx.wait_estimate_basis}"'))
         result: AttemptResult | None = None
+        lease.pool.carry_media(lease, len(ctx.media.items))
         try:
             result = await self.forwarder.attempt(request, ctx, attempt, child, own)
             return result

@@ -58,6 +58,8 @@ class CapacitySource(Protocol):
 
     def vram_headroom_mib(self) -> float: ...
 
+    def media_reserve_mib(self, items: int) -> float: ...
+
     def service_s(self) -> float | None: ...
 
     def ctx_per_slot(self, name: str) -> int | None: ...
@@ -91,6 +93,7 @@ class Lease:
     estimated_wait_s: float | None = None
     estimate_basis: str = "measured"  # see waitline.service_estimate
     closed: bool = False
+    media_items: int = 0  # images and audio its attempt carries (Pool.carry_media)
 
     @property
     def name(self) -> str:
@@ -133,6 +136,7 @@ class Pool:
         self._streaks: dict[str, sickness.Streak] = {}
         self.sick_after = sickness.DEFAULT_SICK_AFTER
         self._waiters: dict[int, _Waiter] = {}
+        self._media: dict[str, int] = {}  # media items in flight, per upstream
         self._replays: deque[tuple[str, asyncio.Future[None]]] = deque()
         # When the first request was let through while none had been timed (a lower bound of
         # the service time until one finishes).
@@ -227,6 +231,25 @@ class Pool:
                    else time.monotonic() - self._first_unmeasured)
         return waitline.service_estimate(self.source.service_s(), running)
 
+    def _headroom_mib(self, work: Work) -> float:
+        """The GPU's headroom for this request: the configured margin, and for one with
+        images or audio, room for its encoder's run and those of the media in flight."""
+        headroom = self.source.vram_headroom_mib()
+        if work.media:
+            items = len(work.media.items) + self.media_in_flight(self.roles[0])
+            headroom += self.source.media_reserve_mib(items)
+        return headroom
+
+    def media_in_flight(self, name: str) -> int:
+        """The images and audio clips in the requests an upstream is working on."""
+        return self._media.get(name, 0)
+
+    def carry_media(self, lease: Lease, items: int) -> None:
+        """The lease's attempt carries `items` media items (given back when it closes)."""
+        if items and not lease.closed:
+            lease.media_items += items
+            self._media[lease.name] = self._media.get(lease.name, 0) + items
+
     def capacity(self, waiting: int, work: Work,
                  with_estimate: bool = True) -> Capacity:
         children = tuple(self.source.child_view(name, self.busy(name), work,
@@ -237,7 +260,7 @@ class Pool:
         return Capacity(
             children=children,
             vram_free_mib=self.source.vram_free_mib(),
-            vram_headroom_mib=self.source.vram_headroom_mib(),
+            vram_headroom_mib=self._headroom_mib(work),
             waiting=waiting,
             max_waiting=self.line.max_waiting,
             wait_s=waitline.estimated_wait(waiting + 1, self.service_estimate()[0], servers,
@@ -303,7 +326,7 @@ class Pool:
         estimate: float | None = None
         basis = "measured"
         if not self.line:
-            fast = self._gpu_fast_path(req)
+            fast = self._gpu_fast_path(req, work)
             if fast is not None:
                 self._take(self.roles[0])
                 return Lease(self, self.upstreams[self.roles[0]], counted=True, decision=fast)
@@ -359,7 +382,7 @@ class Pool:
             lease.start_s = started
         return lease
 
-    def _gpu_fast_path(self, req: Request) -> Decision | None:
+    def _gpu_fast_path(self, req: Request, work: Work) -> Decision | None:
         """Branch 4 for the common case, without building the whole picture: nobody waiting,
         the GPU child ready with room and headroom, the prompt known to fit. Gives the same
         answer decide() would (the tests hold the two to it); None when in doubt."""
@@ -368,7 +391,7 @@ class Pool:
         if not gpu.has_room or not gpu.fits(req.prompt_tokens) or not gpu.takes(req.media):
             return None
         free = self.source.vram_free_mib()
-        if free is not None and free < self.source.vram_headroom_mib():
+        if free is not None and free < self._headroom_mib(work):
             return None
         return Decision(Action.FORWARD, 4, "GPU child has room", child=name)
 
@@ -515,6 +538,8 @@ class Pool:
         if lease.counted and attempt is not None and end.ok:
             self.source.observe_duration(now - attempt.started)
         self.last_used[name] = now
+        if lease.media_items:
+            self._media[name] = max(0, self._media.get(name, 0) - lease.media_items)
         self.upstreams[name].load.give_back(generation=lease.counted)
         if lease.counted:
             self.dispatch()

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,6 +58,10 @@ class Resources:
         self.throughput = {name: estimate.Throughput() for name in children}
         # Each child's encoder: seconds per image or audio clip, from its own timings.
         self.encode_s: dict[str, float] = {}
+        # The GPU child's encoder memory (policy/media.py), from its samples, and who says how
+        # many media items it is working on (the pool; wired by the daemon).
+        self.encoder_memory = media.EncoderMemory()
+        self.media_in_flight: Callable[[str], int] = lambda name: 0
         self.service: float | None = None  # seconds per generation request (moving average)
         self.ram_available: int | None = None
         self.model_size = 0
@@ -149,6 +153,9 @@ class Resources:
             elif cards:
                 used = sum(s.process_bytes.get(child.pid, 0) for s in cards)
                 profile.peak_vram = max(profile.peak_vram, used)
+                if name == self.config.gpu_child:
+                    self.encoder_memory = media.observe_memory(
+                        self.encoder_memory, used, self.media_in_flight(name))
         self.refresh()
 
     # --- what the child needs ---------------------------------------------------------------
@@ -281,6 +288,10 @@ class Resources:
 
     def vram_headroom_mib(self) -> float:
         return float(self.config.child(self.config.gpu_child).vram_headroom_mib)
+
+    def media_reserve_mib(self, items: int) -> float:
+        """Beyond the headroom: room for `items` media items encoded at once on the GPU."""
+        return media.reserve_bytes(self.encoder_memory, items) / MIB
 
     def service_s(self) -> float | None:
         return self.service
