@@ -204,7 +204,7 @@ def test_the_gpu_fast_path_answers_as_the_full_decision_does(seed: int) -> None:
         pool.upstreams[name].load.generation = rnd.randint(0, 3)
     req = dataclasses.replace(REQ, prompt_tokens=rnd.choice([10, 5000]),
                               cpu_allowed=rnd.random() < 0.8)
-    fast = pool._gpu_fast_path(req)
+    fast = pool._gpu_fast_path(req, Work(1, 1))
     full = decide(req, pool.capacity(0, Work(1, 1)))
     if fast is not None:
         assert (full.action, full.child, full.branch) == (fast.action, fast.child, fast.branch)
