@@ -282,3 +282,30 @@ def test_a_returning_child_never_makes_the_wait_longer(position: int, service: f
     if servers > 0:
         assert with_it <= alone + 1e-9
     assert with_it >= position * service / (servers + cap) - 1e-9  # never beyond all of them
+
+
+def test_the_earliest_expected_finish_waits_for_the_gpu_child_when_it_is_clearly_sooner() -> None:
+    """5w: the GPU child back in 5 s and 2 s of its own time beats the CPU child's 60 s."""
+    restarting = {"state": ChildState.STARTING, "back_in_s": 5.0, "expected_s": 2.0}
+    d = decide(REQ, with_(gpu=restarting, cpu={"expected_s": 60.0}))
+    assert (d.action, d.branch, d.child) == (Action.WAIT, 6, None)
+    assert d.expected_s == pytest.approx(7.0) and d.retry_after_s == pytest.approx(7.0)
+    assert "answered in about 7 s there, against about 60 s on the CPU child" in d.reason
+    # Not clearly sooner (7 against 8: within the margin): the CPU child now.
+    close = decide(REQ, with_(gpu=restarting, cpu={"expected_s": 8.0}))
+    assert (close.action, close.child, close.expected_s) == (Action.FORWARD, "cpu", 8.0)
+    # Requests ahead in line go to the GPU child first: 3 ahead of 2 s each on one slot make
+    # 5 + 6 + 2 = 13 s, not clearly sooner than 12 s: the CPU child.
+    crowded = with_(gpu={**restarting, "cap": 1}, cpu={"expected_s": 12.0}, waiting=3)
+    assert decide(REQ, crowded).child == "cpu"
+    assert decide(REQ, dataclasses.replace(crowded, waiting=1)).action is Action.WAIT  # 9 s
+    # A full line: the CPU child takes it now rather than refusing it.
+    assert decide(REQ, with_(gpu=restarting, cpu={"expected_s": 60.0}, waiting=4)).child \
+        == "cpu"
+    # The GPU's speed unknown, or not coming back by itself: no forecast, the CPU child.
+    for gpu in ({**restarting, "expected_s": None}, {**restarting, "back_in_s": None},
+                {"state": ChildState.FATAL, "expected_s": 2.0}):
+        assert decide(REQ, with_(gpu=gpu, cpu={"expected_s": 60.0})).child == "cpu"
+    # The client's deadline still rules: it will not wait 7 s.
+    hurried = dataclasses.replace(REQ, deadline_s=6.0)
+    assert decide(hurried, with_(gpu=restarting, cpu={"expected_s": 5.0})).child == "cpu"

@@ -142,6 +142,9 @@ class Decision:
     queue_position: int = 0
     cause: str = ""  # for REJECT/TOO_LONG: a short label for metrics and logs
     n_ctx: int = 0  # TOO_LONG: the largest context of a slot, which the prompt exceeds
+    # The forecast it acted on: seconds until the answer is expected to end on the path taken
+    # (None: none was made), recorded beside what happened so the estimator can be judged.
+    expected_s: float | None = None
 
 
 # States from which a child serves again without anyone's help.
@@ -183,6 +186,62 @@ def _to_smaller(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:
     return Decision(Action.FORWARD, 4, f"rerouted to the smaller model on the {small.shown}: "
                                        f"{_gpu_cannot(cap, gpu_fits, req.media)}", child=small.name,
                     start_child=not small.has_room, warm=warm)
+
+
+# Waiting for the GPU child is chosen only when its forecast beats the CPU child's by this
+# factor: its return is a forecast from its last start, and a child that died of an OOM may
+# die again; the CPU child's time is measured on the spot.
+GPU_WAIT_MARGIN = 0.8
+
+
+def gpu_forecast_s(cap: Capacity, gpu_fits: bool = True) -> float | None:
+    """When a request that waits for the GPU child, on its way back, is expected to be
+    answered: what is left of its restart (back-off and its measured start time), the requests
+    ahead of it in line, and its own time at the GPU child's speed. None when it is not coming
+    back by itself, or its speed is not known yet."""
+    gpu = cap.gpu
+    if gpu.ready or not gpu_fits or gpu.back_in_s is None or gpu.expected_s is None:
+        return None
+    ahead_s = cap.waiting * gpu.expected_s / max(1, gpu.cap)
+    return gpu.back_in_s + ahead_s + gpu.expected_s
+
+
+def _gpu_sooner(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:
+    """Branch 5w: the earliest expected finish. A request the CPU child could take now
+    waits for the GPU child instead when the GPU child's return plus its own time is clearly
+    sooner than the CPU child's time (its prompt at its measured speed, less what its cache
+    holds), and the wait fits the line and the client's deadline. The head of the line asks
+    again each time capacity changes: a GPU child that does not come back in time leaves the
+    request to the CPU child."""
+    cpu = cap.cpu
+    gpu_s = gpu_forecast_s(cap, gpu_fits)
+    cpu_s = cpu.expected_s if cpu.has_room else None
+    if gpu_s is None or cpu_s is None or gpu_s >= cpu_s * GPU_WAIT_MARGIN:
+        return None
+    allowed = cap.max_wait_s if req.deadline_s is None else min(cap.max_wait_s, req.deadline_s)
+    if cap.waiting >= cap.max_waiting or gpu_s > allowed:
+        return None
+    gpu = cap.gpu
+    return Decision(Action.WAIT, 6, f"waiting for the {gpu.shown} ({gpu.state}, back in about "
+                                    f"{gpu.back_in_s:.0f} s): answered in about {gpu_s:.0f} s "
+                                    f"there, against about {cpu_s:.0f} s on the {cpu.shown}",
+                    queue_position=cap.waiting + 1, retry_after_s=gpu_s, expected_s=gpu_s)
+
+
+def _to_cpu(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:
+    """Branch 5, for a request that may move, fits the CPU child, has its RAM and its
+    deadline: the CPU child when it is ready with room (or can start), unless waiting for the
+    GPU child, on its way back, is expected to answer clearly sooner (5w)."""
+    cpu = cap.cpu
+    if (wait := _gpu_sooner(req, cap, gpu_fits)) is not None:
+        return wait
+    if cpu.has_room:
+        return Decision(Action.FORWARD, 5, f"{cpu.shown}: {_gpu_cannot(cap, gpu_fits, req.media)}",
+                        child=cpu.name, expected_s=cpu.expected_s)
+    if cpu.startable:
+        return Decision(Action.FORWARD, 5, f"{cpu.shown} started on demand", child=cpu.name,
+                        start_child=True)
+    return None
 
 
 def _coming(req: Request, cap: Capacity, gpu_fits: bool, cpu_fits: bool) -> bool:
@@ -285,7 +344,8 @@ def decide(req: Request, cap: Capacity) -> Decision:
         gpu_fits, cpu_fits = gpu_fits and gpu.takes(req.media), cpu_fits and cpu.takes(req.media)
     # 4. The GPU child: ready, under its cap, VRAM headroom kept.
     if gpu_fits and gpu.has_room and _headroom_kept(cap):
-        return Decision(Action.FORWARD, 4, f"{gpu.shown} has room", child=gpu.name)
+        return Decision(Action.FORWARD, 4, f"{gpu.shown} has room", child=gpu.name,
+                        expected_s=gpu.expected_s)
     # 4c. A smaller model on the GPU, for a request that accepts one.
     if (to_small := _to_smaller(req, cap, gpu_fits)) is not None:
         return to_small
@@ -300,16 +360,10 @@ def decide(req: Request, cap: Capacity) -> Decision:
                                                "model", child=cpu.name, warm=gpu.name)
         return Decision(Action.FORWARD, 4, f"{gpu.shown}: loading the model on demand",
                         child=gpu.name, start_child=True)
-    # 5. The CPU child: for requests that may move, when it is ready (or can start), has the
-    #    RAM, and its expected time fits the client's deadline.
-    if req.cpu_allowed and cpu_fits and cpu.ram_ok and cpu_in_time:
-        if cpu.has_room:
-            return Decision(Action.FORWARD, 5,
-                            f"{cpu.shown}: {_gpu_cannot(cap, gpu_fits, req.media)}",
-                            child=cpu.name)
-        if cpu.startable:
-            return Decision(Action.FORWARD, 5, f"{cpu.shown} started on demand",
-                            child=cpu.name, start_child=True)
+    # 5. The CPU child (or waiting for the GPU child, when that is sooner).
+    if req.cpu_allowed and cpu_fits and cpu.ram_ok and cpu_in_time and \
+            (to_cpu := _to_cpu(req, cap, gpu_fits)) is not None:
+        return to_cpu
     # 6. Wait in line, if there is room, the wait fits, and capacity can come back at all.
     if not _coming(req, cap, gpu_fits, cpu_fits):
         return Decision(Action.REJECT, 7, f"no child can take it: {_why(cap)}",

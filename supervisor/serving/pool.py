@@ -330,8 +330,11 @@ class Pool:
             if fast is not None:
                 self._take(self.roles[0])
                 return Lease(self, self.upstreams[self.roles[0]], counted=True, decision=fast)
+        # Expected times cost a little: weighed for a deadline, and in an outage (the GPU
+        # child not ready), where the earliest expected finish decides (admission's 5w).
         cap = self.capacity(len(self.line), work,
-                            with_estimate=req.deadline_s is not None)
+                            with_estimate=req.deadline_s is not None
+                            or not self.upstreams[self.roles[0]].is_ready)
         decision = admission.decide(req, cap)
         if decision.action is Action.FORWARD and len(self.line) > 0:
             # A newcomer never passes those already waiting (no starvation): with anyone in

@@ -249,7 +249,10 @@ class Resources:
         if state is ChildState.BACKOFF:
             return (child.next_try_in_s() or 0.0) + child.last_start_s
         if state is ChildState.STARTING:
-            return max(0.0, child.last_start_s - (time.monotonic() - child.state_since))
+            elapsed = time.monotonic() - child.state_since
+            if elapsed > 2 * child.last_start_s + 5:
+                return None  # far slower than its last start: no forecast to wait on
+            return max(0.0, child.last_start_s - elapsed)
         if state is ChildState.EXITED:
             return child.last_start_s
         return None
