@@ -92,6 +92,8 @@ class RequestCtx:
     smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
     prompt_tokens: int = 0  # admission's count of its prompt (or a bound of it)
     counted: bool = False  # prompt_tokens is the child's own count, not a bound
+    # The time admission forecast for its answer on the child that gave it, and what it took.
+    forecast: tuple[float, float] | None = None
     media: Media = NO_MEDIA  # its images, audio and video (policy/media.py)
     work: Work = Work(0, 0)  # what it asks of a child, for expected times (once counted)
     # A stream that may be continued on the other child: what the client has of it so far.

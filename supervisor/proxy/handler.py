@@ -494,6 +494,19 @@ class ProxyHandler:
             return result
         finally:
             lease.close(attempt, ending(result, ctx.body))
+            self._judge_forecast(ctx, lease, attempt, result)
+
+    def _judge_forecast(self, ctx: RequestCtx, lease: Lease, attempt: Attempt,
+                        result: AttemptResult | None) -> None:
+        """The forecast admission acted on, beside the answer's time on that child (a whole
+        answer only): its error is a metric, and the access log shows both."""
+        expected = lease.decision.expected_s if lease.decision is not None else None
+        if expected is None or not isinstance(result, Answered) or \
+                result.response.status != 200:
+            return
+        took = time.monotonic() - attempt.started
+        ctx.forecast = (expected, took)
+        self.metrics.forecast_error.labels(attempt.child).observe(took - expected)
 
     async def _after_failure(self, request: web.Request, ctx: RequestCtx,
                              failure: AttemptFailure,
@@ -681,6 +694,11 @@ class ProxyHandler:
             tokens_before=episode.tokens_before,
             continued_after_s=(round(episode.continued_after_s, 3)
                                if episode.continued_after_s is not None else None),
+            prompt_tokens=ctx.prompt_tokens if ctx.counted else None,
+            media=ctx.media.describe(),
+            prompt_reused=_reused(ctx.last),
+            forecast_s=round(ctx.forecast[0], 3) if ctx.forecast else None,
+            took_s=round(ctx.forecast[1], 3) if ctx.forecast else None,
         ))
 
     def _early(self, ctx: RequestCtx | None, request: web.Request, rid: str,
@@ -745,6 +763,12 @@ def _log_failed_producer(task: asyncio.Task[Answered | Broken | None]) -> None:
         log.error("a resumable stream's answer failed: %s", error, exc_info=error)
 
 
+def _reused(attempt: Attempt | None) -> int | None:
+    """The prompt tokens the attempt's child found in its cache (its timings' cache_n)."""
+    n = attempt.timings.get("cache_n") if attempt is not None and attempt.timings else None
+    return n if isinstance(n, int) else None
+
+
 def _child_prompt_tokens(ctx: RequestCtx) -> int | None:
     """The prompt's tokens as the child that answered reported them (its timings: those it
     processed and those it found cached), for a request Spillway counted; None otherwise (a
@@ -759,9 +783,12 @@ def _child_prompt_tokens(ctx: RequestCtx) -> int | None:
 def _count_words(ctx: RequestCtx, reported: int | None) -> str:
     """The access log's fields for a counted prompt: Spillway's figure beside the child's, and
     the request's media."""
+    words = ""
+    if ctx.forecast is not None:
+        words += f" forecast_s={ctx.forecast[0]:.2f} took_s={ctx.forecast[1]:.2f}"
     if not ctx.counted:
-        return ""
-    words = f" prompt_tokens={ctx.prompt_tokens}"
+        return words
+    words += f" prompt_tokens={ctx.prompt_tokens}"
     if reported is not None:
         words += f" child_prompt_tokens={reported}"
     if ctx.media:

@@ -58,6 +58,15 @@ class Incident:
     known_crash: str = ""  # the child died a known way: what it is and what to change
     tokens_before: int = 0  # decision "continued": the tokens the client had before the death
     continued_after_s: float | None = None  # "continued": the death to the next token
+    # The prompt as Spillway counted it (None: a bound, not counted), its media, and how many
+    # of its tokens the child that answered last found in its cache (timings.cache_n: a warm
+    # CPU child reuses the conversation's prefix).
+    prompt_tokens: int | None = None
+    media: str = ""
+    prompt_reused: int | None = None
+    # The forecast admission acted on for the last attempt, and what it took.
+    forecast_s: float | None = None
+    took_s: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

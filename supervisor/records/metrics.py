@@ -28,6 +28,7 @@ from ..config.schema import ROUTERS
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 COUNT_ERROR_BUCKETS = (-64, -16, -4, -1, 0, 1, 4, 16, 64)
+FORECAST_ERROR_BUCKETS = (-30, -10, -3, -1, -0.3, 0, 0.3, 1, 3, 10, 30)
 WAIT_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
@@ -56,6 +57,11 @@ class Metrics:
             "spillway_prompt_count_error_tokens", "Spillway's count of a request's prompt "
             "tokens less the child's own, for requests it counted (media: with images or "
             "audio, or not).", ["media"], buckets=COUNT_ERROR_BUCKETS, registry=r)
+        self.forecast_error = Histogram(
+            "spillway_forecast_error_seconds", "An answer's time on the child that took it, "
+            "less the time admission forecast for it there (its measured speeds, its counted "
+            "prompt, its media): how far the estimator that chooses between the children is "
+            "off.", ["child"], buckets=FORECAST_ERROR_BUCKETS, registry=r)
         self.media_requests = Counter(
             "spillway_media_requests_total", "Generation requests with images, audio or "
             "video, by modality (a request with both counts once in each).", ["modality"],
