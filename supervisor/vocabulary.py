@@ -173,6 +173,7 @@ class Attempt:
     timings: dict[str, Any] | None = None  # llama-server's own timings of the answer
     tokens: int | None = None  # completion tokens, when the answer said
     media_items: int = 0  # images and audio clips in its prompt (each an encoder's run)
+    answer_text: str | None = None  # a whole chat answer's text (no tool call), for a mirror
 
 
 @dataclass(frozen=True)

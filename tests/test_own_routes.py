@@ -42,6 +42,9 @@ class FakeHost:
     def rollout_json(self) -> dict[str, Any] | None:
         return None  # no reload has changed a command
 
+    def mirror_json(self) -> dict[str, Any] | None:
+        return None  # no warm CPU child here
+
 
 def make_routes(tmp_path: Path, cpu_mode: str = "hot") -> tuple[OwnRoutes, FakeHost]:
     cfg = build({"model": {"path": "/m.gguf"}, "cpu": {"mode": cpu_mode}}, check_paths=False)

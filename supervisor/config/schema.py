@@ -134,6 +134,10 @@ def _non_negative(v: Any) -> str | None:
     return None if v >= 0 else "must be 0 or more"
 
 
+def _share(v: Any) -> str | None:
+    return None if 0 <= v <= 1 else "must be between 0 and 1"
+
+
 def _at_least_one(v: Any) -> str | None:
     return None if v >= 1 else "must be at least 1"
 
@@ -307,6 +311,15 @@ class ChildConfig:
     # cpu only
     idle_stop_s: float = field(default=600.0, metadata=key("number", 600.0, check=_positive,
                                                            only=CPU_CHILD))
+    # The warm CPU child (serving/mirror.py): the conversations the GPU child served are sent
+    # to it in its idle time, so a failed-over turn finds its prefix cached. Off for an
+    # on-demand CPU child (it is stopped when idle). mirror_share: at most this share of a
+    # sliding minute of its time; a conversation over mirror_max_prompt_tokens is not sent.
+    mirror: bool = field(default=True, metadata=key("bool", True, only=CPU_CHILD))
+    mirror_share: float = field(default=0.5, metadata=key("number", 0.5, check=_share,
+                                                          only=CPU_CHILD))
+    mirror_max_prompt_tokens: int = field(default=32768, metadata=key(
+        "int", 32768, check=_positive, only=CPU_CHILD))
     # small only
     requests: str = field(default="opt-in", metadata=key(
         "str", "opt-in", check=_one_of(*SMALL_REQUESTS), only=SMALL_CHILD))

@@ -34,6 +34,9 @@ class Work:
     prompt_tokens: int
     max_tokens: int
     media: Media = NO_MEDIA
+    # Its earlier turns' keys (policy/mirror.lookup_keys): a child that holds one of them
+    # prefills only the rest.
+    prefix_keys: tuple[str, ...] = ()
 
     @classmethod
     def of_body(cls, body_size: int, max_tokens: int) -> Work:
@@ -41,7 +44,7 @@ class Work:
         return cls(prompt_tokens_bound(body_size), max_tokens)
 
     def with_max_tokens(self, max_tokens: int) -> Work:
-        return Work(self.prompt_tokens, max_tokens, self.media)
+        return Work(self.prompt_tokens, max_tokens, self.media, self.prefix_keys)
 
 
 def _ewma(old: float | None, new: float) -> float:

@@ -150,6 +150,15 @@ def _is_sse(resp: UpstreamResponse) -> bool:
     return resp.headers.get("Content-Type", "").startswith("text/event-stream")
 
 
+def _chat_text(answer: Any) -> str | None:
+    """A chat answer's text, when it is text alone (not a tool call)."""
+    with contextlib.suppress(AttributeError, IndexError, KeyError, TypeError):
+        message = answer["choices"][0]["message"]
+        if not message.get("tool_calls") and isinstance(message.get("content"), str):
+            return str(message["content"])
+    return None
+
+
 def _answer_figures(payload: Any) -> tuple[dict[str, Any] | None, int | None]:
     """llama-server's `timings` and the completion token count of one answer (or event)."""
     if not isinstance(payload, dict):
@@ -307,7 +316,9 @@ class Forwarder:
                                       body=body)
         elif upstream.status == 200 and body[:1] == b"{":
             with contextlib.suppress(ValueError):
-                attempt.timings, attempt.tokens = _answer_figures(json.loads(body))
+                answer = json.loads(body)
+                attempt.timings, attempt.tokens = _answer_figures(answer)
+                attempt.answer_text = _chat_text(answer)
         attempt.first_byte_s = time.monotonic() - ctx.received
         ctx.captured(body)
         return Answered(web.Response(status=upstream.status, body=body,

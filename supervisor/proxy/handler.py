@@ -24,12 +24,14 @@ from ..records.incidents import Incident, IncidentLog, new_incident_id
 from ..records.metrics import Metrics
 from ..serving.pool import Lease, Pool
 from ..serving.failover import Close, Cut, Failed, Failover, GiveUp, GoOn
+from ..serving.mirror import Mirror
 from ..serving.held import DEFAULT_MAX_HELD_BYTES, LARGE_BODY_BYTES, HeldBodies
 from ..serving.pools import Pools
 from ..gpu import MIB
 from ..records.stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
 from ..records.timefmt import rfc3339
 from ..policy import admission, continuation, estimate, media, prompts, replay
+from ..policy import mirror as mirror_rules
 from ..policy.estimate import Work
 from ..policy.routes import RouteClass, classify_route, route_label
 from . import closing, errors, tokens
@@ -105,6 +107,7 @@ class ProxyHandler:
         self.wall_clock = wall_clock
         # The large bodies (images, audio, long prompts) held at once, for their replays.
         self.held = held if held is not None else HeldBodies()
+        self.mirror: Mirror | None = None  # the warm CPU child (serving/mirror.py), if any
         # Requests in the server (reading a body, waiting in line, at an upstream): what a
         # shutdown waits for. What each upstream is working on is the pool's count.
         self.open_requests = 0
@@ -408,7 +411,8 @@ class ProxyHandler:
             text_bytes = max(0, len(ctx.body) - ctx.media.inline_bytes)
             ctx.work = Work(count.largest if ctx.counted else
                             estimate.prompt_tokens_bound(text_bytes),
-                            estimate.requested_tokens(ctx.payload), ctx.media)
+                            estimate.requested_tokens(ctx.payload), ctx.media,
+                            self._prefix_keys(ctx))
             got = await pool.lease(admission.Request(
                 route=ctx.route, prompt_tokens=count.largest,
                 cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx),
@@ -427,6 +431,30 @@ class ProxyHandler:
         if isinstance(result, Interrupted):
             return await self._after_interruption(ctx, result, episodes)
         return result
+
+    def _prefix_keys(self, ctx: RequestCtx) -> tuple[str, ...]:
+        """A chat request's earlier turns, as the warm CPU child's mirrors are keyed: looked
+        up only while it holds some."""
+        if self.mirror is None or not self.mirror.warm or ctx.payload is None or \
+                ctx.path not in prompts.CHAT_ROUTES:
+            return ()
+        return mirror_rules.lookup_keys(ctx.payload)
+
+    def _offer_mirror(self, ctx: RequestCtx, status: int) -> None:
+        """A chat conversation the first upstream (the GPU child) answered whole: the warm
+        CPU child may be sent it in its idle time (serving/mirror.py)."""
+        last = ctx.last
+        if self.mirror is not None:
+            self.mirror.busy()
+        if self.mirror is None or status != 200 or last is None or ctx.payload is None or \
+                ctx.media or ctx.path not in prompts.CHAT_ROUTES or ctx.continued or \
+                last.child != self._pool(ctx).roles[0] or len(ctx.attempts) != 1:
+            return
+        answer = last.answer_text
+        if answer is None and ctx.follow is not None and not ctx.follow.tool_calls:
+            answer = ctx.follow.text or None
+        self.mirror.offer(ctx.payload, answer, ctx.prompt_tokens,
+                          prefills=last.child not in self.settings.no_prefill)
 
     async def _prompt_count(self, ctx: RequestCtx) -> tokens.Count:
         """The prompt's tokens, as the child counts them, when they may matter (over the
@@ -558,7 +586,7 @@ class ProxyHandler:
             failure=failure, payload=ctx.payload, so_far=so_far,
             continued_before=ctx.continued, deadline_left_s=self._deadline_left(ctx),
             work=Work(ctx.work.prompt_tokens + so_far.tokens, ctx.work.max_tokens,
-                      ctx.work.media),
+                      ctx.work.media, ctx.work.prefix_keys),
             no_prefill=self.settings.no_prefill, media=ctx.media.modalities))
         if isinstance(nxt, Close):
             return await self._close(ctx, cut, nxt.reason, episodes)
@@ -722,6 +750,7 @@ class ProxyHandler:
                        _count_words(ctx, reported))
         ctx.status = status
         self._count(ctx, status, broken)
+        self._offer_mirror(ctx, status)
         if reported is not None:
             self.metrics.prompt_count_error.labels("yes" if ctx.media else "no").observe(
                 ctx.prompt_tokens - reported)

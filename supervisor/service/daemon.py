@@ -36,6 +36,7 @@ from ..gpu import MIB, GpuMonitor
 from ..gpu.placement import Placement, child_args
 from ..policy.devices import HIDE_ALL_GPUS, parse_listing
 from ..records.idempotency import IdempotencyStore
+from ..serving.mirror import Mirror, MirrorSettings
 from .modes import Mode, RouterMode, SingleModel
 from .offload_watch import OffloadWatch
 from .operator import Operator
@@ -87,6 +88,12 @@ def media_marker() -> str:
     """One media marker for every child: the environment's, else one drawn now, as random as
     llama-server's own (it keeps a prompt's text from posing as media)."""
     return os.environ.get(MEDIA_MARKER_ENV) or f"<__media_{secrets.token_hex(16)}__>"
+
+
+def _mirror_settings(config: Config) -> MirrorSettings:
+    cpu = config.child(config.cpu_child)
+    return MirrorSettings(enabled=cpu.mirror and not cpu.on_demand, share=cpu.mirror_share,
+                          max_prompt_tokens=cpu.mirror_max_prompt_tokens)
 
 
 def _proxy_settings(config: Config, media_marker: str | None = None,
@@ -190,6 +197,7 @@ class Daemon:
         self.resources: Resources | None = None
         self.watchdog: StallWatchdog | None = None
         self.small_tier: SmallTier | None = None  # the small child's starts and stops
+        self.mirror: Mirror | None = None  # the warm CPU child (single-model mode)
         self.pool: Pool | None = None
         self.mode: Mode | None = None  # single model or router (modes.py), built once
         self.proxy: ProxyHandler | None = None
@@ -493,6 +501,8 @@ class Daemon:
     def _configure_proxy(self, new: Config) -> None:
         """The proxy holds its settings objects: a fresh set is copied onto them."""
         auth, forward, proxy = _proxy_settings(new, self.media_marker)
+        if self.mirror is not None:
+            self.mirror.configure(_mirror_settings(new))
         _copy_onto(self.auth, auth)
         _copy_onto(self.forward_settings, forward)
         _copy_onto(self.proxy_settings, proxy)
@@ -609,6 +619,8 @@ class Daemon:
                                  self.models)
         if self.models is None:  # single-model mode: a router's instances die on their own
             self.watchdog = StallWatchdog(self.children, self._stall_timeout, self._http)
+            self.mirror = self._make_mirror()
+            self.proxy.mirror = self.mirror
         self.small_tier = self._make_small_tier()
         self.routes = routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,
@@ -682,6 +694,20 @@ class Daemon:
                               self._http, metrics=self.metrics, boot=self.boot,
                               on_change=self._model_changed)
         return RouterMode(models, self.pool, lambda: self.config)
+
+    def mirror_json(self) -> dict[str, Any] | None:
+        return self.mirror.to_json() if self.mirror is not None else None
+
+    def _make_mirror(self) -> Mirror:
+        """The warm CPU child (serving/mirror.py): its task, and what it tells the CPU
+        child's expected time (the prefix it holds)."""
+        cpu = self.children[self.config.cpu_child]
+        mirror = Mirror(self._http, cpu, list(self.children.values()),
+                        _mirror_settings(self.config))
+        self.res.warm_tokens = lambda name, work: (
+            mirror.warm_tokens(work.prefix_keys) if name == cpu.name else 0)
+        self._spawn(mirror.run())
+        return mirror
 
     def _make_small_tier(self) -> SmallTier | None:
         """The small child's starts and stops beside the GPU child, when there is one."""

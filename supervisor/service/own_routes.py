@@ -62,6 +62,8 @@ class Host(Protocol):
 
     def rollout_json(self) -> dict[str, Any] | None: ...  # the last reload's new commands
 
+    def mirror_json(self) -> dict[str, Any] | None: ...  # the warm CPU child, if any
+
     @property
     def listening(self) -> Sequence[str]: ...
 
@@ -204,6 +206,8 @@ class OwnRoutes:
             # Router mode: each model's smaller model on the GPU router (small.models).
             "smaller_models": dict(self.host.config.smaller_models),
             "streams": self.streams.summary() if self.streams is not None else None,
+            # The warm CPU child: its mirrored prefixes, the budget used (serving/mirror.py).
+            "mirror": self.host.mirror_json(),
             "drill": self.drill.to_json(),
             "process": process_figures(),
             # name -> {entries, bytes, max_entries, max_bytes, max_age_s} (records/caches.py)

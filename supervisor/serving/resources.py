@@ -62,6 +62,9 @@ class Resources:
         # many media items it is working on (the pool; wired by the daemon).
         self.encoder_memory = media.EncoderMemory()
         self.media_in_flight: Callable[[str], int] = lambda name: 0
+        # The tokens of a request's prefix a child already holds (the warm CPU child's
+        # mirrored conversations; wired by the daemon): its prefill is the rest.
+        self.warm_tokens: Callable[[str, Work], int] = lambda name, work: 0
         self.service: float | None = None  # seconds per generation request (moving average)
         self.ram_available: int | None = None
         self.model_size = 0
@@ -260,8 +263,8 @@ class Resources:
     def expected_seconds(self, name: str, work: Work) -> float | None:
         """How long a request would take on the child, from its own reported speeds, and its
         encoder's time for each image or audio clip."""
-        text = estimate.expected_seconds(self.throughput[name], work.prompt_tokens,
-                                         work.max_tokens)
+        prefill = max(1, work.prompt_tokens - self.warm_tokens(name, work))
+        text = estimate.expected_seconds(self.throughput[name], prefill, work.max_tokens)
         if text is None or not work.media:
             return text
         return text + media.encode_seconds(work.media, self.encode_s.get(name),

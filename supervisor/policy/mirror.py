@@ -1,0 +1,116 @@
+"""The warm CPU child: which conversations the GPU child served are mirrored to the CPU child
+in its idle time, so that when a conversation fails over, the CPU child already holds its
+prefix in its cache and prefills only the new turn.
+
+A mirror is the conversation so far (the request's messages and the GPU child's answer, as a
+final assistant message llama-server prefills) sent to the CPU child with `n_predict: 0` and
+`cache_prompt: true`: the CPU child prefills it and keeps it, in its slot and then in its
+`--cache-ram` host cache (llama-server's default: 8 GiB), from which a later request with the
+same prefix is restored. Measured against the other way, a KV "lifeboat" (the GPU child's slot
+saved to a file after each turn, restored on the CPU child at a failover): see
+docs/failover.md, "A warm CPU child".
+
+Pure: which offer goes next (the newest, then the longest), the budget (the CPU child's time
+spent mirroring, a share of a sliding minute), the mirror's body, and the keys that tell a
+later request's prefix. serving/mirror.py carries it out.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+WINDOW_S = 60.0  # the budget's sliding window
+DEFAULT_SHARE = 0.5  # at most this share of the window is spent mirroring
+DEFAULT_MAX_QUEUED = 8  # offers waiting (the newest kept)
+DEFAULT_MAX_PROMPT_TOKENS = 32768  # a longer conversation is not mirrored (its prefill alone
+# could take the whole budget on a small CPU)
+KEYS_BACK = 4  # a later request's prefixes looked up: its messages less the last 1..4
+
+# Fields a mirror drops: what would make the child generate, constrain or call, and what
+# asks for a stream's extras. The rest (tools, templates' kwargs, reasoning settings) shapes the
+# templated prompt and stays, so the prefix is the one the next turn renders.
+_DROPPED = ("max_tokens", "max_completion_tokens", "n_predict", "stream_options", "tool_choice",
+            "response_format", "json_schema", "grammar", "n", "logprobs", "top_logprobs",
+            "n_probs", "stop")
+
+
+@dataclass(frozen=True)
+class Offer:
+    """A conversation the GPU child served, offered for mirroring."""
+
+    key: str  # its messages and answer, hashed (prefix_key of the mirrored messages)
+    body: Mapping[str, Any]  # what the mirror sends
+    prompt_tokens: int  # as counted or bounded: orders offers, bounds the work
+    at: float  # when it was offered (monotonic)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """The CPU child's time spent mirroring in the last window: (ended at, seconds) pairs."""
+
+    spent: tuple[tuple[float, float], ...] = ()
+
+    def used_s(self, now: float) -> float:
+        return sum(s for at, s in self.spent if now - at < WINDOW_S)
+
+    def after(self, now: float, seconds: float) -> Budget:
+        kept = tuple((at, s) for at, s in self.spent if now - at < WINDOW_S)
+        return Budget((*kept, (now, seconds)))
+
+    def allows(self, now: float, share: float) -> bool:
+        return self.used_s(now) < share * WINDOW_S
+
+
+def prefix_key(messages: Sequence[Any], extra: Mapping[str, Any] | None = None) -> str:
+    """A conversation prefix's identity: its messages (and what else shapes its template:
+    tools, template kwargs), hashed."""
+    shaping = {k: extra[k] for k in ("tools", "chat_template_kwargs", "model")
+               if extra and k in extra}
+    blob = json.dumps([list(messages), shaping], sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False, default=str)
+    return hashlib.blake2b(blob.encode(), digest_size=12).hexdigest()
+
+
+def lookup_keys(payload: Mapping[str, Any]) -> tuple[str, ...]:
+    """The keys under which a request's earlier turns may have been mirrored: its messages
+    less the last one, two, ... (a new user turn, a tool's result after a call)."""
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or len(messages) < 2:
+        return ()
+    return tuple(prefix_key(messages[:-back], payload)
+                 for back in range(1, min(KEYS_BACK, len(messages) - 1) + 1))
+
+
+def offer_body(payload: Mapping[str, Any], answer: str | None,
+               prefills: bool) -> tuple[str, dict[str, Any]] | None:
+    """The mirror of a chat request the GPU child answered: its messages, and its answer as a
+    final assistant message when the child prefills one (not under --no-prefill-assistant);
+    `n_predict: 0` (one token is still sampled), cached, streamed (so that closing it cancels
+    it within a batch). None for what is not mirrored: no messages, or a conversation already
+    ending with an assistant message (a prefill of the client's own)."""
+    messages = payload.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None
+    last = messages[-1]
+    if isinstance(last, dict) and last.get("role") == "assistant":
+        return None
+    mirrored = list(messages)
+    if answer and prefills:
+        mirrored.append({"role": "assistant", "content": answer})
+    body = {k: v for k, v in payload.items() if k not in _DROPPED}
+    body.update(messages=mirrored, n_predict=0, stream=True, cache_prompt=True)
+    return prefix_key(mirrored, payload), body
+
+
+def choose(offers: Sequence[Offer], max_prompt_tokens: int) -> int | None:
+    """The offer to mirror next: the newest (its conversation is the likeliest to go on), and
+    among offers of the same moment the longest (the most prefill saved); None when none fits
+    the bound."""
+    fitting = [i for i, o in enumerate(offers) if o.prompt_tokens <= max_prompt_tokens]
+    if not fitting:
+        return None
+    return max(fitting, key=lambda i: (round(offers[i].at, 1), offers[i].prompt_tokens))
