@@ -468,7 +468,11 @@ class ProxyHandler:
                                   if ctx.smaller_ok or n not in pool.smaller)), default=None)
         # Images and audio are always counted: their base64 says nothing of their tokens (a
         # 1 MB image is no 350,000 tokens), and the expected times and VRAM need the figure.
-        if ctx.payload is None or (not ctx.media and (limit is None or bound < limit)):
+        # So is every prompt during an outage (the GPU child not ready), where the earliest
+        # expected finish weighs it; the GPU's fast path never pays for a count.
+        outage = not pool.upstreams[pool.roles[0]].is_ready
+        if ctx.payload is None or (not ctx.media and not outage and
+                                   (limit is None or bound < limit)):
             return tokens.Count((bound if limit is not None else 0,), exact=True)
         modalities = ctx.media.modalities
         counter = pool.first_ready(modalities)

@@ -706,6 +706,7 @@ class Daemon:
                         _mirror_settings(self.config))
         self.res.warm_tokens = lambda name, work: (
             mirror.warm_tokens(work.prefix_keys) if name == cpu.name else 0)
+        mirror.on_timings = lambda timings: self.res.observe_timings(cpu.name, timings)
         self._spawn(mirror.run())
         return mirror
 

@@ -62,6 +62,8 @@ class Mirror:
         self._wake = asyncio.Event()
         self._last_busy = clock()
         self.running: rules.Offer | None = None
+        # Told each mirror's timings: the CPU child's prefill speed, measured while it was idle.
+        self.on_timings: Callable[[Mapping[str, Any]], None] = lambda timings: None
         cpu.listeners.append(self._cpu_changed)
 
     # --- what the proxy tells it, and asks it ------------------------------------------------
@@ -192,6 +194,7 @@ class Mirror:
             return None
         if not isinstance(timings, dict):
             return None
+        self.on_timings(timings)
         n, cached = timings.get("prompt_n", 0), timings.get("cache_n", 0)
         return n + cached if isinstance(n, int) and isinstance(cached, int) else None
 
