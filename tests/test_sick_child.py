@@ -145,3 +145,28 @@ def test_a_child_failing_every_request_is_drained_and_restarted(
     _, timeline = s.get("/spillway/timeline")
     drained = [t for t in timeline["events"] if t["child"] == "gpu" and t["state"] == "DRAINING"]
     assert drained and drained[0]["reason"].startswith(f"sick ({kind}): ")
+
+
+def test_image_requests_to_a_child_with_no_projector_leave_it_running(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
+    """Issue 38: llama-server answers an image part it has no projector for with a 500
+    (`server_error`). Four different such requests in a row are the requests' own fault, not
+    a sick child: it is neither drained nor restarted, and its answers pass as they are."""
+    s = spillway(fake_config(fake_server, tiny_model))
+    said = REQUEST_FAULT_ANSWERS[0]  # image input is not supported - hint: ...
+    for i in range(4):  # more than restart.sick_after_errors (3), each a different request
+        status, answer = s.post("/v1/chat/completions", {"max_tokens": 4, "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": f"what is in picture {i}?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0K"}},
+            ]}]})
+        assert status == 500 and answer["error"]["message"] == said
+        assert answer["error"]["type"] == "server_error"
+    status, _ = s.post("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "and in words?"}], "max_tokens": 4})
+    assert status == 200  # the same child, serving
+    gpu = s.child("gpu")
+    assert gpu["state"] == "READY" and gpu["restarts"] == 0, gpu
+    assert "sick (" not in s.log_text()
+    _, timeline = s.get("/spillway/timeline")
+    assert not [t for t in timeline["events"] if t["child"] == "gpu" and t["state"] == "DRAINING"]

@@ -33,7 +33,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ..policy import continuation
+from ..policy import continuation, sickness
 from ..policy import evidence as ev
 from ..vocabulary import Attempt, AttemptFailure, Upstream
 from .outcomes import Answered, AttemptResult, Broken, Interrupted
@@ -303,10 +303,11 @@ class Forwarder:
                 attempt.timings, attempt.tokens = _answer_figures(json.loads(body))
         attempt.first_byte_s = time.monotonic() - ctx.received
         ctx.captured(body)
+        failed = upstream.status >= 500
         return Answered(web.Response(status=upstream.status, body=body,
                                      headers=downstream_headers(upstream.headers, own_headers)),
-                        server_error=_first_line(upstream.status, body)
-                        if upstream.status >= 500 else "")
+                        server_error=_first_line(upstream.status, body) if failed else "",
+                        server_message=sickness.error_message(body) if failed else "")
 
     async def _pipe(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
                     upstream: UpstreamResponse,
