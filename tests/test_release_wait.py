@@ -137,12 +137,18 @@ class Rig:
             self.child.to_json()
 
     async def kill_first(self) -> float:
-        """The first process dies of a CUDA OOM (SIGABRT) now; the clock's time of it."""
+        """The first process dies of a CUDA OOM (SIGABRT) half a second from now, on the
+        clock (a timer, as the fake processes' own ends are: a crash dealt from the test's
+        turn could land as a wait of the child's is about to jump); the clock's time of it."""
         proc = self.launcher.last
         assert proc.pid == PID and proc.alive
-        died = self.clock.now()
-        proc.crash(SIGABRT, *CUDA_OOM)
+        died = self.clock.now() + 0.5
+        self.clock.call_later(0.5, lambda: proc.crash(SIGABRT, *CUDA_OOM))
         return died
+
+    def at(self, moment: float, act: Callable[[], None]) -> None:
+        """`act` when the clock reaches `moment`."""
+        self.clock.call_later(moment - self.clock.now(), act)
 
     async def second_spawned_at(self) -> float:
         await self.ready(2)
@@ -201,7 +207,7 @@ async def test_nvml_a_dead_childs_lingering_memory_holds_its_restart_until_relea
     rig = await _nvml_rig(fake_nvml, closing)
     died = await rig.kill_first()
     # The driver lets the dead process go 8 s after its end (its pid leaves NVML's list).
-    rig.clock.call_later(8.0, lambda: fake_nvml(21900, {}))
+    rig.at(died + 8.0, lambda: fake_nvml(21900, {}))
     spawned = await rig.second_spawned_at()
     # The back-off was over at +1 s; the start waited for the card, and no longer.
     assert spawned == pytest.approx(died + 8.0)
@@ -252,7 +258,7 @@ async def test_a_stop_while_it_waits_for_the_card_stops_it_there(
         seen.append((rig.clock.now(), child.waiting_for_memory, child.state, child.pid))
         child.engine.post(lifecycle.Stop("stop asked for"))
 
-    rig.clock.call_later(4.0, stop)
+    rig.at(died + 4.0, stop)
     assert await rig.child.engine.until(
         lambda life: life.state is S.STOPPED and not life.wanted, timeout=10)
     [(when, waiting, state, pid)] = seen
@@ -262,7 +268,7 @@ async def test_a_stop_while_it_waits_for_the_card_stops_it_there(
     assert rig.clock.now() == pytest.approx(died + 4.0)  # and it waited no longer
     assert rig.child.last_exit is not None and rig.child.last_exit.pid == PID  # the death's
     # The next start still waits for what the dead process holds.
-    rig.clock.call_later(3.0, lambda: fake_nvml(21900, {}))
+    rig.at(died + 7.0, lambda: fake_nvml(21900, {}))
     rig.child.start()
     await rig.ready(3)  # (the second start ended before its process)
     assert rig.launcher.processes[1].spawned_at == pytest.approx(died + 7.0)
@@ -285,8 +291,9 @@ async def test_drm_free_memory_that_comes_back_late_holds_the_restart(
     await rig.monitor.sample_now()
     assert rig.monitor.child_devices[0].process_bytes == {PID: 20 * GIB}
     died = await rig.kill_first()
-    shutil.rmtree(procfs / str(PID))  # reaped: no /proc entry, the VRAM not yet back
-    rig.clock.call_later(5.0, lambda: set_memory(card, 24 * GIB, 2 * GIB, 32 * GIB, 0))
+    # Reaped: no /proc entry any more, the VRAM not yet back; KFD gives it back 5 s later.
+    rig.at(died, lambda: shutil.rmtree(procfs / str(PID)))
+    rig.at(died + 5.0, lambda: set_memory(card, 24 * GIB, 2 * GIB, 32 * GIB, 0))
     assert await rig.second_spawned_at() == pytest.approx(died + 5.0)
     assert f"{PCI} has 2048 MiB free, 22528 MiB before pid {PID} started" in caplog.text
 
