@@ -186,4 +186,6 @@ class AttemptEnd:
     ok: bool = False  # a whole answer, status 200
     status: int | None = None  # an answer's status (None: no answer of the child's)
     error_line: str = ""  # a 5xx answer's first line
+    error_message: str = ""  # a 5xx answer's own message (llama-server's error.message): the
+    # sick-child rule tells a request's own fault by it
     body_digest: int = 0  # the request's body, hashed: different requests differ

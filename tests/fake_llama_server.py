@@ -42,6 +42,10 @@ Switches come from environment variables (a child's `env` table in the Spillway 
                            arrives on it (cpp-httplib closing an idle connection just as the
                            proxy reuses it); /health and /props are exempt
 
+Like the real server without `--mmproj`, a chat request with an image (`image_url`) or audio
+(`input_audio`) part gets llama-server's 500 for a modality it has no projector for (its
+server-common.cpp's words); with `--mmproj` among its arguments, the part is taken as text.
+
 Every request needs `Authorization: Bearer $LLAMA_API_KEY` (or X-Api-Key), like the real
 server started with --api-key; /health is open. One `launch_slot_` line goes to stderr per
 generation task, like the real server's log. Like the real one, it takes Vertex AI's port: with
@@ -197,11 +201,36 @@ def sick() -> web.Response | None:
     return error(500, "failed to process the request", "server_error")
 
 
+# llama-server's words for a media part it has no projector for (tools/server/server-common.cpp,
+# oaicompat_content_load_media: a std::runtime_error, which its handler answers as a 500).
+NO_PROJECTOR = {
+    "image_url": "image input is not supported - hint: if this is unexpected, you may need to "
+                 "provide the mmproj",
+    "input_audio": "audio input is not supported - hint: if this is unexpected, you may need to "
+                   "provide the mmproj",
+}
+
+
+def unsupported_media(body: dict[str, Any]) -> web.Response | None:
+    """The 500 for the first image or audio part, when this server has no projector."""
+    if "--mmproj" in sys.argv[1:]:
+        return None
+    for message in body.get("messages") or []:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else []:
+            said = NO_PROJECTOR.get(part.get("type", "")) if isinstance(part, dict) else None
+            if said is not None:
+                return error(500, said, "server_error")
+    return None
+
+
 async def chat(request: web.Request) -> web.StreamResponse:
     try:
         body = await request.json()
     except ValueError:
         return error(400, "invalid JSON", "invalid_request_error")
+    if (refused := unsupported_media(body)) is not None:
+        return refused  # read as the request is parsed, before any slot: sick or not
     if (failing := sick()) is not None:
         return failing
     if not isinstance(body.get("messages"), list):

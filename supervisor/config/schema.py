@@ -32,6 +32,7 @@ from ..policy import vertex
 from ..policy.browser import normal_origin, valid_host_entry
 from ..policy.vertex import Contract as VertexContract
 from ..policy.lifecycle import DRAIN_TIMEOUT_S
+from ..policy.release import DEFAULT_WAIT_S as DEFAULT_RELEASE_WAIT_S
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -421,6 +422,11 @@ class RestartConfig:
     # This many 5xx answers in a row, to different requests, from a child that answers /health:
     # sick, drained and restarted (policy/sickness.py); 0: off.
     sick_after_errors: int = field(default=3, metadata=key("int", 3, check=_non_negative))
+    # After a GPU child's unplanned end, its next start waits until the card has the dead
+    # process's memory back, at most this long (policy/release.py); 0: off.
+    release_wait_s: float = field(default=DEFAULT_RELEASE_WAIT_S,
+                                  metadata=key("number", DEFAULT_RELEASE_WAIT_S,
+                                               check=_non_negative))
 
 
 @dataclass(frozen=True)

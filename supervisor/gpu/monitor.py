@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..records.caches import figures
+from ..policy import release
 from ..policy.devices import Listed, Room, Selection, tightest
 from ..policy.evidence import VramSample
 from .drm import DrmSampler
@@ -64,6 +65,8 @@ class GpuMonitor:
         self.note: str | None = "GPU monitor not started"
         self.available = False
         self._task: asyncio.Task[None] | None = None
+        # One sampling at a time: the interval's, and one asked for now (`cards_now`).
+        self._sampling = asyncio.Lock()
 
     def cache_figures(self) -> dict[str, dict[str, Any]]:
         """For the status's caches: the samples kept for a death's evidence (a fixed count),
@@ -143,8 +146,9 @@ class GpuMonitor:
         owners = self.owners()
         pids = {pid for group in owners.values() if group is not None for pid in group}
         try:
-            samples = await asyncio.to_thread(self._sample_all, time.monotonic(), time.time(),
-                                              pids)
+            async with self._sampling:
+                samples = await asyncio.to_thread(self._sample_all, time.monotonic(),
+                                                  time.time(), pids)
         except Exception as e:  # noqa: BLE001 - a lost GPU must not take the daemon down
             self.note = f"GPU sampling failed: {e}"
             log.warning("%s", self.note)
@@ -192,6 +196,25 @@ class GpuMonitor:
                            free_bytes=sum(s.free_bytes for s in mine),
                            used_bytes=sum(s.used_bytes for s in mine), children=children,
                            devices={s.pci_bus_id: s.used_bytes for s in samples})
+
+    # --- a dead GPU child's memory, for the release rule (policy/release.py) ------------------
+
+    async def cards_now(self) -> list[release.Card] | None:
+        """The GPU child's cards as the release rule reads them, from a sample taken now;
+        None without figures."""
+        if not self.available:
+            return None
+        await self.sample_now()
+        if self.note is not None or not self._mine:
+            return None  # the sampling failed, or the child's cards are not known
+        return [release.Card(s.pci_bus_id, s.free_bytes, dict(s.process_bytes),
+                             s.lists_every_process) for s in self._mine]
+
+    def listed_on(self, pid: int) -> frozenset[str]:
+        """The cards whose list of every process showed `pid` in the samples kept: where its
+        absence from the list later means its memory is free."""
+        return frozenset(s.pci_bus_id for samples in self.history for s in samples
+                         if s.lists_every_process and s.process_bytes.get(pid, 0) > 0)
 
     def vram_before(self, moment: float) -> VramSample | None:
         """The tightest of the child's cards in the last sampling before `moment` (monotonic),

@@ -49,12 +49,13 @@ class NvmlSampler:
         nv = self._nvml
         mem = nv.nvmlDeviceGetMemoryInfo(h)
         processes: dict[int, int] = {}
+        listed = True
         try:
             for p in nv.nvmlDeviceGetComputeRunningProcesses(h):
                 used = p.usedGpuMemory
                 processes[int(p.pid)] = int(used) if used is not None else 0
         except nv.NVMLError:
-            pass  # per-process figures are not available everywhere (MIG, containers)
+            listed = False  # per-process figures are not available everywhere (MIG, ...)
         bus_id = _text(nv.nvmlDeviceGetPciInfo(h).busId)
         return GpuSample(
             monotonic=monotonic,
@@ -67,6 +68,7 @@ class NvmlSampler:
             free_bytes=int(mem.free),
             used_bytes=int(mem.used),
             process_bytes=processes,
+            lists_every_process=listed,
         )
 
     def close(self) -> None:

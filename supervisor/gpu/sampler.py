@@ -34,6 +34,9 @@ class GpuSample:
     free_bytes: int
     used_bytes: int
     process_bytes: dict[int, int] = field(default_factory=dict)  # pid -> bytes on this card
+    # `process_bytes` lists every process on the card (NVML's list), not only the asked pids
+    # (the DRM fdinfo): a pid missing from it holds nothing there.
+    lists_every_process: bool = False
     vendor: str = "nvidia"
     source: str = "nvml"  # where the figures come from, for people
     estimated: bool = False  # the totals are not the driver's own "used" (Intel)

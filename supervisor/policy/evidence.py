@@ -127,6 +127,9 @@ GPU_FAULT_PATTERNS = _GPU_FAULT_PATTERNS
 CUDA_ERROR_LINE = _CUDA_ERROR_LINE  # every backend's terse error line, CUDA's included
 LOAD_FAILURE = _LOAD_FAILURE
 
+# The 500 llama-server answers when an image's or audio's chunk failed to encode or decode.
+MEDIA_CHUNK_FAILED = "failed to process mtmd chunk"
+
 SIGABRT = int(signal.SIGABRT)
 # A shell wrapper reports a signal death as 128 + the signal number.
 _SHELL_SIGNAL_OFFSET = 128
@@ -253,6 +256,18 @@ def classify_response(status: int, body: str, stderr_tail: Sequence[str] = ()) -
         if seen is not None and seen[0] is FailureKind.GPU_FAULT:
             return Verdict(FailureKind.GPU_FAULT, f"{seen[1]} ({line})")
         return Verdict(FailureKind.OOM_SURVIVED, line)
+    if status >= 500 and MEDIA_CHUNK_FAILED in body:
+        # llama-server's words for an image or audio chunk it could not encode or decode
+        # (server-context.cpp). An encoder whose graph found no room on the GPU says so in
+        # the child's own lines (cudaMalloc's out of memory, then `failed to encode image
+        # slice`); with no such line the cause may be the request's (more images than the
+        # context holds: `failed to find a memory slot`) or a buffer over the driver's
+        # per-allocation limit, and the answer is passed on as it is.
+        seen = gpu_line(stderr_tail)
+        if seen is not None:
+            kind = FailureKind.GPU_FAULT if seen[0] is FailureKind.GPU_FAULT \
+                else FailureKind.OOM_SURVIVED
+            return Verdict(kind, f"{seen[1]} ({line})")
     if any(p.search(body) for p in _OOM_PATTERNS):
         return Verdict(FailureKind.OOM_SURVIVED, line)
     if "exceed_context_size_error" in body or "Context size has been exceeded" in body:

@@ -150,6 +150,20 @@ SIGNATURES: tuple[Signature, ...] = (
         exit_codes=frozenset({1}),
         line=re.compile(r"unknown model architecture: '([^']+)'"),
     ),
+    Signature(
+        name="image_over_ubatch",
+        what="an image's tokens did not fit in one micro-batch: the model's vision encoder "
+             "needs non-causal attention over the whole image, and llama-server aborts "
+             "(GGML_ASSERT in llama_context::decode, under mtmd_helper_decode_image_chunk)",
+        remedy='raise the micro-batch in model.args to hold an image, e.g. "-ub 2048 -b 2048", '
+               'or cap the image\'s tokens with "--image-max-tokens" (at most -ub; half of it '
+               "for models that take the prompt in the same micro-batch)",
+        upstream=f"{LLAMA_CPP}/issues/23409",
+        signals=frozenset({SIGABRT}),
+        line=re.compile(r"non-causal attention requires n_ubatch >= n_tokens"),
+        # An image request kills it, not a start: text keeps being served, so no FATAL.
+        deterministic=False,
+    ),
 )
 
 _MARKERS = tuple(s.line for s in SIGNATURES if s.line is not None)

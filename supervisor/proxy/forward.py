@@ -33,7 +33,7 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict, CIMultiDictProxy
 
-from ..policy import continuation
+from ..policy import continuation, sickness
 from ..policy.estimate import Work
 from ..policy.media import NO_MEDIA, Media
 from ..policy import evidence as ev
@@ -321,10 +321,11 @@ class Forwarder:
                 attempt.answer_text = _chat_text(answer)
         attempt.first_byte_s = time.monotonic() - ctx.received
         ctx.captured(body)
+        failed = upstream.status >= 500
         return Answered(web.Response(status=upstream.status, body=body,
                                      headers=downstream_headers(upstream.headers, own_headers)),
-                        server_error=_first_line(upstream.status, body)
-                        if upstream.status >= 500 else "")
+                        server_error=_first_line(upstream.status, body) if failed else "",
+                        server_message=sickness.error_message(body) if failed else "")
 
     async def _pipe(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
                     upstream: UpstreamResponse,

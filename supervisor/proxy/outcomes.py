@@ -16,9 +16,10 @@ from ..vocabulary import AttemptEnd, AttemptFailure
 @dataclass(frozen=True)
 class Answered:
     response: web.StreamResponse
-    # A 5xx the child answered while alive: its first line ("HTTP 500: ..."), for the
-    # sick-child rule (policy/sickness.py); "" otherwise.
+    # A 5xx the child answered while alive: its first line ("HTTP 500: ...") and its body's own
+    # message, for the sick-child rule (policy/sickness.py); "" otherwise.
     server_error: str = ""
+    server_message: str = ""
 
 
 @dataclass(frozen=True)
@@ -55,5 +56,5 @@ def ending(result: AttemptResult | None, body: bytes = b"") -> AttemptEnd | None
     if isinstance(result, (Broken, Interrupted)):
         return AttemptEnd(failure=result.failure)
     return AttemptEnd(ok=result.response.status == 200, status=result.response.status,
-                      error_line=result.server_error,
+                      error_line=result.server_error, error_message=result.server_message,
                       body_digest=hash(body) if result.server_error else 0)

@@ -305,6 +305,9 @@ class Daemon:
             hang_timeout_s=self.config.restart.hang_timeout_s,
             vram_probe=self.monitor.vram_before if cfg.uses_gpu else None,
             vram_short_mib=max(256.0, float(self.config.gpu_settings.vram_headroom_mib)),
+            # A start after a death waits for the card to have the dead process's memory back.
+            release_probe=self.monitor if cfg.uses_gpu else None,
+            release_slack_mib=self._freed_bytes() / MIB,
             extra_env=extra,
         )
         child.listeners.append(self._child_changed)

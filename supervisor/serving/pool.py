@@ -549,13 +549,16 @@ class Pool:
 
     def _answered(self, name: str, end: AttemptEnd) -> None:
         """The sick-child rule (policy/sickness.py): a streak of 5xx answers to different
-        requests drains and restarts the child."""
+        requests drains and restarts the child; an answer to the request's own content (an
+        image for a child with no projector) leaves the streak as it was."""
         assert end.status is not None
+        if sickness.request_fault(end.status, end.error_message):
+            return
         if not sickness.counts(end.status):
             self._streaks.pop(name, None)  # the common case: no streak, nothing made
             return
         streak = sickness.after(self._streaks.get(name, NO_STREAK), end.status, end.error_line,
-                                end.body_digest)
+                                end.body_digest, end.error_message)
         self._streaks[name] = streak
         if not sickness.is_sick(streak, self.sick_after):
             return

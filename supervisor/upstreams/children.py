@@ -41,7 +41,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .clock import Clock, MonotonicClock
 from ..config.schema import ChildConfig, RestartConfig, command_changed, with_command_of
@@ -49,7 +49,7 @@ from .engine import Engine, LifeReader, exit_within
 from .launcher import LINE_LIMIT, Launcher, Process, SubprocessLauncher
 from .launcher import pick_port as pick_port  # the drill's import
 from .hostcpu import HostCpu, host_cpu
-from ..policy import lifecycle, rollout, signatures
+from ..policy import lifecycle, release, rollout, signatures
 from ..policy.refusal import Refusal, read_refusal
 from ..records.caches import figures, text_bytes
 from ..records.timefmt import rfc3339
@@ -158,6 +158,20 @@ class RejectedCommand:
 VramProbe = Callable[[float], VramSample | None]
 
 
+class ReleaseProbe(Protocol):
+    """The cards' figures the release rule reads (policy/release.py): the GPU monitor's."""
+
+    interval_s: float  # how often the cards are sampled: how soon to look again
+
+    async def cards_now(self) -> list[release.Card] | None:
+        """The child's cards from a sample taken now; None without figures."""
+        ...
+
+    def listed_on(self, pid: int) -> frozenset[str]:
+        """The cards whose list of every process showed `pid` while it lived."""
+        ...
+
+
 class Child(LifeReader):
     def __init__(
         self,
@@ -168,6 +182,8 @@ class Child(LifeReader):
         hang_timeout_s: float = 120.0,
         vram_probe: VramProbe | None = None,
         vram_short_mib: float = 512.0,
+        release_probe: ReleaseProbe | None = None,
+        release_slack_mib: float = 256.0,
         extra_env: dict[str, str] | None = None,
         cpu: HostCpu | None = None,
         rng: Callable[[], float] = random.random,
@@ -182,6 +198,10 @@ class Child(LifeReader):
         self.hang_timeout_s = hang_timeout_s
         self.vram_probe = vram_probe
         self.vram_short_mib = vram_short_mib
+        # A GPU child's: after its process's unplanned end, the next spawn waits for the card
+        # to have that process's memory back (policy/release.py, restart.release_wait_s).
+        self.release_probe = release_probe
+        self.release_slack_mib = release_slack_mib
         self.extra_env = dict(extra_env or {})
         self.cpu = cpu or host_cpu()  # the crash signatures' facts (AMX, ...)
         self._clock: Clock = clock or MonotonicClock()  # every timed wait
@@ -225,6 +245,14 @@ class Child(LifeReader):
         # Why a start that is due must wait (asked as the back-off ends), or None: set for the
         # GPU child beside an on-demand small child (service/small_tier.py).
         self.hold: Callable[[], str | None] | None = None
+        # The release rule's facts: each card just before the current process started, and
+        # what the last process that ended unplanned may still hold (until the next spawn
+        # has waited for it). `_releasing` is set while a launch waits for the card, before
+        # its spawn: a stop then ends it there. `waiting_for_memory` says why, for status.
+        self._before: tuple[release.Card, ...] = ()
+        self._footprint: release.Footprint | None = None
+        self._releasing: asyncio.Event | None = None
+        self.waiting_for_memory: str | None = None
 
         # The running process, its supervision (spawn, probes, exit) and how Spillway is
         # ending it, if it is: (planned, a note for an unplanned end's record).
@@ -287,6 +315,7 @@ class Child(LifeReader):
             "tasks_started": self.tasks_started,
             "command": self.cfg.command(self.port or 0, "")[:-2],
             "rejected_command": self.rejected.to_json() if self.rejected else None,
+            "waiting_for_memory": self.waiting_for_memory,
         }
 
     @property
@@ -457,10 +486,17 @@ class Child(LifeReader):
         self._ending = None
         self._probe_wake = asyncio.Event()
         self._unkillable = asyncio.Event()
+        # Set here, not in the task: a stop that comes before the task runs ends it too.
+        self._releasing = asyncio.Event() if self.release_probe is not None else None
         self._run = asyncio.create_task(self._run_process(generation),
                                         name=f"child-{self.name}-{generation}")
 
     def terminate(self, action: lifecycle.Terminate) -> None:
+        if self._releasing is not None and self._ending is None:
+            # Still waiting for the card's memory before its spawn: it ends there.
+            self._ending = (action.planned, action.note, action.kind)
+            self._releasing.set()
+            return
         proc, waiter = self._process, self._waiter
         if proc is None or waiter is None or waiter.done() or proc.returncode is not None \
                 or self._ending is not None:
@@ -512,9 +548,64 @@ class Child(LifeReader):
         log.info("[%s] starting: %s", self.name, " ".join(argv))
         return await self._launcher.spawn(argv, self._environment(self.api_key))
 
+    async def _memory_back(self, generation: int) -> bool:
+        """Before a spawn: after a GPU process's unplanned end, wait until its cards have its
+        memory back, at most restart.release_wait_s (policy/release.py), the clock through
+        its seam; and keep the cards' figures this process starts from. False when a stop
+        came meanwhile: the end of a process that never started is posted."""
+        probe, woke = self.release_probe, self._releasing
+        if probe is None or woke is None:
+            return True
+        footprint, self._footprint = self._footprint, None
+        cards: list[release.Card] | None = None
+        try:
+            while self._ending is None:
+                cards = await probe.cards_now()
+                if footprint is None or self._ending is not None:
+                    break
+                bound = self.restart_cfg.release_wait_s  # read each time: a reload may change it
+                judged = release.judge(footprint, cards, self._clock.now(), bound,
+                                       int(self.release_slack_mib * release.MIB),
+                                       probe.interval_s)
+                if judged.go:
+                    if judged.forced:
+                        log.warning("[%s] %s", self.name, judged.why)
+                    elif self.waiting_for_memory is not None:
+                        log.info("[%s] %s: starting", self.name, judged.why)
+                    break
+                if self.waiting_for_memory is None:
+                    log.warning("[%s] waiting for the card to release the memory of the process "
+                                "that ended (at most %.0f s) before starting: %s", self.name,
+                                bound, judged.why)
+                self.waiting_for_memory = judged.why
+                await self._clock.wait(woke, judged.again_s)
+        finally:
+            self._releasing = None
+            self.waiting_for_memory = None
+        if self._ending is None:
+            self._before = tuple(cards or ())
+            return True
+        # Stopped (or restarted) before its spawn: the next start still waits for the card.
+        self._footprint = footprint
+        planned, note, _ = self._ending
+        what = "stopped before it started (it waited for the card's memory)"
+        record = ExitRecord(generation, 0, 0, FailureKind.NONE, note or what, time.time(),
+                            time.monotonic(), 0.0, planned=planned)
+        self.engine.post(lifecycle.Ended(generation, planned, what=what, record=record))
+        return False
+
+    def _footprint_of(self, pid: int) -> release.Footprint | None:
+        """What a GPU process that just ended unplanned may still hold, for the next spawn."""
+        if self.release_probe is None:
+            return None
+        return release.Footprint(pid, self._clock.now(), self._before,
+                                 self.release_probe.listed_on(pid))
+
     async def _run_process(self, generation: int) -> None:
         """Process `generation` from spawn to exit: its probes post Ready or Unresponsive,
         its end posts Ended."""
+        if not await self._memory_back(generation):
+            return
         spawned_at = time.monotonic()
         spawned = self._clock.now()
         self.ready_at = None
@@ -553,6 +644,7 @@ class Child(LifeReader):
         self._process = None
         self.started_at = None
         if not planned:
+            self._footprint = self._footprint_of(proc.pid)
             log.warning("[%s] exited: %s (%s)", self.name, record.kind, record.evidence)
             if record.diagnosis is not None:
                 log.warning("[%s] %s", self.name, record.diagnosis.summary())
