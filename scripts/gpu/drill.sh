@@ -11,10 +11,10 @@
 # the ballast leaves it a few MiB, so that the allocations its image and prompt need there fail;
 # the bar is that the image request is answered by the CPU child with its image (replayed: its
 # incident says so, and its prompt counts the image's tokens), the plain requests sent meanwhile
-# are answered, and the GPU child comes back READY. Whether the first allocation to fail is the
-# vision encoder's or the prompt's that follows it, the child's own log and the incident's
-# evidence line say (spillway.log, the report); a tiny projector's encoder needs little memory,
-# so it may well be the prompt's.
+# are answered, and the GPU child comes back READY. The drill does not tell whether the first
+# allocation to fail was the vision encoder's or the prompt's that follows it (the child's own
+# log in spillway.log may); a tiny projector's encoder needs little memory, so it may well be
+# the prompt's.
 #
 # Environment:
 #   LLAMA_SERVER  a CUDA llama-server (or LLAMA_SERVER_XZ: the .xz that
