@@ -1,9 +1,11 @@
 """`spillway drill` in CI: simulated (no GPU here), against real llama-server children (and
-routers, in router mode, with its sixth scenario; and a small child, with its eighth); its report
-rendered in headless Chromium and read back from the DOM. The judges of scenarios 6, 7 and 8 are
-also held to made-up results, to see them fail. The whole drills run on conftest's slow model:
-their failures must land in the middle of an answer, and the tiny model's answers were whole
-before Spillway's word to stop the child arrived on a busy machine."""
+routers, in router mode, with its sixth scenario; a small child, with its eighth; the tiny model
+with its projector, with its ninth); its report rendered in headless Chromium and read back from
+the DOM. The judges of scenarios 6, 7, 8 and 9 are also held to made-up results, to see them
+fail. The whole drills run on conftest's slow model: their failures must land in the middle of
+an answer, and the tiny model's answers were whole before Spillway's word to stop the child
+arrived on a busy machine. (Scenario 9 runs on the tiny model, the one its projector fits, with
+slots as long as the model takes: its image request is still running when the word arrives.)"""
 
 from __future__ import annotations
 
