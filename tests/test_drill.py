@@ -1,9 +1,11 @@
 """`spillway drill` in CI: simulated (no GPU here), against real llama-server children (and
-routers, in router mode, with its sixth scenario; and a small child, with its eighth); its report
-rendered in headless Chromium and read back from the DOM. The judges of scenarios 6, 7 and 8 are
-also held to made-up results, to see them fail. The whole drills run on conftest's slow model:
-their failures must land in the middle of an answer, and the tiny model's answers were whole
-before Spillway's word to stop the child arrived on a busy machine."""
+routers, in router mode, with its sixth scenario; a small child, with its eighth; the tiny model
+with its projector, with its ninth); its report rendered in headless Chromium and read back from
+the DOM. The judges of scenarios 6, 7, 8 and 9 are also held to made-up results, to see them
+fail. The whole drills run on conftest's slow model: their failures must land in the middle of
+an answer, and the tiny model's answers were whole before Spillway's word to stop the child
+arrived on a busy machine. (Scenario 9 runs on the tiny model, the one its projector fits, with
+slots as long as the model takes: its image request is still running when the word arrives.)"""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from supervisor.commands.drill.client import Sent
 from supervisor.commands.drill.scenarios import ScenarioResult, judge
 
 integration = pytest.mark.integration
+NO_PROJECTOR = ("no projector: the GPU child's /props `modalities` say it takes no images "
+                "(start the model with --mmproj)")
 
 
 def drill(s: Spillway, out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
@@ -84,16 +88,19 @@ def test_the_drill_passes_simulated_and_its_report_renders(
     report: dict[str, Any] = json.loads(json_path.read_text())
     assert report["simulated"] is True and report["passed"] is True
     assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 7]
-    # Scenario 6 is router mode's, 8 needs a small child: skipped here, with the reason, and
-    # not a failure.
+    # Scenario 6 is router mode's, 8 needs a small child, 9 a projector: skipped here, with
+    # the reason, and not a failure.
     assert report["router"] is False
-    six, eight = report["skipped"]
+    six, eight, nine = report["skipped"]
     assert six["number"] == 6 and "router mode only" in six["why"], six
     assert eight["number"] == 8 and eight["why"] == "no [small] child configured", eight
+    assert nine["number"] == 9 and nine["why"] == NO_PROJECTOR, nine
     assert "[6] SKIPPED: router mode only" in result.stderr
     assert "[8] SKIPPED: no [small] child configured" in result.stderr
+    assert f"[9] SKIPPED: {NO_PROJECTOR}" in result.stderr
     assert "skipped (router mode only" in result.stdout
     assert "skipped (no [small] child configured)" in result.stdout
+    assert f"an image request takes the last VRAM: skipped ({NO_PROJECTOR})" in result.stdout
     incidents = {r["request_id"]: r for r in s.incidents()}
     for sc in report["scenarios"]:
         assert sc["simulated"] and sc["passed"], sc["verdict"]
@@ -125,7 +132,7 @@ def test_the_drill_passes_simulated_and_its_report_renders(
         assert bar["fill"] == colours[r["outcome"]]
     assert dom.lanes == ["gpu", "cpu"] and dom.model_lanes == []
     assert {"READY", "BACKOFF", "STARTING"} <= set(dom.states)
-    assert dom.skipped == ["6", "8"]
+    assert dom.skipped == ["6", "8", "9"]
     assert [row["data-request-id"] for row in dom.request_rows] == \
         [r["request_id"] for r in sent]
     assert [row["data-child"] for row in dom.request_rows] == [r["child"] or "" for r in sent]
@@ -144,7 +151,9 @@ def test_the_drill_passes_in_router_mode_with_a_second_model_loading(
     report: dict[str, Any] = json.loads(next((tmp_path / "report").glob("drill-*.json"))
                                         .read_text())
     assert report["router"] is True and report["passed"] is True
-    assert [sc["number"] for sc in report["skipped"]] == [8]  # no small child in router mode
+    # No small child in router mode; the models have no projector.
+    assert [sc["number"] for sc in report["skipped"]] == [8, 9]
+    assert report["skipped"][1]["why"] == NO_PROJECTOR
     assert (report["model"], report["second_model"]) == ("alpha", "beta")
     assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 6, 7]
     incidents = {r["request_id"]: r for r in s.incidents()}
@@ -489,3 +498,131 @@ def test_scenario_8_the_small_model_answers_while_the_large_one_reloads(
     assert dom.bars[0]["fill"] == "#00838f"  # rerouted
     assert [(row["data-request-id"], row["data-child"]) for row in dom.request_rows] == \
         [(r["request_id"], r["child"]) for r in eight["requests"]]
+
+
+# --- scenario 9: an image request takes the last VRAM -----------------------------------------
+
+
+def image_drill_config(llama_server: Path, tiny_model: Path,
+                       tiny_projector: Path) -> dict[str, Any]:
+    """The tiny model and its projector (`--mmproj`, in model.args: both children take images).
+    Two slots of the model's whole 4,096 tokens: the image request's prompt (60% of a slot) and
+    its answer (the rest of the slot, some 1,600 tokens) keep the GPU child busy for a while
+    after its task launched, so that the failure lands while the image request runs."""
+    cfg = real_config(llama_server, tiny_model)
+    cfg["model"]["args"] = ["-c", "8192", "-np", "2", "-t", "1", "-tb", "1",
+                            "--mmproj", str(tiny_projector)]
+    return cfg
+
+
+@integration
+def test_scenario_9_an_image_request_takes_the_last_vram(
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, tiny_projector: Path,
+        tmp_path: Path, chromium: Path) -> None:
+    s = spillway(image_drill_config(llama_server, tiny_model, tiny_projector))
+    result = drill(s, tmp_path / "report", "--only", "9")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASSED (simulated: no GPU here)" in result.stdout
+    report: dict[str, Any] = json.loads(next((tmp_path / "report").glob("drill-*.json"))
+                                        .read_text())
+    assert report["passed"] is True and report["skipped"] == []
+    [nine] = report["scenarios"]
+    assert nine["number"] == 9 and nine["name"] == "an image request takes the last VRAM"
+    assert nine["passed"] and nine["simulated"], nine["verdict"]
+    media = nine["media"]
+    assert media["modalities"]["gpu"] == media["modalities"]["cpu"] == ["audio", "video",
+                                                                          "vision"]
+    image, *plain = nine["requests"]
+    # The image request: lost by the GPU child, replayed on the CPU child with its image.
+    assert image["images"] == 1 and not image["stream"]
+    assert image["outcome"] == "replayed" and image["child"] == "cpu"
+    assert image["attempts"] == 2 and image["status"] == 200 and image["request_id_kept"]
+    incidents = {r["request_id"]: r for r in s.incidents()}
+    assert image["incident"] == incidents[image["request_id"]]
+    assert image["incident"]["decision"] == "replayed"
+    assert image["incident"]["replay_child"] == "cpu"
+    assert image["incident"]["evidence"] == "killed by SIGABRT"
+    # Its prompt held the image: the tiny projector's 16 tokens, and the markers around them.
+    assert media["image_tokens"] >= 16, media
+    assert media["prompt_tokens"] == image["prompt_tokens"] == \
+        media["text_tokens"] + media["image_tokens"]
+    # The plain requests sent during the failure: answered, streamed and not; none an image.
+    assert len(plain) == 2 and {r["stream"] for r in plain} == {True, False}
+    for r in plain:
+        assert r["status"] == 200 and r["complete"] and r["images"] == 0, r
+    # The GPU child came back.
+    assert media["gpu_after"] == "READY" and s.child("gpu")["state"] == "READY"
+    assert s.child("gpu")["modalities"] == ["audio", "video", "vision"]
+    assert f"[9] the image request: replayed by the cpu child ({tiny_model.name}), its " \
+        f"prompt {image['prompt_tokens']} tokens, {media['image_tokens']} of them the " \
+        "image's; the GPU child at the end: READY" in result.stdout
+    # The page, as a browser renders it: the image request's row says what it carried.
+    dom = Dom()
+    dom.feed(rendered_dom(chromium, next((tmp_path / "report").glob("drill-*.html")),
+                          tmp_path))
+    assert [(row["data-request-id"], row["data-child"], row["data-images"])
+            for row in dom.request_rows] == [(r["request_id"], r["child"], str(r["images"]))
+                                             for r in nine["requests"]]
+    assert [bar["data-outcome"] for bar in dom.bars] == [r["outcome"]
+                                                         for r in nine["requests"]]
+
+
+def _scenario_9(*plain: Sent, image: Sent | None = None,
+                **media: Any) -> ScenarioResult:
+    r = ScenarioResult(9, "an image request takes the last VRAM", "bar", True)
+    first = image or Sent(9, "image", False, 1.0, ended=2.0, status=200, attempts=2,
+                          child="cpu", complete=True, request_id_kept=True, images=1,
+                          prompt_tokens=120)
+    if image is None:
+        first.incident = {"request_id": "image", "decision": "replayed", "replay_child": "cpu"}
+    r.requests.extend([first, *plain])
+    r.media = {"modalities": {"gpu": ["vision"], "cpu": ["vision"]}, "gpu": "the GPU child",
+               "text_tokens": 100, "prompt_tokens": 120, "image_tokens": 20,
+               "gpu_after": "READY", **media}
+    return r
+
+
+def _plain_9(rid: str, **kw: Any) -> Sent:
+    s = Sent(9, rid, False, 1.0, ended=2.0, status=200, attempts=1, child="cpu",
+             complete=True, request_id_kept=True)
+    for name, value in kw.items():
+        setattr(s, name, value)
+    return s
+
+
+def test_scenario_9_judge_fails_unless_the_image_was_answered_on_the_cpu_child() -> None:
+    good = _scenario_9(_plain_9("plain-1"), _plain_9("plain-2", stream=True))
+    judge(good)
+    assert good.passed, good.verdict
+    assert good.requests[0].outcome == "replayed"
+
+    def bad(r: ScenarioResult, said: str) -> None:
+        judge(r)
+        assert not r.passed and said in r.verdict, r.verdict
+
+    # The image request got a controlled error: no child to replay it on.
+    refused = Sent(9, "image", False, 1.0, ended=2.0, status=503, attempts=1, child=None,
+                   controlled=True, request_id_kept=True, images=1,
+                   note="no other child takes vision")
+    refused.incident = {"request_id": "image", "decision": "passed_on", "replay_child": None}
+    bad(_scenario_9(_plain_9("p"), image=refused),
+        "image: the image request was not answered by the CPU child after a failover (status "
+        "503, attempts 1, child None, no other child takes vision)")
+    bad(_scenario_9(_plain_9("p"), image=refused),
+        "image: its incident says passed_on on None, not replayed on the CPU child")
+    # Answered by the GPU child: never caught.
+    never = Sent(9, "image", False, 1.0, ended=2.0, status=200, attempts=1, child="gpu",
+                 complete=True, request_id_kept=True, images=1, prompt_tokens=120)
+    bad(_scenario_9(_plain_9("p"), image=never), "its incident says none on None")
+    # The answer's prompt no longer than its text: the image was dropped.
+    bad(_scenario_9(_plain_9("p"), image_tokens=0),
+        "the answer's prompt (120 tokens) holds no more than its text (100): the image was "
+        "not read")
+    # A plain request lost, or none sent.
+    bad(_scenario_9(_plain_9("p", status=None, complete=False,
+                             note="connection: ServerDisconnectedError")),
+        "p: lost (None, connection: ServerDisconnectedError)")
+    bad(_scenario_9(), "no plain request was sent during the failure")
+    # The GPU child not back.
+    bad(_scenario_9(_plain_9("p"), gpu_after="BACKOFF"),
+        "the GPU child is BACKOFF at the end, not READY")

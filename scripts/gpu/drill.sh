@@ -3,6 +3,19 @@
 #
 #   scripts/gpu/drill.sh
 #
+# What it proves, on the card: the drill's nine scenarios with a real out-of-memory (ballast)
+# where they can have one (1 to 5; 6 is router mode's and 8 needs a small child, so both are
+# skipped here; 7 is Spillway's SIGABRT even on a GPU), and scenario 9: the model is given a
+# projector (the tiny vision and audio one, tests/tinymm.py, sized to the model's width), and an
+# image request (a PNG, first in its message, then the long prompt) reaches the GPU child while
+# the ballast leaves it a few MiB, so that the allocations its image and prompt need there fail;
+# the bar is that the image request is answered by the CPU child with its image (replayed: its
+# incident says so, and its prompt counts the image's tokens), the plain requests sent meanwhile
+# are answered, and the GPU child comes back READY. The drill does not tell whether the first
+# allocation to fail was the vision encoder's or the prompt's that follows it (the child's own
+# log in spillway.log may); a tiny projector's encoder needs little memory, so it may well be
+# the prompt's.
+#
 # Environment:
 #   LLAMA_SERVER  a CUDA llama-server (or LLAMA_SERVER_XZ: the .xz that
 #                 build-cuda-llama-server.sh made)
@@ -37,6 +50,8 @@ export LD_LIBRARY_PATH="${nvlib}:${LD_LIBRARY_PATH:-}"
 say "a model made here (Q8_0 weights go through the pool CUDA grows at run time)"
 "$py" "$repo/tests/tinymodel.py" "$out/q8.gguf" --q8 --n-embd 512 --n-layer 8 --n-ff 1024 \
   --n-ctx-train 32768 >/dev/null
+say "and its projector (vision and audio; its output as wide as the model's embedding)"
+"$py" "$repo/tests/tinymm.py" "$out/mmproj.gguf" --n-embd-text 512 >/dev/null
 
 port=$("$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 cat > "$out/spillway.toml" <<TOML
@@ -45,7 +60,7 @@ listen = "127.0.0.1:$port"
 [model]
 llama_server = "$LLAMA_SERVER"
 path = "$out/q8.gguf"
-args = ["-c", "32768", "-np", "1"]
+args = ["-c", "32768", "-np", "1", "--mmproj", "$out/mmproj.gguf"]
 [gpu]
 args = ["-ngl", "99", "-b", "4096", "-ub", "4096", "-fit", "off"]
 vram_headroom_mib = 0

@@ -5,10 +5,11 @@ Scenarios, in order: (1) a non-streaming request over the GPU's profile; (2) the
 whose simulated tool must run exactly once; (6) router mode only: a second model loads on the
 GPU router while the first one's requests run there; (7) a stream whose GPU child dies in the
 middle of its answer, continued on the CPU child; (8) with a small child ([small]) only: the
-small model answers the requests that accept it while the large one reloads. On a GPU the
-failure is real (ballast); without one it is simulated and every result says so. The report
-(table, JSON, HTML with an SVG timeline) takes its figures from the daemon's own incident
-records.
+small model answers the requests that accept it while the large one reloads; (9) with a
+projector (`--mmproj`) only: an image request whose vision encoder takes the last VRAM is
+replayed, image and all, on the CPU child. On a GPU the failure is real (ballast); without one
+it is simulated and every result says so. The report (table, JSON, HTML with an SVG timeline)
+takes its figures from the daemon's own incident records.
 
 In router mode every request names the drilled model (A: the routers' first, or `--model`),
 and the failure is A's instance's on the GPU router; B (the second listed, or
@@ -35,7 +36,7 @@ from . import provoke, report
 from .client import DrillClient, model_info, state_of
 from .scenarios import Drill, ScenarioResult, judge
 
-ALL = (1, 2, 3, 4, 5, 6, 7, 8)
+ALL = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 
 
 def say(text: str) -> None:
@@ -113,7 +114,7 @@ def _lane_states(status: dict[str, Any], models: list[str]) -> dict[str, str | N
 async def _scenarios(drill: Drill, only: tuple[int, ...]) -> list[ScenarioResult]:
     steps = {1: drill.non_streaming, 2: drill.streaming, 3: drill.cancellation,
              4: drill.concurrent, 5: drill.agent, 6: drill.second_model,
-             7: drill.continued_stream, 8: drill.smaller_model}
+             7: drill.continued_stream, 8: drill.smaller_model, 9: drill.image_request}
     results: list[ScenarioResult] = []
     try:
         for number in ALL:

@@ -4,9 +4,13 @@ own records (status, incidents, timeline) read back."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
+import random
+import struct
 import time
 import uuid
+import zlib
 from dataclasses import asdict, dataclass, field
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -46,6 +50,8 @@ class Sent:
     fallback: str | None = None
     answer_model: str | None = None  # the answer's own `model` (the model that answered)
     gpu_when_sent: str | None = None  # scenario 8: the GPU child's state as it was sent
+    images: int = 0  # scenario 9: the images the request carried
+    prompt_tokens: int = 0  # the answer's usage.prompt_tokens (media tokens included)
     note: str = ""
     incident: dict[str, Any] | None = None
 
@@ -177,7 +183,7 @@ class DrillClient:
     async def tasks_started(self) -> dict[str, int]:
         return {n: c["tasks_started"] for n, c in (await self.status())["children"].items()}
 
-    async def chat(self, scenario: int, messages: list[dict[str, str]], max_tokens: int,
+    async def chat(self, scenario: int, messages: list[dict[str, Any]], max_tokens: int,
                    stream: bool = False, headers: dict[str, str] | None = None,
                    leave_after_first_event: bool = False,
                    extra: dict[str, Any] | None = None,
@@ -185,7 +191,7 @@ class DrillClient:
         """One chat request; `cut` = (K, stop): `stop()` is awaited once K events of the
         stream have been read (scenario 7 stops the GPU child there), and reading goes on."""
         rid = f"drill-{scenario}-{uuid.uuid4().hex[:10]}"
-        sent = Sent(scenario, rid, stream, time.time())
+        sent = Sent(scenario, rid, stream, time.time(), images=_images(messages))
         self.sent.append(sent)
         body: dict[str, Any] = {"messages": messages, "max_tokens": max_tokens,
                                 "stream": stream, "temperature": 0, **(extra or {})}
@@ -228,6 +234,7 @@ class DrillClient:
             sent.answer_model = _model_of(data)
             usage = data.get("usage") or {}
             sent.tokens = int(usage.get("completion_tokens", 0))
+            sent.prompt_tokens = int(usage.get("prompt_tokens", 0))
 
     @staticmethod
     async def _read_stream(r: aiohttp.ClientResponse, sent: Sent, leave: bool,
@@ -268,3 +275,31 @@ def _model_of(data: Any) -> str | None:
             return None
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) else None
+
+
+def _images(messages: list[dict[str, Any]]) -> int:
+    """The `image_url` parts of a chat request's messages."""
+    return sum(1 for m in messages if isinstance(m.get("content"), list)
+               for part in m["content"] if isinstance(part, dict)
+               and part.get("type") == "image_url")
+
+
+def png(width: int = 64, height: int = 64, seed: int = 0) -> bytes:
+    """An RGB PNG of seeded noise, made with the standard library (zlib, struct): the drill's
+    image needs no imaging package."""
+    rnd = random.Random(seed)
+    raw = b"".join(b"\x00" + rnd.randbytes(3 * width) for _ in range(height))  # filter 0
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (struct.pack(">I", len(data)) + kind + data
+                + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
+            + chunk(b"IDAT", zlib.compress(raw)) + chunk(b"IEND", b""))
+
+
+def image_part(data: bytes) -> dict[str, Any]:
+    """A chat content part carrying a PNG as a data URI, as an OpenAI client sends one."""
+    uri = "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+    return {"type": "image_url", "image_url": {"url": uri}}

@@ -3,8 +3,9 @@ an SVG timeline (the children's states over time, in router mode also the drille
 each router; each request a bar coloured by outcome, with the child that answered it). Every
 request is listed too: whether it accepted a smaller model, the GPU child's state as it was sent
 (scenario 8), the child that answered, the model the answer names, attempts, outcome and
-latency. A scenario that did not run (6 outside router mode, 8 without a small child) is listed
-as skipped, with the reason."""
+latency, and whether it carried an image (scenario 9, whose image request's line says how many
+of its prompt tokens were the image's). A scenario that did not run (6 outside router mode, 8
+without a small child, 9 without a projector) is listed as skipped, with the reason."""
 
 from __future__ import annotations
 
@@ -73,6 +74,27 @@ def gpu_states_after(scenario: dict[str, Any]) -> str | None:
     return "on the GPU router at the end: " + ", ".join(f"{m} {st}" for m, st in states.items())
 
 
+def image_line(scenario: dict[str, Any]) -> str | None:
+    """Scenario 9: who answered the image request, how many of its prompt tokens were the
+    image's, and the GPU child's state at the end, in words."""
+    media = scenario.get("media")
+    if not media or not scenario["requests"]:
+        return None
+    first = scenario["requests"][0]
+    image = media.get("image_tokens")
+    return (f"the image request: {first['outcome']}{_by(first)}, its prompt "
+            f"{media.get('prompt_tokens') or '-'} tokens, "
+            f"{'how many of them the image' if image is None else image} of them the image's; "
+            f"{media.get('gpu') or 'the GPU child'} at the end: {media.get('gpu_after')}")
+
+
+def _kind(r: dict[str, Any]) -> str:
+    """"stream" or "whole", and the images it carried: "whole + 1 image"."""
+    n = int(r.get("images") or 0)
+    return ("stream" if r["stream"] else "whole") + (
+        f" + {n} image{'s' if n > 1 else ''}" if n else "")
+
+
 def short_model(model: str | None) -> str:
     """The model an answer names, as a person reads it: a file's name without its folder."""
     return "-" if not model else model.rsplit("/", 1)[-1]
@@ -120,9 +142,9 @@ def table(report: dict[str, Any]) -> str:
     text = tables.render(["#", "scenario", "result", "first error", "decision",
                           "cpu start s", "final", "latency s", "connection", "tools"], rows)
     for s in report["scenarios"]:
-        after = gpu_states_after(s)
-        if after:
-            text += f"\n[{s['number']}] {after}"
+        for line in (gpu_states_after(s), image_line(s)):
+            if line:
+                text += f"\n[{s['number']}] {line}"
         for line in answered_by(s):
             text += f"\n[{s['number']}] {line}"
     for skipped in report.get("skipped", []):
@@ -220,7 +242,7 @@ def svg_timeline(report: dict[str, Any], width: int = 1000) -> str:
 
 
 def _after(scenario: dict[str, Any]) -> str:
-    after = gpu_states_after(scenario)
+    after = gpu_states_after(scenario) or image_line(scenario)
     return f" ({after})" if after else ""
 
 
@@ -233,8 +255,8 @@ def _router_line(report: dict[str, Any]) -> str:
 
 
 def _request_rows(report: dict[str, Any]) -> str:
-    """Every request in a row: the child that answered it, the model its answer names, its
-    latency (scenario 8 is judged on them)."""
+    """Every request in a row: what it carried (whole or a stream, its images), the child that
+    answered it, the model its answer names, its latency (scenario 8 is judged on them)."""
     e = html.escape
     rows = []
     for s in report["scenarios"]:
@@ -242,9 +264,10 @@ def _request_rows(report: dict[str, Any]) -> str:
             rows.append(
                 f'<tr class="request" data-scenario="{s["number"]}" '
                 f'data-request-id={quoteattr(r["request_id"])} '
-                f'data-child={quoteattr(r.get("child") or "")}><td>{s["number"]}</td>'
+                f'data-child={quoteattr(r.get("child") or "")} '
+                f'data-images="{int(r.get("images") or 0)}"><td>{s["number"]}</td>'
                 f'<td class="ids">{e(r["request_id"])}</td>'
-                f'<td>{"stream" if r["stream"] else "whole"}</td><td>{_accepts(r)}</td>'
+                f'<td>{e(_kind(r))}</td><td>{_accepts(r)}</td>'
                 f'<td>{e(str(r.get("gpu_when_sent") or "-"))}</td>'
                 f'<td>{e(str(r.get("child") or "-"))}</td>'
                 f'<td title={quoteattr(r.get("answer_model") or "")}>'

@@ -11,7 +11,9 @@ skipped, with the reason, and counts as neither passed nor failed. Scenario 7, a
 GPU child dies in the middle of its answer, is continued on the CPU child; the death is
 Spillway's SIGABRT at the drill's word, on a GPU too (labelled simulated). Scenario 8, the
 small model answering while the large one reloads, needs a small child ([small]): without one it
-is skipped, as 6 is outside router mode.
+is skipped, as 6 is outside router mode. Scenario 9, an image request whose vision encoder takes
+the last VRAM, needs a projector (`--mmproj`): where the GPU child's /props `modalities` say it
+takes no images, it is skipped too.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config.schema import CPU_CHILD, GPU_CHILD, SMALL_CHILD
-from .client import DrillClient, Sent, model_info, state_of
+from .client import DrillClient, Sent, image_part, model_info, png, state_of
 from .provoke import Provoker, SimulatedFailure
 
-SCENARIOS = 8
+SCENARIOS = 9
 SMALLER = {"X-Spillway-Fallback": "smaller"}  # the request accepts a smaller model's answer
 PLAIN = {"X-Spillway-Fallback": "none"}  # it does not, even where small.requests = "all"
 WORDS = ("the quick brown fox jumps over the lazy dog while the model reads a long document "
@@ -51,7 +53,11 @@ class ScenarioResult:
     # one's state on the GPU router at the end. Scenario 8: the small child's mode, the GPU
     # child's state as the requests were sent while it was down, how many went.
     models: dict[str, Any] | None = None
-    skipped: str | None = None  # why it did not run (6 outside router mode, 8 without [small])
+    # Scenario 9: what each child's projector takes, the image's tokens in the answer, the GPU
+    # child's state at the end.
+    media: dict[str, Any] | None = None
+    skipped: str | None = None  # why it did not run (6 outside router mode, 8 without [small],
+    # 9 without a projector)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -59,7 +65,7 @@ class ScenarioResult:
             "simulated": self.simulated, "passed": self.passed, "verdict": self.verdict,
             "requests": [r.to_json() for r in self.requests],
             "tool_effects": self.tool_effects, "executions": self.executions,
-            "notes": self.notes, "models": self.models,
+            "notes": self.notes, "models": self.models, "media": self.media,
         }
 
     def skip_json(self) -> dict[str, Any]:
@@ -119,7 +125,7 @@ class Drill:
         self._words_per_token[child] = len(WORDS) * 10 / (n or len(WORDS) * 10)
         return self._words_per_token[child]
 
-    async def messages(self, tokens: int, note: str = "") -> list[dict[str, str]]:
+    async def messages(self, tokens: int, note: str = "") -> list[dict[str, Any]]:
         text = await self.prompt(tokens)
         return [{"role": "user", "content": f"{note} Summarise: {text}"}]
 
@@ -257,7 +263,7 @@ class Drill:
                          "tool call and the next model call",
                       "every tool call ran exactly once; every model call was answered")
         effects: dict[int, int] = {}
-        messages: list[dict[str, str]] = await self.messages(self.prompt_tokens // 4,
+        messages: list[dict[str, Any]] = await self.messages(self.prompt_tokens // 4,
                                                              "Plan a trip.")
         for step in range(steps):
             tokens, extra = 12, dict[str, Any]()
@@ -279,7 +285,7 @@ class Drill:
         await self.settle()
         return r
 
-    async def _model_call(self, r: ScenarioResult, messages: list[dict[str, str]],
+    async def _model_call(self, r: ScenarioResult, messages: list[dict[str, Any]],
                           step: int, tokens: int, extra: dict[str, Any]) -> str | None:
         """One model call, retried (never the tool) on a controlled error, with the same
         Idempotency-Key, as a careful agent does."""
@@ -527,6 +533,103 @@ class Drill:
             await asyncio.sleep(0.05)
 
 
+    # --- scenario 9: an image request takes the last VRAM -------------------------------------
+
+    async def image_request(self, plain: int = 2) -> ScenarioResult:
+        r = self._new(9, "an image request takes the last VRAM",
+                      "the image request answered (200) by the CPU child with its image (2 "
+                      "attempts, its incident `replayed` on the CPU child, the image's tokens in "
+                      "the answer's prompt); the plain requests sent during the failure "
+                      f"answered; {self.gpu} READY again")
+        takes = await self._modalities()
+        info: dict[str, Any] = {"modalities": takes, "gpu": self.gpu}
+        r.media = info
+        if "vision" not in (takes.get(GPU_CHILD) or []):
+            said = takes.get(GPU_CHILD)
+            return self._skip(r, "no projector: the GPU child's /props `modalities` say it "
+                                 "takes no images (start the model with --mmproj)"
+                              if said is not None else
+                              "the GPU child's /props say nothing of its projector: no image "
+                              "can be sent to it")
+        if "vision" not in (takes.get(CPU_CHILD) or []):
+            self.say("  the CPU child's /props say it takes no images: the image request has "
+                     "nowhere to go when the GPU child loses it")
+        await self.settle()
+        text = f"Describe this image, then summarise: {await self.prompt(self.prompt_tokens)}"
+        info["text_tokens"] = await self._count([{"role": "user", "content": text}])
+        # The image first: its encoder runs before the long text is decoded, so that on a GPU
+        # its allocation is the one that meets the card short.
+        messages = [{"role": "user", "content": [image_part(png()),
+                                                 {"type": "text", "text": text}]}]
+        tokens, extra = await self.armed(16)
+        before = await self.client.tasks_started()
+        async with self.failing():
+            image = asyncio.create_task(self.client.chat(9, messages, tokens, extra=extra))
+            await self._image_launched(image, before.get(GPU_CHILD, 0))
+            # Plain requests while the image request is failed over, streamed and not.
+            others = [asyncio.create_task(self.client.chat(
+                9, await self.messages(16, f"Client {i}: name a colour."), 8,
+                stream=i % 2 == 1)) for i in range(plain)]
+            r.requests.extend(await asyncio.gather(image, *others))
+        first = r.requests[0]
+        counted = info["text_tokens"]
+        info["prompt_tokens"] = first.prompt_tokens or None
+        info["image_tokens"] = first.prompt_tokens - counted if counted and \
+            first.prompt_tokens else None
+        await self.settle()
+        info["gpu_after"] = state_of(await self.client.status(), GPU_CHILD, self.model)
+        return r
+
+    async def _modalities(self) -> dict[str, list[str] | None]:
+        """What the GPU and the CPU child's projectors take, as each one's /props `modalities`
+        say (router mode: the drilled model's instance on each router); the status's figure
+        (read from the same /props as the child became READY) where /props does not answer;
+        None where neither says."""
+        status = await self.client.status()
+        path = "/props" if self.model is None else \
+            f"/props?model={urllib.parse.quote(self.model)}"
+        out: dict[str, list[str] | None] = {}
+        for child in (GPU_CHILD, CPU_CHILD):
+            if child not in status["children"]:
+                continue
+            try:
+                props = await self.client.get(path, **{"X-Spillway-Child": child})
+            except Exception:  # noqa: BLE001 - the status may still say
+                props = None
+            said = props.get("modalities") if isinstance(props, dict) else None
+            if isinstance(said, dict):
+                out[child] = sorted(k for k, v in said.items() if v is True)
+            else:
+                known = self._info(status, child).get("modalities")
+                out[child] = None if known is None else [str(m) for m in known]
+        return out
+
+    async def _count(self, messages: list[dict[str, Any]]) -> int | None:
+        """The prompt tokens of a chat request's messages, as the model counts them
+        (`/v1/chat/completions/input_tokens`); None when it cannot say."""
+        body: dict[str, Any] = {"messages": messages}
+        if self.model is not None:
+            body["model"] = self.model
+        try:
+            answer = await self.client.post_json("/v1/chat/completions/input_tokens", body)
+            return int(answer["input_tokens"])
+        except Exception:  # noqa: BLE001 - the image's tokens are then not known
+            return None
+
+    async def _image_launched(self, image: asyncio.Task[Sent], before: int,
+                              timeout: float = 30.0) -> None:
+        """Until the image request's task has launched on the GPU child (its count of started
+        tasks grew), the GPU child is down, or the request is over."""
+        deadline = time.monotonic() + timeout
+        while not image.done() and time.monotonic() < deadline:
+            status = await self.client.status()
+            gpu = status["children"].get(GPU_CHILD) or {}
+            if int(gpu.get("tasks_started") or 0) > before or \
+                    state_of(status, GPU_CHILD, self.model) != "READY":
+                return
+            await asyncio.sleep(0.02)
+
+
 def _identity(s: Sent) -> list[str]:
     """The request's identity survived: its id kept, its incident its own."""
     problems = []
@@ -691,9 +794,45 @@ def _judge_smaller(r: ScenarioResult) -> list[str]:
     return problems
 
 
+def _judge_image(r: ScenarioResult) -> list[str]:
+    """Scenario 9: the image request the GPU child lost was replayed on the CPU child and
+    answered there with its image; every plain request answered; the GPU child back."""
+    if not r.requests:
+        return ["no request was sent"]
+    info = r.media or {}
+    image, plain = r.requests[0], r.requests[1:]
+    problems = [p for s in r.requests for p in _identity(s)]
+    if not (image.status == 200 and image.complete and image.attempts == 2 and
+            image.child == CPU_CHILD):
+        problems.append(f"{image.request_id}: the image request was not answered by the CPU "
+                        f"child after a failover (status {image.status}, attempts "
+                        f"{image.attempts}, child {image.child}{', ' if image.note else ''}"
+                        f"{image.note})")
+    inc = image.incident
+    if inc is None or (inc.get("decision"), inc.get("replay_child")) != ("replayed",
+                                                                          CPU_CHILD):
+        problems.append(f"{image.request_id}: its incident says "
+                        f"{'none' if inc is None else inc.get('decision')} on "
+                        f"{None if inc is None else inc.get('replay_child')}, not replayed on "
+                        "the CPU child")
+    counted = info.get("image_tokens")
+    if image.complete and counted is not None and counted <= 0:
+        problems.append(f"{image.request_id}: the answer's prompt ({image.prompt_tokens} "
+                        f"tokens) holds no more than its text ({info.get('text_tokens')}): "
+                        "the image was not read")
+    if not plain:
+        problems.append("no plain request was sent during the failure")
+    problems += [f"{s.request_id}: lost ({s.status}, {s.note or 'no whole answer'})"
+                 for s in plain if s.status != 200 or not s.complete or s.error_event]
+    if info.get("gpu_after") != "READY":
+        problems.append(f"{info.get('gpu') or 'the GPU child'} is {info.get('gpu_after')} at "
+                        "the end, not READY")
+    return problems
+
+
 _JUDGES = {1: _judge_failover, 2: _judge_failover, 3: _judge_cancellation,
            4: _judge_concurrent, 5: _judge_agent, 6: _judge_second_model,
-           7: _judge_continued, 8: _judge_smaller}
+           7: _judge_continued, 8: _judge_smaller, 9: _judge_image}
 
 
 def judge(r: ScenarioResult) -> None:
