@@ -64,9 +64,10 @@ EXIT_EVIDENCE_WAIT_S = 2.0
 HOLD_COMMENT_EVERY_S = 10.0
 
 
-@dataclass
-class RequestCtx:
-    """What Spillway knows of one client request, shared by its attempts."""
+@dataclass(frozen=True)
+class Received:
+    """A client request as it arrived, read and checked once before it is served: what every
+    attempt, replay and continuation reads, and nothing writes."""
 
     request_id: str
     method: str
@@ -80,6 +81,19 @@ class RequestCtx:
     received: float = field(default_factory=time.monotonic)
     trusted: bool = True  # passed Spillway's key check: the child's key goes along
     own: OwnHeaders = field(default_factory=OwnHeaders)  # what its X-Spillway-* headers ask
+    media: Media = NO_MEDIA  # its images, audio and video (policy/media.py)
+    model: str | None = None  # router mode: the model it names, as the routers list it
+    smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
+    # A resumable stream's X-Conversation-Id (read once, checked).
+    conversation: str | None = None
+
+
+@dataclass
+class RequestCtx:
+    """One client request being served: as received (`req`, frozen), and its progress, which
+    the handler writes (the forwarder only what went out: the capture, the client's stream)."""
+
+    req: Received
     attempts: list[Attempt] = field(default_factory=list)
     failover_kind: str | None = None  # the failure its replay answers, once replayed
     waited_s: float | None = None  # time spent in the waiting line, when admitted
@@ -88,20 +102,15 @@ class RequestCtx:
     status: int | None = None  # the status the client got
     capture: bytearray | None = None  # the bytes sent, when an Idempotency-Key wants them
     capture_limit: int = 0
-    model: str | None = None  # router mode: the model it names, as the routers list it
-    smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
     prompt_tokens: int = 0  # admission's count of its prompt (or a bound of it)
     counted: bool = False  # prompt_tokens is the child's own count, not a bound
     # The time admission forecast for its answer on the child that gave it, and what it took.
     forecast: tuple[float, float] | None = None
-    media: Media = NO_MEDIA  # its images, audio and video (policy/media.py)
     work: Work = Work(0, 0)  # what it asks of a child, for expected times (once counted)
     # A stream that may be continued on the other child: what the client has of it so far.
     follow: continuation.Transcript | None = None
     continued: bool = False  # it was continued once (never twice)
-    # A resumable stream: its X-Conversation-Id (read once, checked), and its replay buffer,
-    # which every byte sent joins.
-    conversation: str | None = None
+    # A resumable stream's replay buffer, which every byte sent joins.
     resumable: StreamSession | None = None
     event_stream: web.StreamResponse | None = None  # the client's, once its headers went out
 
@@ -141,9 +150,9 @@ _READ_ERRORS = (ConnectionError, OSError)
 def _naming(ctx: RequestCtx, model: str | None) -> bytes | None:
     """The request's body naming `model` (a larger model's request sent to its smaller model,
     which the router finds by that name); None: as the client sent it."""
-    if model is None or ctx.payload is None or ctx.payload.get("model") == model:
+    if model is None or ctx.req.payload is None or ctx.req.payload.get("model") == model:
         return None
-    return json.dumps({**ctx.payload, "model": model}).encode()
+    return json.dumps({**ctx.req.payload, "model": model}).encode()
 
 
 def _is_sse(resp: UpstreamResponse) -> bool:
@@ -196,9 +205,9 @@ class Forwarder:
     async def attempt(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
                       child: Upstream, own_headers: list[tuple[str, str]]) -> AttemptResult:
         generation = child.generation
-        headers = upstream_headers(ctx.client_headers, ctx.request_id,
-                                   child.api_key if ctx.trusted else None)
-        if ctx.stream:
+        headers = upstream_headers(ctx.req.client_headers, ctx.req.request_id,
+                                   child.api_key if ctx.req.trusted else None)
+        if ctx.req.stream:
             # llama-server closes the connection right after every streamed answer, though it
             # says `Keep-Alive: timeout=5, max=100`; pooled, such a connection fails the next
             # request that takes it before its close is read (most of the stale connections in
@@ -212,7 +221,7 @@ class Forwarder:
                 return sent
             upstream = sent
             try:
-                if ctx.route is not RouteClass.GENERATION:
+                if ctx.req.route is not RouteClass.GENERATION:
                     return await self._pipe(request, ctx, attempt, upstream, own_headers)
                 if upstream.status == 200 and _is_sse(upstream):
                     return await self._stream(request, ctx, attempt, child, generation, upstream,
@@ -250,8 +259,8 @@ class Forwarder:
                        body: bytes | None = None) -> UpstreamResponse:
         # No total timeout: a long generation is not an error. Only silence is.
         return await self.client.request(
-            child.host, child.port or 0, ctx.method, ctx.path_qs, headers.items(),
-            ctx.body if body is None else body,
+            child.host, child.port or 0, ctx.req.method, ctx.req.path_qs, headers.items(),
+            ctx.req.body if body is None else body,
             use, connect_timeout=self.settings.connect_timeout_s,
             read_timeout=self.settings.read_timeout_s, fresh=fresh)
 
@@ -263,9 +272,10 @@ class Forwarder:
         # method that changes nothing, or a request that never left (aiohttp could not write
         # it to a transport that was already closing).
         unwritten = isinstance(error, UpstreamClosed) and error.unwritten
-        safe = ctx.route is RouteClass.GENERATION or ctx.method in _SAFE_METHODS or unwritten
+        safe = ctx.req.route is RouteClass.GENERATION or ctx.req.method in _SAFE_METHODS or \
+            unwritten
         resend = use.reused and safe and child.running(generation)
-        log.warning("rid=%s %s child: %s (%s) before a response on %s; %s", ctx.request_id,
+        log.warning("rid=%s %s child: %s (%s) before a response on %s; %s", ctx.req.request_id,
                     child.name, type(error).__name__, error, use.describe(),
                     "the child is running: sending it again on a new connection" if resend
                     else "taken as evidence about the child")
@@ -319,7 +329,7 @@ class Forwarder:
                 answer = json.loads(body)
                 attempt.timings, attempt.tokens = _answer_figures(answer)
                 attempt.answer_text = _chat_text(answer)
-        attempt.first_byte_s = time.monotonic() - ctx.received
+        attempt.first_byte_s = time.monotonic() - ctx.req.received
         ctx.captured(body)
         failed = upstream.status >= 500
         return Answered(web.Response(status=upstream.status, body=body,
@@ -336,7 +346,7 @@ class Forwarder:
         if length is not None and length.isdigit():
             resp.content_length = int(length)
         await resp.prepare(request)
-        attempt.first_byte_s = time.monotonic() - ctx.received
+        attempt.first_byte_s = time.monotonic() - ctx.req.received
         while True:
             try:
                 chunk = await upstream.readany()
@@ -358,7 +368,7 @@ class Forwarder:
                       child: Upstream, generation: int, upstream: UpstreamResponse,
                       own_headers: list[tuple[str, str]]) -> AttemptResult:
         headers = downstream_headers(upstream.headers, own_headers)
-        anthropic = ctx.path in ANTHROPIC_ROUTES
+        anthropic = ctx.req.path in ANTHROPIC_ROUTES
         # 1. Hold the client's status and headers until the first event arrives.
         held = await self._hold(request, ctx, attempt, child, generation, upstream, headers,
                                 anthropic)
@@ -428,7 +438,7 @@ class Forwarder:
                     if continued.generated and attempt.first_byte_s is None:
                         # The continuation's first token (its progress events and pings, sent
                         # before, are not one).
-                        attempt.first_byte_s = time.monotonic() - ctx.received
+                        attempt.first_byte_s = time.monotonic() - ctx.req.received
                 await resp.write(whole)
                 ctx.captured(whole)
                 attempt.events += sse.count_data_events(whole)
@@ -479,7 +489,7 @@ class Forwarder:
             TeeResponse(ctx.resumable, status=200, headers=headers)
         ctx.event_stream = resp
         await resp.prepare(request)
-        attempt.first_byte_s = time.monotonic() - ctx.received
+        attempt.first_byte_s = time.monotonic() - ctx.req.received
         return resp
 
     async def _stream_broke(self, ctx: RequestCtx, child: Upstream, generation: int,
@@ -511,7 +521,7 @@ class Forwarder:
                    f"({failure.verdict.kind}: {failure.verdict.evidence}); the answer is "
                    f"incomplete{why}")
         with contextlib.suppress(ConnectionError, aiohttp.ClientConnectionResetError):
-            await resp.write(sse_error_event(message, "upstream_error", 502, ctx.request_id,
+            await resp.write(sse_error_event(message, "upstream_error", 502, ctx.req.request_id,
                                              anthropic=anthropic,
                                              kind=str(failure.verdict.kind)))
             await resp.write_eof()
@@ -533,8 +543,8 @@ class Forwarder:
         resp = interrupted.response
         ctx.continued = True
         generation = child.generation
-        headers = upstream_headers(ctx.client_headers, ctx.request_id,
-                                   child.api_key if ctx.trusted else None)
+        headers = upstream_headers(ctx.req.client_headers, ctx.req.request_id,
+                                   child.api_key if ctx.req.trusted else None)
         headers["Connection"] = "close"
         headers["Content-Type"] = "application/json"
         await resp.write(note)

@@ -41,7 +41,7 @@ from .bodies import BodyTimeout, BodyTooLarge, BodyUnreadable, parse_json_object
 from .continued import ContinuedStream
 from ..vocabulary import Attempt, AttemptFailure
 from .outcomes import Answered, AttemptResult, Broken, Interrupted, ending
-from .forward import Forwarder, RequestCtx
+from .forward import Forwarder, Received, RequestCtx
 from .headers import HeaderProblem, own_headers
 from .identity import loggable, request_id_of
 
@@ -195,66 +195,63 @@ class ProxyHandler:
         held = len(body) if found or len(body) >= LARGE_BODY_BYTES else 0
         if route is RouteClass.GENERATION and not self._hold(request, held):
             return self._held_refusal(request, rid, held)
-        ctx = RequestCtx(
+        stream = bool(payload.get("stream")) if payload else False
+        conversation = request.headers.get("X-Conversation-Id") if stream else None
+        ctx = RequestCtx(Received(
             request_id=rid, method=request.method, path=request.path,
-            path_qs=request.raw_path, route=route, body=body, payload=payload,
-            stream=bool(payload.get("stream")) if payload else False,
+            path_qs=request.raw_path, route=route, body=body, payload=payload, stream=stream,
             client_headers=request.headers, received=started,
             trusted=request.get(AUTHENTICATED, True), own=own, media=found,
-        )
-        if (refused := self._prepare(request, ctx)) is not None:
-            return refused
-        if ctx.media and (fatal := media.aborts_child(ctx.path, payload,
-                                                      self.settings.media_marker)):
+            model=await self._model_of(request, payload),
+            smaller_ok=route is RouteClass.GENERATION and payload is not None and (
+                own.fallback == "smaller" or (own.fallback == "" and
+                                              self.settings.smaller_for_all)),
+            conversation=conversation if conversation is not None and
+            0 < len(conversation) <= MAX_CONVERSATION_ID else None,
+        ))
+        if conversation is not None and ctx.req.conversation is None:
+            return self._early(ctx, request, rid, "bad_request", errors.invalid_request(
+                400, f"X-Conversation-Id must be 1 to {MAX_CONVERSATION_ID} characters", rid,
+                param="X-Conversation-Id"))
+        if found and (fatal := media.aborts_child(request.path, payload,
+                                                  self.settings.media_marker)):
             return self._early(ctx, request, rid, "bad_request",
                                errors.invalid_request(400, fatal, rid, param="prompt"))
-        if self.pools.router:
-            named = payload.get("model") if payload else request.query.get("model")
-            if isinstance(named, str):
-                await self.pools.listed()  # a router just ready: its models known first
-            ctx.model = self.pools.for_model(named if isinstance(named, str) else None,
-                                             request.path)[0]
+        ctx.follow = self._followed(ctx.req)
         idem_key = request.headers.get("Idempotency-Key")
         if idem_key is not None and request.method == "POST":
             return await self._with_idempotency(request, ctx, idem_key)
         return (await self._serve_and_record(request, ctx)).response
 
-    def _prepare(self, request: web.Request, ctx: RequestCtx) -> web.StreamResponse | None:
-        """What the request's body and headers say of how it is served: followed (a stream
-        that may be continued), open to a smaller model, resumable; a 400 when they say it
-        wrong."""
-        payload = ctx.payload
-        if ctx.stream and self.settings.continue_streams and self.settings.replay and \
-                len(ctx.body) <= self.settings.max_replay_body_bytes and \
-                continuation.body_refusal(ctx.path, payload, _opted_out(ctx)) is None:
-            # A stream that may go on from the other child if its own dies after bytes: what
-            # the client receives of it is followed.
-            ctx.follow = continuation.Transcript(continuation.route_kind(ctx.path) or "chat")
-        fallback = ctx.own.fallback
-        ctx.smaller_ok = ctx.route is RouteClass.GENERATION and payload is not None and (
-            fallback == "smaller" or (fallback == "" and self.settings.smaller_for_all))
-        conversation = request.headers.get("X-Conversation-Id") if ctx.stream else None
-        if conversation is not None:
-            if not 0 < len(conversation) <= MAX_CONVERSATION_ID:
-                return self._early(ctx, request, ctx.request_id, "bad_request",
-                                   errors.invalid_request(
-                                       400, f"X-Conversation-Id must be 1 to "
-                                       f"{MAX_CONVERSATION_ID} characters", ctx.request_id,
-                                       param="X-Conversation-Id"))
-            ctx.conversation = conversation
+    async def _model_of(self, request: web.Request, payload: dict[str, Any] | None) -> str | None:
+        """Router mode: the model the request names, as the routers list it."""
+        if not self.pools.router:
+            return None
+        named = payload.get("model") if payload else request.query.get("model")
+        if isinstance(named, str):
+            await self.pools.listed()  # a router just ready: its models known first
+        return self.pools.for_model(named if isinstance(named, str) else None, request.path)[0]
+
+    def _followed(self, req: Received) -> continuation.Transcript | None:
+        """A stream that may go on from the other child if its own dies after bytes: what the
+        client receives of it is followed."""
+        if req.stream and self.settings.continue_streams and self.settings.replay and \
+                len(req.body) <= self.settings.max_replay_body_bytes and \
+                continuation.body_refusal(req.path, req.payload, _opted_out(req)) is None:
+            return continuation.Transcript(continuation.route_kind(req.path) or "chat")
         return None
 
     # --- Idempotency-Key ----------------------------------------------------------------------
 
     async def _with_idempotency(self, request: web.Request, ctx: RequestCtx,
                                 key: str) -> web.StreamResponse:
-        rid = ctx.request_id
+        rid = ctx.req.request_id
         if not key or len(key) > 255:
             return self._early(ctx, request, rid, "bad_request", errors.invalid_request(
                 400, "Idempotency-Key must be 1 to 255 characters", rid,
                 param="Idempotency-Key"))
-        scope = scope_of(presented_key(request), ctx.path)
-        fp = fingerprint(ctx.method, ctx.path_qs, ctx.body)
+        scope = scope_of(presented_key(request), ctx.req.path)
+        fp = fingerprint(ctx.req.method, ctx.req.path_qs, ctx.req.body)
         found = self.idempotency.begin(scope, key, fp, time.monotonic())
         if found.outcome is Outcome.IN_PROGRESS:
             return self._early(ctx, request, rid, "idempotency_in_progress", errors.json_error(
@@ -298,8 +295,8 @@ class ProxyHandler:
 
     async def _serve_and_record(self, request: web.Request,
                                 ctx: RequestCtx) -> Answered | Broken:
-        if ctx.conversation is not None:
-            return await self._resumable(request, ctx, ctx.conversation)
+        if ctx.req.conversation is not None:
+            return await self._resumable(request, ctx, ctx.req.conversation)
         return await self._serve_recorded(request, ctx)
 
     async def _resumable(self, request: web.Request, ctx: RequestCtx,
@@ -308,7 +305,7 @@ class ProxyHandler:
         leaves does not cancel. What it sends also goes to the conversation's replay buffer
         (proxy/tee.py), for GET /v1/stream; a Stop (DELETE /v1/stream) or a new stream of the
         same conversation cancels it."""
-        session = self.streams.start(conversation, ctx.request_id, self.wall_clock())
+        session = self.streams.start(conversation, ctx.req.request_id, self.wall_clock())
         ctx.resumable = session
         self.open_requests += 1  # until the answer ends, wherever the client is
         self.idle.clear()
@@ -324,7 +321,7 @@ class ProxyHandler:
             return Answered(ctx.event_stream)
         return Answered(errors.invalid_request(
             400, "request cancelled by a stop (DELETE /v1/stream, or a new stream of this "
-                 "conversation) before it started", ctx.request_id))
+                 "conversation) before it started", ctx.req.request_id))
 
     async def _produce(self, request: web.Request, ctx: RequestCtx,
                        session: StreamSession) -> Answered | Broken | None:
@@ -373,7 +370,7 @@ class ProxyHandler:
                                          "client; it ended with an SSE error event"))
             for episode in episodes:
                 self._record(ctx, episode, status, connected)
-            self._finish(ctx, request, ctx.request_id, status, broken)
+            self._finish(ctx, request, ctx.req.request_id, status, broken)
 
     def _pinnable(self) -> list[str]:
         """What X-Spillway-Child may name: every pool's upstreams (in router mode a model's
@@ -382,42 +379,42 @@ class ProxyHandler:
 
     def _pool(self, ctx: RequestCtx) -> Pool:
         """The request's pool: its model's in router mode, else the one."""
-        return self.pools.for_model(ctx.model, ctx.path)[1]
+        return self.pools.for_model(ctx.req.model, ctx.req.path)[1]
 
     def _deadline_left(self, ctx: RequestCtx) -> float | None:
-        deadline = ctx.own.deadline_s
-        return None if deadline is None else deadline - (time.monotonic() - ctx.received)
+        deadline = ctx.req.own.deadline_s
+        return None if deadline is None else deadline - (time.monotonic() - ctx.req.received)
 
     async def _serve(self, request: web.Request, ctx: RequestCtx,
                      episodes: list[_Episode]) -> Answered | Broken:
         pin = None
         count = None
         pool = self._pool(ctx)
-        if ctx.route is not RouteClass.GENERATION:
+        if ctx.req.route is not RouteClass.GENERATION:
             # Outside the caps: the GPU child when ready, else the CPU child, or the pinned one.
-            pin = ctx.own.pin
+            pin = ctx.req.own.pin
             got = pool.passthrough(pin)
-            if isinstance(got, admission.Decision) and ctx.model is not None:
+            if isinstance(got, admission.Decision) and ctx.req.model is not None:
                 # Its model is loaded nowhere: the router answers for it.
                 pool = self.pools.main
                 got = pool.passthrough(pin)
         else:
             # Generation: 3 to 7 of the admission order.
-            opted_out = _opted_out(ctx)
+            opted_out = _opted_out(ctx.req)
             count = await self._prompt_count(ctx)
             ctx.prompt_tokens = count.largest
             # Its expected time on each child: the counted prompt, else a bound from the
             # bytes of its text (its media's base64 is no text).
-            text_bytes = max(0, len(ctx.body) - ctx.media.inline_bytes)
+            text_bytes = max(0, len(ctx.req.body) - ctx.req.media.inline_bytes)
             ctx.work = Work(count.largest if ctx.counted else
                             estimate.prompt_tokens_bound(text_bytes),
-                            estimate.requested_tokens(ctx.payload), ctx.media,
+                            estimate.requested_tokens(ctx.req.payload), ctx.req.media,
                             self._prefix_keys(ctx))
             got = await pool.lease(admission.Request(
-                route=ctx.route, prompt_tokens=count.largest,
+                route=ctx.req.route, prompt_tokens=count.largest,
                 cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx),
-                exact_count=count.exact, smaller_ok=ctx.smaller_ok,
-                media=ctx.media.modalities), ctx.work)
+                exact_count=count.exact, smaller_ok=ctx.req.smaller_ok,
+                media=ctx.req.media.modalities), ctx.work)
         if isinstance(got, admission.Decision):
             loading = admission.loading(pool.states(), pin)
             return Answered(self._refusal(ctx, got, count, loading))
@@ -435,10 +432,10 @@ class ProxyHandler:
     def _prefix_keys(self, ctx: RequestCtx) -> tuple[str, ...]:
         """A chat request's earlier turns, as the warm CPU child's mirrors are keyed: looked
         up only while it holds some."""
-        if self.mirror is None or not self.mirror.warm or ctx.payload is None or \
-                ctx.path not in prompts.CHAT_ROUTES:
+        if self.mirror is None or not self.mirror.warm or ctx.req.payload is None or \
+                ctx.req.path not in prompts.CHAT_ROUTES:
             return ()
-        return mirror_rules.lookup_keys(ctx.payload)
+        return mirror_rules.lookup_keys(ctx.req.payload)
 
     def _offer_mirror(self, ctx: RequestCtx, status: int) -> None:
         """A chat conversation the first upstream (the GPU child) answered whole: the warm
@@ -446,38 +443,38 @@ class ProxyHandler:
         last = ctx.last
         if self.mirror is not None:
             self.mirror.busy()
-        if self.mirror is None or status != 200 or last is None or ctx.payload is None or \
-                ctx.media or ctx.path not in prompts.CHAT_ROUTES or ctx.continued or \
+        if self.mirror is None or status != 200 or last is None or ctx.req.payload is None or \
+                ctx.req.media or ctx.req.path not in prompts.CHAT_ROUTES or ctx.continued or \
                 last.child != self._pool(ctx).roles[0] or len(ctx.attempts) != 1:
             return
         answer = last.answer_text
         if answer is None and ctx.follow is not None and not ctx.follow.tool_calls:
             answer = ctx.follow.text or None
-        self.mirror.offer(ctx.payload, answer, ctx.prompt_tokens,
+        self.mirror.offer(ctx.req.payload, answer, ctx.prompt_tokens,
                           prefills=last.child not in self.settings.no_prefill)
 
     async def _prompt_count(self, ctx: RequestCtx) -> tokens.Count:
         """The prompt's tokens, as the child counts them, when they may matter (over the
         smallest context of a slot), else the cheap bound (or 0: unknown, which fits
         anywhere)."""
-        bound = prompts.upper_bound(len(ctx.body), ctx.payload)
+        bound = prompts.upper_bound(len(ctx.req.body), ctx.req.payload)
         pool = self._pool(ctx)
         # The children that may take it: a smaller model's only for a request that accepts one
         # (its context, often the smallest, would otherwise make every prompt counted).
         limit = min(filter(None, (pool.ctx_per_slot(n) for n in pool.roles
-                                  if ctx.smaller_ok or n not in pool.smaller)), default=None)
+                                  if ctx.req.smaller_ok or n not in pool.smaller)), default=None)
         # Images and audio are always counted: their base64 says nothing of their tokens (a
         # 1 MB image is no 350,000 tokens), and the expected times and VRAM need the figure.
         # So is every prompt during an outage (the GPU child not ready), where the earliest
         # expected finish weighs it; the GPU's fast path never pays for a count.
         outage = not pool.upstreams[pool.roles[0]].is_ready
-        if ctx.payload is None or (not ctx.media and not outage and
+        if ctx.req.payload is None or (not ctx.req.media and not outage and
                                    (limit is None or bound < limit)):
             return tokens.Count((bound if limit is not None else 0,), exact=True)
-        modalities = ctx.media.modalities
+        modalities = ctx.req.media.modalities
         counter = pool.first_ready(modalities)
         counted = None if counter is None else await tokens.count(
-            self.forwarder.session, counter, ctx.path, ctx.payload, limit or 0,
+            self.forwarder.session, counter, ctx.req.path, ctx.req.payload, limit or 0,
             marker=self.settings.media_marker)
         if counted is not None:
             ctx.counted = True
@@ -485,18 +482,18 @@ class ProxyHandler:
 
     def _refusal(self, ctx: RequestCtx, decision: admission.Decision,
                  count: tokens.Count | None, loading: bool) -> web.Response:
-        self._rejected(decision.cause or "other", ctx.path)
+        self._rejected(decision.cause or "other", ctx.req.path)
         if decision.action is admission.Action.TOO_LONG:
             # As llama-server says it, before any child works on it.
             n_prompt = count.first_over(decision.n_ctx) if count else 0
-            return errors.exceed_context(n_prompt, decision.n_ctx, ctx.request_id)
+            return errors.exceed_context(n_prompt, decision.n_ctx, ctx.req.request_id)
         if loading:
             # What llama-server answers while it loads, with Spillway's own reason beside it.
-            return errors.unavailable(errors.LOADING, ctx.request_id,
+            return errors.unavailable(errors.LOADING, ctx.req.request_id,
                                       retry_after_s=decision.retry_after_s,
                                       queue_position=decision.queue_position,
                                       reason=decision.reason)
-        return errors.unavailable(decision.reason, ctx.request_id,
+        return errors.unavailable(decision.reason, ctx.req.request_id,
                                   retry_after_s=decision.retry_after_s,
                                   queue_position=decision.queue_position)
 
@@ -504,14 +501,14 @@ class ProxyHandler:
                        lease: Lease) -> AttemptResult:
         """One attempt on the lease's upstream; the lease is closed with its outcome."""
         child = lease.upstream
-        attempt = Attempt(child.name, len(ctx.attempts) + 1, media_items=len(ctx.media.items))
+        attempt = Attempt(child.name, len(ctx.attempts) + 1, media_items=len(ctx.req.media.items))
         ctx.attempts.append(attempt)
-        own = [("X-Request-Id", ctx.request_id), ("X-Spillway-Child", child.name),
+        own = [("X-Request-Id", ctx.req.request_id), ("X-Spillway-Child", child.name),
                ("X-Spillway-Attempts", str(attempt.number))]
         if ctx.failover_kind:
             own.append(("X-Spillway-Failover", ctx.failover_kind))
-        if ctx.model is not None:  # (a smaller model's own name, when it answers)
-            own.append(("X-Spillway-Model", child.serves_model or ctx.model))
+        if ctx.req.model is not None:  # (a smaller model's own name, when it answers)
+            own.append(("X-Spillway-Model", child.serves_model or ctx.req.model))
         if ctx.wait_estimate_s is not None and ctx.waited_s is not None:
             # W3C Server-Timing (browsers' dev tools show it): the time this request spent in
             # the waiting line, and the estimate it was given on joining, which is what a 503's
@@ -520,12 +517,12 @@ class ProxyHandler:
                                          f"queue-estimate;dur={ctx.wait_estimate_s * 1000:.1f};"
                                          f'desc="{ctx.wait_estimate_basis}"'))
         result: AttemptResult | None = None
-        lease.pool.carry_media(lease, len(ctx.media.items))
+        lease.pool.carry_media(lease, len(ctx.req.media.items))
         try:
             result = await self.forwarder.attempt(request, ctx, attempt, child, own)
             return result
         finally:
-            lease.close(attempt, ending(result, ctx.body))
+            lease.close(attempt, ending(result, ctx.req.body))
             self._judge_forecast(ctx, lease, attempt, result)
 
     def _judge_forecast(self, ctx: RequestCtx, lease: Lease, attempt: Attempt,
@@ -547,15 +544,15 @@ class ProxyHandler:
         controlled error)."""
         nxt = await Failover(self._pool(ctx)).after_failure(Failed(
             failure=failure,
-            route=ctx.route,
-            body_replayable=(self.settings.replay and ctx.payload is not None
-                             and len(ctx.body) <= self.settings.max_replay_body_bytes),
-            opted_out=_opted_out(ctx),
+            route=ctx.req.route,
+            body_replayable=(self.settings.replay and ctx.req.payload is not None
+                             and len(ctx.req.body) <= self.settings.max_replay_body_bytes),
+            opted_out=_opted_out(ctx.req),
             attempts=len(ctx.attempts),
             deadline_left_s=self._deadline_left(ctx),
             work=ctx.work,
-            smaller_ok=ctx.smaller_ok, prompt_tokens=ctx.prompt_tokens,
-            safe_read=_safe_read(ctx), media=ctx.media.modalities))
+            smaller_ok=ctx.req.smaller_ok, prompt_tokens=ctx.prompt_tokens,
+            safe_read=_safe_read(ctx.req), media=ctx.req.media.modalities))
         if isinstance(nxt, GiveUp):
             episodes.append(_Episode(failure, "rejected", nxt.reason))
             return Answered(self._controlled_error(ctx, failure, nxt))
@@ -565,7 +562,7 @@ class ProxyHandler:
         ctx.follow = None  # a replay is the second attempt: it is not continued in turn
         ctx.failover_kind = str(failure.verdict.kind)
         log.warning("rid=%s %s child failed (%s: %s); replaying on the %s child",
-                    ctx.request_id, failure.child, failure.verdict.kind,
+                    ctx.req.request_id, failure.child, failure.verdict.kind,
                     failure.verdict.evidence, other)
         second = await self._attempt(request, ctx, nxt.lease)
         if isinstance(second, AttemptFailure):
@@ -585,13 +582,13 @@ class ProxyHandler:
         upstream that takes over (policy/continuation.py), or the stream ends with the error
         event."""
         failure, so_far = cut.failure, ctx.follow
-        assert so_far is not None and ctx.payload is not None
+        assert so_far is not None and ctx.req.payload is not None
         nxt = await Failover(self._pool(ctx)).after_cut(Cut(
-            failure=failure, payload=ctx.payload, so_far=so_far,
+            failure=failure, payload=ctx.req.payload, so_far=so_far,
             continued_before=ctx.continued, deadline_left_s=self._deadline_left(ctx),
             work=Work(ctx.work.prompt_tokens + so_far.tokens, ctx.work.max_tokens,
                       ctx.work.media, ctx.work.prefix_keys),
-            no_prefill=self.settings.no_prefill, media=ctx.media.modalities))
+            no_prefill=self.settings.no_prefill, media=ctx.req.media.modalities))
         if isinstance(nxt, Close):
             return await self._close(ctx, cut, nxt.reason, episodes)
         if isinstance(nxt, GiveUp):
@@ -606,22 +603,22 @@ class ProxyHandler:
                         episodes: list[_Episode]) -> Answered | Broken:
         """The stream goes on from the lease's upstream, in the client's one stream."""
         failure, so_far, lease = cut.failure, ctx.follow, nxt.lease
-        assert so_far is not None and ctx.payload is not None
+        assert so_far is not None and ctx.req.payload is not None
         other = lease.name
         if so_far.generated and so_far.kind != "native_completion":  # (that counts its own)
             # Stream events merge a few tokens (UTF-8 pieces): the other child's tokenizer
             # says how many the relayed text (reasoning included) holds, for max_tokens and
             # usage.
             counted = await tokens.count_text(self.forwarder.session, lease.upstream,
-                                              so_far.generated, ctx.payload.get("model"))
+                                              so_far.generated, ctx.req.payload.get("model"))
             if counted is not None and not so_far.counted:
                 # llama-server stops at its limit: a text that re-tokenizes to more tokens than
                 # that (its sampled tokens need not be the tokenizer's own split) was
                 # generated within it, so the count stops there too.
-                limit = continuation.token_limit(so_far.kind, ctx.payload)
+                limit = continuation.token_limit(so_far.kind, ctx.req.payload)
                 so_far.tokens = max(so_far.tokens, counted if limit is None
                                     else min(counted, limit))
-        limited = continuation.at_limit(ctx.payload, so_far,
+        limited = continuation.at_limit(ctx.req.payload, so_far,
                                         f"as the {other} child counts the text")
         if limited is not None:
             # Counted by the tokenizer, the relayed text already fills the limit (events
@@ -637,13 +634,13 @@ class ProxyHandler:
         kind = str(failure.verdict.kind)
         ctx.failover_kind = kind
         log.warning("rid=%s %s child failed mid-stream (%s: %s) after %d tokens; continuing "
-                    "on the %s child", ctx.request_id, failure.child, kind,
+                    "on the %s child", ctx.req.request_id, failure.child, kind,
                     failure.verdict.evidence, so_far.tokens, other)
         note = {"from_child": failure.child, "child": other, "kind": kind,
                 "tokens_before": so_far.tokens}
         comment = (f": spillway: continued on the {other} child after the {failure.child} "
                    f"child failed ({kind}), {so_far.tokens} tokens in\n\n").encode()
-        body = json.dumps(continuation.continuation_body(ctx.payload, so_far)).encode()
+        body = json.dumps(continuation.continuation_body(ctx.req.payload, so_far)).encode()
         attempt = Attempt(other, len(ctx.attempts) + 1)
         ctx.attempts.append(attempt)
         episode = _Episode(failure, "continued", nxt.reason, lease.start_s, other,
@@ -658,7 +655,7 @@ class ProxyHandler:
             lease.close(attempt, ending(result))
         if attempt.first_byte_s is not None:
             # From the death to the continuation's first token: the continuation's price.
-            episode.continued_after_s = ctx.received + attempt.first_byte_s - cut.at
+            episode.continued_after_s = ctx.req.received + attempt.first_byte_s - cut.at
         self.metrics.continuations.labels(
             "completed" if isinstance(result, Answered) else "failed").inc()
         return result
@@ -669,33 +666,34 @@ class ProxyHandler:
         and gets the finish llama-server would have sent (proxy/closing.py), into the
         resumable stream's buffer too (the response is its tee)."""
         failure, so_far = cut.failure, ctx.follow
-        assert so_far is not None and ctx.payload is not None
+        assert so_far is not None and ctx.req.payload is not None
         log.warning("rid=%s %s child failed mid-stream (%s: %s) after the last of %d tokens; "
-                    "closing the stream as llama-server would", ctx.request_id, failure.child,
+                    "closing the stream as llama-server would", ctx.req.request_id, failure.child,
                     failure.verdict.kind, failure.verdict.evidence, so_far.tokens)
         episodes.append(_Episode(failure, "finished", reason, tokens_before=so_far.tokens))
         note = {"from_child": failure.child, "kind": str(failure.verdict.kind),
                 "tokens": so_far.tokens, "reason": "length"}
         return await self.forwarder.end_closed(
-            cut.response, closing.closing_events(so_far, ctx.payload, note))
+            cut.response, closing.closing_events(so_far, ctx.req.payload, note))
 
     def _controlled_error(self, ctx: RequestCtx, failure: AttemptFailure,
                           gave_up: GiveUp) -> web.Response:
         v = failure.verdict
         back = gave_up.retry_after_s
-        what = f"the {failure.child} child failed ({v.kind}: {v.evidence})" if ctx.model is None \
-            else f"model {ctx.model} on the {failure.child} child failed ({v.kind}: {v.evidence})"
+        model = ctx.req.model
+        what = f"the {failure.child} child failed ({v.kind}: {v.evidence})" if model is None \
+            else f"model {model} on the {failure.child} child failed ({v.kind}: {v.evidence})"
         if failure.timed_out:
             return errors.json_error(
                 504, "upstream_error", f"{what}; not replayed: {gave_up.reason}",
-                ctx.request_id, kind=str(v.kind), headers={"x-should-retry": "false"})
-        if replay.unavailable(gave_up.refusal, _safe_read(ctx)):
+                ctx.req.request_id, kind=str(v.kind), headers={"x-should-retry": "false"})
+        if replay.unavailable(gave_up.refusal, _safe_read(ctx.req)):
             # Capacity is the cause: a 503 that says when to come back.
             return errors.unavailable(f"{what}, and no other child can take the request now; "
-                                      "retry later", ctx.request_id, retry_after_s=back,
+                                      "retry later", ctx.req.request_id, retry_after_s=back,
                                       queue_position=0, kind=str(v.kind))
         return errors.upstream_error(f"{what}; not replayed: {gave_up.reason}",
-                                     ctx.request_id, kind=str(v.kind), retry_after_s=back)
+                                     ctx.req.request_id, kind=str(v.kind), retry_after_s=back)
 
     # --- records ------------------------------------------------------------------------------
 
@@ -706,7 +704,7 @@ class ProxyHandler:
             id=new_incident_id(),
             episode=self._pool(ctx).episode_id(f.child, f.generation),
             time=rfc3339(time.time()),
-            request_id=ctx.request_id,
+            request_id=ctx.req.request_id,
             child=f.child,
             kind=str(f.verdict.kind),
             evidence=f.verdict.evidence,
@@ -715,19 +713,19 @@ class ProxyHandler:
             cpu_start_s=round(episode.cpu_start_s, 3),
             status=status,
             tokens=_tokens(ctx.last),
-            latency_s=round(time.monotonic() - ctx.received, 3),
+            latency_s=round(time.monotonic() - ctx.req.received, 3),
             client_connected=connected,
-            route=ctx.path,
+            route=ctx.req.path,
             replay_child=episode.replay_child,
             attempts=len(ctx.attempts),
-            stream=ctx.stream,
-            model=ctx.model,
+            stream=ctx.req.stream,
+            model=ctx.req.model,
             known_crash=f.verdict.known_crash,
             tokens_before=episode.tokens_before,
             continued_after_s=(round(episode.continued_after_s, 3)
                                if episode.continued_after_s is not None else None),
             prompt_tokens=ctx.prompt_tokens if ctx.counted else None,
-            media=ctx.media.describe(),
+            media=ctx.req.media.describe(),
             prompt_reused=_reused(ctx.last),
             forecast_s=round(ctx.forecast[0], 3) if ctx.forecast else None,
             took_s=round(ctx.forecast[1], 3) if ctx.forecast else None,
@@ -750,30 +748,30 @@ class ProxyHandler:
         last = ctx.last
         reported = _child_prompt_tokens(ctx)
         self._log_line(request, rid, last.child if last else "-", status,
-                       time.monotonic() - ctx.received, len(ctx.attempts),
+                       time.monotonic() - ctx.req.received, len(ctx.attempts),
                        _count_words(ctx, reported))
         ctx.status = status
         self._count(ctx, status, broken)
         self._offer_mirror(ctx, status)
         if reported is not None:
-            self.metrics.prompt_count_error.labels("yes" if ctx.media else "no").observe(
+            self.metrics.prompt_count_error.labels("yes" if ctx.req.media else "no").observe(
                 ctx.prompt_tokens - reported)
 
     def _count(self, ctx: RequestCtx, status: int, broken: bool) -> None:
         """The request's metrics."""
         last = ctx.last
-        route = route_label(ctx.path)
-        elapsed = time.monotonic() - ctx.received
+        route = route_label(ctx.req.path)
+        elapsed = time.monotonic() - ctx.req.received
         m = self.metrics
         m.count_request(route, last.child if last is not None else "none",
                         _outcome(ctx, status, broken), elapsed)
-        if ctx.stream and last is not None and last.first_byte_s is not None and status == 200:
+        if ctx.req.stream and last is not None and last.first_byte_s is not None and status == 200:
             m.ttft.labels(route).observe(last.first_byte_s)
         if len(ctx.attempts) == 2 and not ctx.continued:
             m.replays.labels("completed" if status == 200 and not broken else "failed").inc()
         if ctx.waited_s is not None:
             m.wait.observe(ctx.waited_s)
-        for modality in ctx.media.modalities:
+        for modality in ctx.req.media.modalities:
             m.media_requests.labels(str(modality)).inc()
 
     def _rejected(self, cause: str, path: str) -> None:
@@ -824,8 +822,8 @@ def _count_words(ctx: RequestCtx, reported: int | None) -> str:
     words += f" prompt_tokens={ctx.prompt_tokens}"
     if reported is not None:
         words += f" child_prompt_tokens={reported}"
-    if ctx.media:
-        words += f' media="{ctx.media.describe()}"'
+    if ctx.req.media:
+        words += f' media="{ctx.req.media.describe()}"'
     return words
 
 
@@ -841,14 +839,14 @@ def _outcome(ctx: RequestCtx, status: int, broken: bool) -> str:
     return "client_error" if status < 500 else "failed"
 
 
-def _safe_read(ctx: RequestCtx) -> bool:
+def _safe_read(req: Received) -> bool:
     """A GET or HEAD without a body (policy/replay.py's rule 4): it changes nothing."""
-    return ctx.method in ("GET", "HEAD") and not ctx.body
+    return req.method in ("GET", "HEAD") and not req.body
 
 
-def _opted_out(ctx: RequestCtx) -> bool:
+def _opted_out(req: Received) -> bool:
     """X-Spillway-Replay: never: the client would rather have an error than a replay."""
-    return not ctx.own.replay
+    return not req.own.replay
 
 
 def _tokens(attempt: Attempt | None) -> int:
