@@ -148,10 +148,18 @@ def _is_sse(resp: UpstreamResponse) -> bool:
     return resp.headers.get("Content-Type", "").startswith("text/event-stream")
 
 
-def _answer_figures(payload: Any) -> tuple[dict[str, Any] | None, int | None]:
-    """llama-server's `timings` and the completion token count of one answer (or event)."""
+@dataclass(frozen=True)
+class _Figures:
+    timings: dict[str, Any] | None = None
+    tokens: int | None = None  # completion tokens
+    prompt_tokens: int | None = None  # the prompt's, those found cached included
+
+
+def _answer_figures(payload: Any) -> _Figures:
+    """llama-server's `timings`, the completion token count and the prompt's token count of one
+    answer (or event)."""
     if not isinstance(payload, dict):
-        return None, None
+        return _Figures()
     timings = payload.get("timings")
     usage = payload.get("usage")
     tokens = None
@@ -161,7 +169,25 @@ def _answer_figures(payload: Any) -> tuple[dict[str, Any] | None, int | None]:
         tokens = payload["tokens_predicted"]
     elif isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
         tokens = timings["predicted_n"]
-    return (timings if isinstance(timings, dict) else None), tokens
+    timings = timings if isinstance(timings, dict) else None
+    return _Figures(timings, tokens, _prompt_tokens(timings, usage))
+
+
+def _prompt_tokens(timings: dict[str, Any] | None, usage: Any) -> int | None:
+    """The prompt's tokens as the child reported them: its timings (those it processed and
+    those it found cached), else its usage (the Responses and Anthropic answers carry no
+    timings): `prompt_tokens`, or `input_tokens` with Anthropic's `cache_read_input_tokens`
+    (which its input_tokens leaves out; the Responses API's input_tokens holds them)."""
+    if timings is not None:
+        n, cached = timings.get("prompt_n"), timings.get("cache_n", 0)
+        if isinstance(n, int) and isinstance(cached, int):
+            return n + cached
+    if not isinstance(usage, dict):
+        return None
+    if isinstance(usage.get("prompt_tokens"), int):
+        return int(usage["prompt_tokens"])
+    n, cached = usage.get("input_tokens"), usage.get("cache_read_input_tokens", 0)
+    return n + cached if isinstance(n, int) and isinstance(cached, int) else None
 
 
 class Forwarder:
@@ -305,7 +331,9 @@ class Forwarder:
                                       body=body)
         elif upstream.status == 200 and body[:1] == b"{":
             with contextlib.suppress(ValueError):
-                attempt.timings, attempt.tokens = _answer_figures(json.loads(body))
+                figures = _answer_figures(json.loads(body))
+                attempt.timings, attempt.tokens = figures.timings, figures.tokens
+                attempt.prompt_tokens = figures.prompt_tokens
         attempt.first_byte_s = time.monotonic() - ctx.received
         ctx.captured(body)
         return Answered(web.Response(status=upstream.status, body=body,
@@ -454,9 +482,10 @@ class Forwarder:
             data = sse.event_data(block)
             if data.startswith(b"{"):
                 with contextlib.suppress(ValueError):
-                    timings, tokens = _answer_figures(json.loads(data))
-                    if timings is not None or tokens is not None:
-                        attempt.timings, attempt.tokens = timings, tokens
+                    figures = _answer_figures(json.loads(data))
+                    if figures.timings is not None or figures.tokens is not None:
+                        attempt.timings, attempt.tokens = figures.timings, figures.tokens
+                        attempt.prompt_tokens = figures.prompt_tokens
                         return
 
     async def _commit(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,

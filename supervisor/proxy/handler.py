@@ -745,14 +745,13 @@ def _log_failed_producer(task: asyncio.Task[Answered | Broken | None]) -> None:
 
 
 def _child_prompt_tokens(ctx: RequestCtx) -> int | None:
-    """The prompt's tokens as the child that answered reported them (its timings: those it
-    processed and those it found cached), for a request Spillway counted; None otherwise (a
-    continued stream's last attempt was another prompt)."""
+    """The prompt's tokens as the child that answered reported them (its timings or its usage:
+    those it processed and those it found cached), for a request Spillway counted; None
+    otherwise (a continued stream's last attempt was another prompt)."""
     last = ctx.last
-    if not ctx.counted or ctx.continued or last is None or last.timings is None:
+    if not ctx.counted or ctx.continued or last is None:
         return None
-    n, cached = last.timings.get("prompt_n"), last.timings.get("cache_n", 0)
-    return n + cached if isinstance(n, int) and isinstance(cached, int) else None
+    return last.prompt_tokens
 
 
 def _count_words(ctx: RequestCtx, reported: int | None) -> str:
