@@ -446,7 +446,7 @@ class ProxyHandler:
         counter = pool.first_ready(modalities)
         counted = None if counter is None else await tokens.count(
             self.forwarder.session, counter, ctx.path, ctx.payload, limit or 0,
-            marker=self.settings.media_marker)
+            marker=self.settings.media_marker, body=ctx.body)
         if counted is not None:
             ctx.counted = True
         return counted if counted is not None else tokens.Count((0,), exact=True)
