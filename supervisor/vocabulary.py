@@ -172,6 +172,7 @@ class Attempt:
     events: int = 0  # SSE data events delivered (a token count for streams)
     timings: dict[str, Any] | None = None  # llama-server's own timings of the answer
     tokens: int | None = None  # completion tokens, when the answer said
+    prompt_tokens: int | None = None  # the prompt's tokens, as the answer said (with cached)
     media_items: int = 0  # images and audio clips in its prompt (each an encoder's run)
     answer_text: str | None = None  # a whole chat answer's text (no tool call), for a mirror
 

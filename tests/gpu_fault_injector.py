@@ -31,6 +31,9 @@ lines are written and the process dies with SIGABRT, taking the real server with
   FAULT_LINES=full      the whole CUDA out-of-memory message before the abort (default)
   FAULT_LINES=terse     only `ggml-cuda.cu:109: CUDA error`, as seen on a real H200
   FAULT_LINES=vulkan_lost  a Vulkan build's lost device (vk::DeviceLostError), then SIGABRT
+  FAULT_LINES=vision    the vision encoder's compute buffer could not be allocated while it
+                        encoded an image (cudaMalloc failed, then the failed GGML_ASSERT), as
+                        a CUDA build with its projector on the GPU dies of a large image
   FAULT_EVERY_MODE=abort|stall|alternate  what FAULT_EVERY_S does: abort (default); stall:
                         the real server is stopped (SIGSTOP: no byte, no /slots) while this
                         process still answers /health 200, as llama-server's HTTP thread does
@@ -72,6 +75,18 @@ VULKAN_OOM = "ggml_vulkan: vk::Device::allocateMemory: ErrorOutOfDeviceMemory"
 # A Vulkan build whose device was lost (llama.cpp#17334, verbatim): std::terminate, SIGABRT.
 VULKAN_LOST = ["terminate called after throwing an instance of 'vk::DeviceLostError'",
                "  what():  vk::Queue::submit: ErrorDeviceLost"]
+# A vision encoder (the projector, --mmproj, offloaded) out of memory while it encodes an image:
+# a user's log of a CUDA build of llama-server and a 3 MB image (llama.cpp#13414, verbatim): the
+# CUDA buffer type's allocation, ggml-alloc's, then the abort.
+VISION_OOM = [
+    "srv  process_chun: processing image...",
+    "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 4514.05 MiB on device 0: "
+    "cudaMalloc failed: out of memory",
+    "ggml_gallocr_reserve_n: failed to allocate CUDA0 buffer of size 4733328896",
+    "/devel/tools/llama.cpp/ggml/src/ggml-backend.cpp:1662: GGML_ASSERT((char *)addr + "
+    "ggml_backend_buffer_get_alloc_size(buffer, tensor) <= (char *)"
+    "ggml_backend_buffer_get_base(buffer) + ggml_backend_buffer_get_size(buffer)) failed",
+]
 GENERATION = ("/completion", "/completions", "/v1/completions", "/chat/completions",
               "/v1/chat/completions", "/v1/responses", "/responses", "/v1/messages", "/infill",
               "/embedding", "/embeddings", "/v1/embeddings")
@@ -184,7 +199,7 @@ def die() -> None:
         real.send_signal(signal.SIGABRT)
         real.wait(10)
         state.output_done.wait(5)
-    lines = {"terse": CUDA_TERSE, "vulkan_lost": VULKAN_LOST}.get(
+    lines = {"terse": CUDA_TERSE, "vulkan_lost": VULKAN_LOST, "vision": VISION_OOM}.get(
         ENV.get("FAULT_LINES", "full"), CUDA_FULL)
     for line in lines:
         write(line)

@@ -168,10 +168,18 @@ def _chat_text(answer: Any) -> str | None:
     return None
 
 
-def _answer_figures(payload: Any) -> tuple[dict[str, Any] | None, int | None]:
-    """llama-server's `timings` and the completion token count of one answer (or event)."""
+@dataclass(frozen=True)
+class _Figures:
+    timings: dict[str, Any] | None = None
+    tokens: int | None = None  # completion tokens
+    prompt_tokens: int | None = None  # the prompt's, those found cached included
+
+
+def _answer_figures(payload: Any) -> _Figures:
+    """llama-server's `timings`, the completion token count and the prompt's token count of one
+    answer (or event)."""
     if not isinstance(payload, dict):
-        return None, None
+        return _Figures()
     timings = payload.get("timings")
     usage = payload.get("usage")
     tokens = None
@@ -181,7 +189,25 @@ def _answer_figures(payload: Any) -> tuple[dict[str, Any] | None, int | None]:
         tokens = payload["tokens_predicted"]
     elif isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
         tokens = timings["predicted_n"]
-    return (timings if isinstance(timings, dict) else None), tokens
+    timings = timings if isinstance(timings, dict) else None
+    return _Figures(timings, tokens, _prompt_tokens(timings, usage))
+
+
+def _prompt_tokens(timings: dict[str, Any] | None, usage: Any) -> int | None:
+    """The prompt's tokens as the child reported them: its timings (those it processed and
+    those it found cached), else its usage (the Responses and Anthropic answers carry no
+    timings): `prompt_tokens`, or `input_tokens` with Anthropic's `cache_read_input_tokens`
+    (which its input_tokens leaves out; the Responses API's input_tokens holds them)."""
+    if timings is not None:
+        n, cached = timings.get("prompt_n"), timings.get("cache_n", 0)
+        if isinstance(n, int) and isinstance(cached, int):
+            return n + cached
+    if not isinstance(usage, dict):
+        return None
+    if isinstance(usage.get("prompt_tokens"), int):
+        return int(usage["prompt_tokens"])
+    n, cached = usage.get("input_tokens"), usage.get("cache_read_input_tokens", 0)
+    return n + cached if isinstance(n, int) and isinstance(cached, int) else None
 
 
 class Forwarder:
@@ -327,7 +353,9 @@ class Forwarder:
         elif upstream.status == 200 and body[:1] == b"{":
             with contextlib.suppress(ValueError):
                 answer = json.loads(body)
-                attempt.timings, attempt.tokens = _answer_figures(answer)
+                figures = _answer_figures(answer)
+                attempt.timings, attempt.tokens = figures.timings, figures.tokens
+                attempt.prompt_tokens = figures.prompt_tokens
                 attempt.answer_text = _chat_text(answer)
         attempt.first_byte_s = time.monotonic() - ctx.req.received
         ctx.captured(body)
@@ -478,9 +506,10 @@ class Forwarder:
             data = sse.event_data(block)
             if data.startswith(b"{"):
                 with contextlib.suppress(ValueError):
-                    timings, tokens = _answer_figures(json.loads(data))
-                    if timings is not None or tokens is not None:
-                        attempt.timings, attempt.tokens = timings, tokens
+                    figures = _answer_figures(json.loads(data))
+                    if figures.timings is not None or figures.tokens is not None:
+                        attempt.timings, attempt.tokens = figures.timings, figures.tokens
+                        attempt.prompt_tokens = figures.prompt_tokens
                         return
 
     async def _commit(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,

@@ -475,7 +475,7 @@ class ProxyHandler:
         counter = pool.first_ready(modalities)
         counted = None if counter is None else await tokens.count(
             self.forwarder.session, counter, ctx.req.path, ctx.req.payload, limit or 0,
-            marker=self.settings.media_marker)
+            marker=self.settings.media_marker, body=ctx.req.body)
         if counted is not None:
             ctx.counted = True
         return counted if counted is not None else tokens.Count((0,), exact=True)
@@ -801,14 +801,13 @@ def _reused(attempt: Attempt | None) -> int | None:
 
 
 def _child_prompt_tokens(ctx: RequestCtx) -> int | None:
-    """The prompt's tokens as the child that answered reported them (its timings: those it
-    processed and those it found cached), for a request Spillway counted; None otherwise (a
-    continued stream's last attempt was another prompt)."""
+    """The prompt's tokens as the child that answered reported them (its timings or its usage:
+    those it processed and those it found cached), for a request Spillway counted; None
+    otherwise (a continued stream's last attempt was another prompt)."""
     last = ctx.last
-    if not ctx.counted or ctx.continued or last is None or last.timings is None:
+    if not ctx.counted or ctx.continued or last is None:
         return None
-    n, cached = last.timings.get("prompt_n"), last.timings.get("cache_n", 0)
-    return n + cached if isinstance(n, int) and isinstance(cached, int) else None
+    return last.prompt_tokens
 
 
 def _count_words(ctx: RequestCtx, reported: int | None) -> str:

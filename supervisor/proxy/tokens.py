@@ -40,10 +40,14 @@ class Count:
 
 async def count(session: aiohttp.ClientSession, child: Upstream, path: str,
                 payload: dict[str, Any], limit: int = 0,
-                timeout_s: float = 30.0, marker: str | None = None) -> Count | None:
+                timeout_s: float = 30.0, marker: str | None = None,
+                body: bytes | None = None) -> Count | None:
     """The prompt's tokens as `child` counts them; None when they cannot be told. A prompt
     that its bytes show to be under `limit` is not counted: its bound stands. `marker`: the
-    children's media marker (a prompt object's `multimodal_data`)."""
+    children's media marker (a prompt object's `multimodal_data`). `body`: the request's own
+    bytes (the JSON of `payload`), sent as they are to a counting route, which takes the
+    request's body: an image's base64 is not written out again, twice (as text, then bytes),
+    for each request that carries one."""
     plan = prompts.plan(path, payload, marker)
     if plan is None:
         return None
@@ -51,7 +55,8 @@ async def count(session: aiohttp.ClientSession, child: Upstream, path: str,
     model = payload.get("model")
     try:
         if plan.count_route is not None:
-            counted = await _post(session, child, plan.count_route, payload, timeout)
+            counted = await _post(session, child, plan.count_route,
+                                  payload if body is None else body, timeout)
             n = counted.get("input_tokens") if counted is not None else None
             return Count((n,), plan.exact) if isinstance(n, int) else None
         figures = await asyncio.gather(*(_task(session, child, task, model, limit, timeout)
@@ -113,10 +118,12 @@ def _bound(piece: prompts.Piece) -> int:
 
 
 async def _post(session: aiohttp.ClientSession, child: Upstream, route: str,
-                payload: dict[str, Any], timeout: aiohttp.ClientTimeout) -> dict[str, Any] | None:
+                payload: dict[str, Any] | bytes,
+                timeout: aiohttp.ClientTimeout) -> dict[str, Any] | None:
     headers = {"Authorization": f"Bearer {child.api_key}", "Content-Type": "application/json"}
+    data = payload if isinstance(payload, bytes) else json.dumps(payload)
     async with session.post(f"{child.base_url}{route}", headers=headers,
-                            data=json.dumps(payload), timeout=timeout) as r:
+                            data=data, timeout=timeout) as r:
         if r.status != 200:
             return None  # the child's own words on the request come when it is forwarded
         answer = await r.json()
