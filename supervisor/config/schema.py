@@ -436,7 +436,7 @@ class FailoverConfig:
                                                     check=_non_negative, convert=_from_mib))
     # The large bodies (with images or audio, or over 1 MiB) held at once across requests for
     # their replays; past it, a request gets a controlled 503 (0: no bound).
-    max_held_bytes: int = field(metadata=key("number", 256, name="max_held_mib",
+    max_held_bytes: int = field(metadata=key("number", 128, name="max_held_mib",
                                              check=_non_negative, convert=_from_mib))
     stream_hold_s: float = field(metadata=key("number", 30.0, check=_non_negative))
     # A stream whose child dies after bytes went out goes on from the other child.

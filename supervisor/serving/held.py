@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..gpu import MIB
 
 LARGE_BODY_BYTES = 1 * MIB  # a body this large counts even without media (long prompts)
-DEFAULT_MAX_HELD_BYTES = 256 * MIB
+DEFAULT_MAX_HELD_BYTES = 128 * MIB
 
 
 @dataclass
