@@ -13,8 +13,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from multidict import CIMultiDictProxy
+
 from .policy import evidence as ev
 from .policy.lifecycle import ChildState
+from .policy.media import NO_MEDIA, Media
+from .policy.routes import RouteClass
 
 # What one upstream is working on: the one count of its requests in flight. The pool writes it
 # (a lease taken, a lease closed); nothing else does. The child reads it: a draining child waits
@@ -190,3 +194,37 @@ class AttemptEnd:
     error_message: str = ""  # a 5xx answer's own message (llama-server's error.message): the
     # sick-child rule tells a request's own fault by it
     body_digest: int = 0  # the request's body, hashed: different requests differ
+
+
+@dataclass(frozen=True)
+class OwnHeaders:
+    """What a request's own headers ask of Spillway."""
+
+    pin: str | None = None  # X-Spillway-Child (routes outside generation only)
+    replay: bool = True  # False: X-Spillway-Replay: never
+    deadline_s: float | None = None  # X-Spillway-Deadline or X-Stainless-Timeout; the smaller
+    fallback: str = ""  # X-Spillway-Fallback: "smaller", "none", or "" (not given)
+
+
+@dataclass(frozen=True)
+class Received:
+    """A client request as it arrived, read and checked once before it is served: what every
+    attempt, replay and continuation reads, and nothing writes."""
+
+    request_id: str
+    method: str
+    path: str
+    path_qs: str
+    route: RouteClass
+    body: bytes
+    payload: dict[str, Any] | None
+    stream: bool
+    client_headers: CIMultiDictProxy[str]
+    received: float = field(default_factory=time.monotonic)
+    trusted: bool = True  # passed Spillway's key check: the child's key goes along
+    own: OwnHeaders = field(default_factory=OwnHeaders)  # what its X-Spillway-* headers ask
+    media: Media = NO_MEDIA  # its images, audio and video (policy/media.py)
+    model: str | None = None  # router mode: the model it names, as the routers list it
+    smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
+    # A resumable stream's X-Conversation-Id (read once, checked).
+    conversation: str | None = None

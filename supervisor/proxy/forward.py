@@ -31,13 +31,12 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict, CIMultiDictProxy
+from multidict import CIMultiDict
 
 from ..policy import continuation, sickness
 from ..policy.estimate import Work
-from ..policy.media import NO_MEDIA, Media
 from ..policy import evidence as ev
-from ..vocabulary import Attempt, AttemptFailure, Upstream
+from ..vocabulary import Attempt, AttemptFailure, Received, Upstream
 from .outcomes import Answered, AttemptResult, Broken, Interrupted
 from ..policy import router as router_evidence
 from ..policy.routes import ANTHROPIC_ROUTES, RouteClass
@@ -48,7 +47,7 @@ from .connections import (
 from ..records.stream_sessions import StreamSession
 from .continued import ContinuedStream
 from .errors import sse_error_event
-from .headers import OwnHeaders, downstream_headers, upstream_headers
+from .headers import downstream_headers, upstream_headers
 from .tee import TeeResponse
 
 log = logging.getLogger("spillway.proxy")
@@ -62,30 +61,6 @@ _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # exit status is the best evidence and usually arrives within milliseconds.
 EXIT_EVIDENCE_WAIT_S = 2.0
 HOLD_COMMENT_EVERY_S = 10.0
-
-
-@dataclass(frozen=True)
-class Received:
-    """A client request as it arrived, read and checked once before it is served: what every
-    attempt, replay and continuation reads, and nothing writes."""
-
-    request_id: str
-    method: str
-    path: str
-    path_qs: str
-    route: RouteClass
-    body: bytes
-    payload: dict[str, Any] | None
-    stream: bool
-    client_headers: CIMultiDictProxy[str]
-    received: float = field(default_factory=time.monotonic)
-    trusted: bool = True  # passed Spillway's key check: the child's key goes along
-    own: OwnHeaders = field(default_factory=OwnHeaders)  # what its X-Spillway-* headers ask
-    media: Media = NO_MEDIA  # its images, audio and video (policy/media.py)
-    model: str | None = None  # router mode: the model it names, as the routers list it
-    smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
-    # A resumable stream's X-Conversation-Id (read once, checked).
-    conversation: str | None = None
 
 
 @dataclass

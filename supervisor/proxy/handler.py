@@ -23,25 +23,23 @@ from ..records.idempotency import IdempotencyStore, Outcome, StoredResponse, fin
 from ..records.incidents import Incident, IncidentLog, new_incident_id
 from ..records.metrics import Metrics
 from ..serving.pool import Lease, Pool
-from ..serving.failover import Close, Cut, Failed, Failover, GiveUp, GoOn
+from ..serving.recovery import Close, GiveUp, GoOn, Recovery, RecoverySettings, safe_read
 from ..serving.mirror import Mirror
 from ..serving.held import DEFAULT_MAX_HELD_BYTES, LARGE_BODY_BYTES, HeldBodies
 from ..serving.pools import Pools
 from ..gpu import MIB
 from ..records.stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
 from ..records.timefmt import rfc3339
-from ..policy import admission, continuation, estimate, media, prompts, replay
-from ..policy import mirror as mirror_rules
-from ..policy.estimate import Work
+from ..policy import admission, continuation, media, prompts, replay
 from ..policy.routes import RouteClass, classify_route, route_label
 from . import closing, errors, tokens
 from .auth import AUTHENTICATED, presented_key
 from .bodies import BodyTimeout, BodyTooLarge, BodyUnreadable, parse_json_object, read_body, \
     refusal
 from .continued import ContinuedStream
-from ..vocabulary import Attempt, AttemptFailure
+from ..vocabulary import Attempt, AttemptFailure, Received
 from .outcomes import Answered, AttemptResult, Broken, Interrupted, ending
-from .forward import Forwarder, Received, RequestCtx
+from .forward import Forwarder, RequestCtx
 from .headers import HeaderProblem, own_headers
 from .identity import loggable, request_id_of
 
@@ -381,10 +379,6 @@ class ProxyHandler:
         """The request's pool: its model's in router mode, else the one."""
         return self.pools.for_model(ctx.req.model, ctx.req.path)[1]
 
-    def _deadline_left(self, ctx: RequestCtx) -> float | None:
-        deadline = ctx.req.own.deadline_s
-        return None if deadline is None else deadline - (time.monotonic() - ctx.req.received)
-
     async def _serve(self, request: web.Request, ctx: RequestCtx,
                      episodes: list[_Episode]) -> Answered | Broken:
         pin = None
@@ -399,22 +393,12 @@ class ProxyHandler:
                 pool = self.pools.main
                 got = pool.passthrough(pin)
         else:
-            # Generation: 3 to 7 of the admission order.
-            opted_out = _opted_out(ctx.req)
+            # Generation: 3 to 7 of the admission order, asked of the recovery coordinator.
             count = await self._prompt_count(ctx)
             ctx.prompt_tokens = count.largest
-            # Its expected time on each child: the counted prompt, else a bound from the
-            # bytes of its text (its media's base64 is no text).
-            text_bytes = max(0, len(ctx.req.body) - ctx.req.media.inline_bytes)
-            ctx.work = Work(count.largest if ctx.counted else
-                            estimate.prompt_tokens_bound(text_bytes),
-                            estimate.requested_tokens(ctx.req.payload), ctx.req.media,
-                            self._prefix_keys(ctx))
-            got = await pool.lease(admission.Request(
-                route=ctx.req.route, prompt_tokens=count.largest,
-                cpu_allowed=not opted_out, deadline_s=self._deadline_left(ctx),
-                exact_count=count.exact, smaller_ok=ctx.req.smaller_ok,
-                media=ctx.req.media.modalities), ctx.work)
+            recovery = self._recovery(ctx)
+            ctx.work = recovery.work(ctx.req, count.largest, ctx.counted)
+            got = await recovery.admit(ctx.req, ctx.work, count.largest, count.exact)
         if isinstance(got, admission.Decision):
             loading = admission.loading(pool.states(), pin)
             return Answered(self._refusal(ctx, got, count, loading))
@@ -429,29 +413,14 @@ class ProxyHandler:
             return await self._after_interruption(ctx, result, episodes)
         return result
 
-    def _prefix_keys(self, ctx: RequestCtx) -> tuple[str, ...]:
-        """A chat request's earlier turns, as the warm CPU child's mirrors are keyed: looked
-        up only while it holds some."""
-        if self.mirror is None or not self.mirror.warm or ctx.req.payload is None or \
-                ctx.req.path not in prompts.CHAT_ROUTES:
-            return ()
-        return mirror_rules.lookup_keys(ctx.req.payload)
-
-    def _offer_mirror(self, ctx: RequestCtx, status: int) -> None:
-        """A chat conversation the first upstream (the GPU child) answered whole: the warm
-        CPU child may be sent it in its idle time (serving/mirror.py)."""
-        last = ctx.last
-        if self.mirror is not None:
-            self.mirror.busy()
-        if self.mirror is None or status != 200 or last is None or ctx.req.payload is None or \
-                ctx.req.media or ctx.req.path not in prompts.CHAT_ROUTES or ctx.continued or \
-                last.child != self._pool(ctx).roles[0] or len(ctx.attempts) != 1:
-            return
-        answer = last.answer_text
-        if answer is None and ctx.follow is not None and not ctx.follow.tool_calls:
-            answer = ctx.follow.text or None
-        self.mirror.offer(ctx.req.payload, answer, ctx.prompt_tokens,
-                          prefills=last.child not in self.settings.no_prefill)
+    def _recovery(self, ctx: RequestCtx) -> Recovery:
+        """The recovery coordinator for the request's pool (serving/recovery.py): where it
+        goes, its replay or continuation, what is mirrored."""
+        pool = self._pool(ctx)
+        return Recovery(pool, RecoverySettings(self.settings.replay,
+                                               self.settings.max_replay_body_bytes,
+                                               self.settings.no_prefill),
+                        self.mirror if pool is self.pools.main else None)
 
     async def _prompt_count(self, ctx: RequestCtx) -> tokens.Count:
         """The prompt's tokens, as the child counts them, when they may matter (over the
@@ -542,17 +511,8 @@ class ProxyHandler:
                              episodes: list[_Episode]) -> Answered | Broken:
         """Before any byte: the failover says replay (the second attempt) or give up (the
         controlled error)."""
-        nxt = await Failover(self._pool(ctx)).after_failure(Failed(
-            failure=failure,
-            route=ctx.req.route,
-            body_replayable=(self.settings.replay and ctx.req.payload is not None
-                             and len(ctx.req.body) <= self.settings.max_replay_body_bytes),
-            opted_out=_opted_out(ctx.req),
-            attempts=len(ctx.attempts),
-            deadline_left_s=self._deadline_left(ctx),
-            work=ctx.work,
-            smaller_ok=ctx.req.smaller_ok, prompt_tokens=ctx.prompt_tokens,
-            safe_read=_safe_read(ctx.req), media=ctx.req.media.modalities))
+        nxt = await self._recovery(ctx).after_failure(ctx.req, ctx.work, failure,
+                                                       len(ctx.attempts), ctx.prompt_tokens)
         if isinstance(nxt, GiveUp):
             episodes.append(_Episode(failure, "rejected", nxt.reason))
             return Answered(self._controlled_error(ctx, failure, nxt))
@@ -583,12 +543,8 @@ class ProxyHandler:
         event."""
         failure, so_far = cut.failure, ctx.follow
         assert so_far is not None and ctx.req.payload is not None
-        nxt = await Failover(self._pool(ctx)).after_cut(Cut(
-            failure=failure, payload=ctx.req.payload, so_far=so_far,
-            continued_before=ctx.continued, deadline_left_s=self._deadline_left(ctx),
-            work=Work(ctx.work.prompt_tokens + so_far.tokens, ctx.work.max_tokens,
-                      ctx.work.media, ctx.work.prefix_keys),
-            no_prefill=self.settings.no_prefill, media=ctx.req.media.modalities))
+        nxt = await self._recovery(ctx).after_cut(ctx.req, ctx.work, so_far, ctx.continued,
+                                                   failure)
         if isinstance(nxt, Close):
             return await self._close(ctx, cut, nxt.reason, episodes)
         if isinstance(nxt, GiveUp):
@@ -687,7 +643,7 @@ class ProxyHandler:
             return errors.json_error(
                 504, "upstream_error", f"{what}; not replayed: {gave_up.reason}",
                 ctx.req.request_id, kind=str(v.kind), headers={"x-should-retry": "false"})
-        if replay.unavailable(gave_up.refusal, _safe_read(ctx.req)):
+        if replay.unavailable(gave_up.refusal, safe_read(ctx.req)):
             # Capacity is the cause: a 503 that says when to come back.
             return errors.unavailable(f"{what}, and no other child can take the request now; "
                                       "retry later", ctx.req.request_id, retry_after_s=back,
@@ -752,7 +708,10 @@ class ProxyHandler:
                        _count_words(ctx, reported))
         ctx.status = status
         self._count(ctx, status, broken)
-        self._offer_mirror(ctx, status)
+        follow = ctx.follow
+        self._recovery(ctx).served(ctx.req, ctx.attempts, status, ctx.continued,
+                                   follow.text or None if follow is not None and
+                                   not follow.tool_calls else None, ctx.prompt_tokens)
         if reported is not None:
             self.metrics.prompt_count_error.labels("yes" if ctx.req.media else "no").observe(
                 ctx.prompt_tokens - reported)
@@ -836,11 +795,6 @@ def _outcome(ctx: RequestCtx, status: int, broken: bool) -> str:
     if not ctx.attempts:
         return "rejected"
     return "client_error" if status < 500 else "failed"
-
-
-def _safe_read(req: Received) -> bool:
-    """A GET or HEAD without a body (policy/replay.py's rule 4): it changes nothing."""
-    return req.method in ("GET", "HEAD") and not req.body
 
 
 def _opted_out(req: Received) -> bool:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from multidict import CIMultiDict, CIMultiDictProxy
 
+from ..vocabulary import OwnHeaders
+
 # RFC 9110 7.6.1 connection-specific fields, plus the ones the proxy sets itself.
 HOP_BY_HOP = frozenset(h.lower() for h in (
     "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "Proxy-Connection",
@@ -104,16 +106,6 @@ OWN_REQUEST_HEADERS = (CHILD, REPLAY, DEADLINE, FALLBACK)
 # X-Spillway-Fallback's values: "smaller" accepts a smaller model's answer, "none" refuses one
 # even where small.requests = "all", "" (not given) is the config's choice.
 FALLBACKS = ("smaller", "none")
-
-
-@dataclass(frozen=True)
-class OwnHeaders:
-    """What a request's own headers ask of Spillway."""
-
-    pin: str | None = None  # X-Spillway-Child (routes outside generation only)
-    replay: bool = True  # False: X-Spillway-Replay: never
-    deadline_s: float | None = None  # X-Spillway-Deadline or X-Stainless-Timeout; the smaller
-    fallback: str = ""  # X-Spillway-Fallback: "smaller", "none", or "" (not given)
 
 
 @dataclass(frozen=True)

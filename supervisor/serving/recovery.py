@@ -1,0 +1,133 @@
+"""The recovery coordinator: every decision an outage asks for, made in one place, from the
+request as received (vocabulary.Received, frozen) and the pure rules in policy/.
+
+- Where a request goes, and whether it waits: its admission request and its `Work` (the
+  counted prompt, its media, its earlier turns' keys), asked of the pool (policy/admission.py:
+  branch 5w waits for the GPU child when that is the earliest expected finish).
+- Where a replay goes, or why none (before any byte: serving/failover.py with
+  policy/replay.py).
+- Where a cut stream goes on, or why not (after bytes: policy/continuation.py).
+- What is mirrored to the warm CPU child (serving/mirror.py with policy/mirror.py).
+
+The HTTP handler (proxy/handler.py) carries bytes and asks; it writes the request's progress
+(its attempts, what the client received) and its records, never a decision of these.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..policy import admission, continuation, estimate, prompts
+from ..policy import mirror as mirror_rules
+from ..policy.estimate import Work
+from ..vocabulary import Attempt, AttemptFailure, Received
+from .failover import Close, Cut, Failed, Failover, GiveUp, GoOn, Replay
+from .mirror import Mirror
+from .pool import Lease, Pool
+
+__all__ = ["Close", "GiveUp", "GoOn", "Recovery", "RecoverySettings", "Replay"]
+
+
+@dataclass
+class RecoverySettings:
+    """What the config says of recovery (copied onto on a reload: the handler holds it)."""
+
+    replay: bool = True  # failover.replay
+    max_replay_body_bytes: int = 16 << 20  # failover.max_replay_body_mib
+    # Upstreams started with --no-prefill-assistant: no stream is continued there, and a
+    # mirror there holds the prompt alone.
+    no_prefill: frozenset[str] = frozenset()
+
+
+class Recovery:
+    """The decisions for the requests of one pool (router mode: one model's)."""
+
+    def __init__(self, pool: Pool, settings: RecoverySettings, mirror: Mirror | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.mirror = mirror
+        self.clock = clock
+
+    # --- where a request goes -----------------------------------------------------------------
+
+    def deadline_left(self, req: Received) -> float | None:
+        deadline = req.own.deadline_s
+        return None if deadline is None else deadline - (self.clock() - req.received)
+
+    def work(self, req: Received, prompt_tokens: int, counted: bool) -> Work:
+        """What the request asks of a child, for its expected time: the counted prompt, else
+        a bound from the bytes of its text (its media's base64 is no text)."""
+        text_bytes = max(0, len(req.body) - req.media.inline_bytes)
+        return Work(prompt_tokens if counted else estimate.prompt_tokens_bound(text_bytes),
+                    estimate.requested_tokens(req.payload), req.media, self._prefix_keys(req))
+
+    async def admit(self, req: Received, work: Work, prompt_tokens: int,
+                    exact: bool) -> Lease | admission.Decision:
+        """A place for a generation request (branches 3 to 7), or why not."""
+        return await self.pool.lease(admission.Request(
+            route=req.route, prompt_tokens=prompt_tokens, cpu_allowed=req.own.replay,
+            deadline_s=self.deadline_left(req), exact_count=exact, smaller_ok=req.smaller_ok,
+            media=req.media.modalities), work)
+
+    def _prefix_keys(self, req: Received) -> tuple[str, ...]:
+        """A chat request's earlier turns, as the warm CPU child's mirrors are keyed: looked
+        up only while it holds some."""
+        if self.mirror is None or not self.mirror.warm or req.payload is None or \
+                req.path not in prompts.CHAT_ROUTES:
+            return ()
+        return mirror_rules.lookup_keys(req.payload)
+
+    # --- after a failure ----------------------------------------------------------------------
+
+    async def after_failure(self, req: Received, work: Work, failure: AttemptFailure,
+                            attempts: int, prompt_tokens: int) -> Replay | GiveUp:
+        """Before any byte reached the client: a replay on the upstream that takes over, or
+        the controlled error's reason."""
+        return await Failover(self.pool).after_failure(Failed(
+            failure=failure, route=req.route,
+            body_replayable=(self.settings.replay and req.payload is not None
+                             and len(req.body) <= self.settings.max_replay_body_bytes),
+            opted_out=not req.own.replay, attempts=attempts,
+            deadline_left_s=self.deadline_left(req), work=work, smaller_ok=req.smaller_ok,
+            prompt_tokens=prompt_tokens, safe_read=safe_read(req),
+            media=req.media.modalities))
+
+    async def after_cut(self, req: Received, work: Work, so_far: continuation.Transcript,
+                        continued_before: bool,
+                        failure: AttemptFailure) -> GoOn | Close | GiveUp:
+        """After bytes: the stream goes on from the upstream that takes over (its prompt is
+        the request's and the text the client has), closes at its limit, or ends."""
+        assert req.payload is not None
+        return await Failover(self.pool).after_cut(Cut(
+            failure=failure, payload=req.payload, so_far=so_far,
+            continued_before=continued_before, deadline_left_s=self.deadline_left(req),
+            work=Work(work.prompt_tokens + so_far.tokens, work.max_tokens, work.media,
+                      work.prefix_keys),
+            no_prefill=self.settings.no_prefill, media=req.media.modalities))
+
+    # --- after an answer ----------------------------------------------------------------------
+
+    def served(self, req: Received, attempts: list[Attempt], status: int, continued: bool,
+               streamed_text: str | None, prompt_tokens: int) -> None:
+        """A request ended: real work just ran (a mirror waits for the next idle spell), and a
+        chat conversation the first upstream (the GPU child) answered whole, on its first
+        attempt, may be mirrored to the warm CPU child."""
+        if self.mirror is None:
+            return
+        self.mirror.busy()
+        last = attempts[-1] if attempts else None
+        if status != 200 or last is None or req.payload is None or req.media or continued or \
+                req.path not in prompts.CHAT_ROUTES or last.child != self.pool.roles[0] or \
+                len(attempts) != 1:
+            return
+        answer = last.answer_text if last.answer_text is not None else streamed_text
+        self.mirror.offer(req.payload, answer, prompt_tokens,
+                          prefills=last.child not in self.settings.no_prefill)
+
+
+def safe_read(req: Received) -> bool:
+    """A GET or HEAD without a body (policy/replay.py's rule 4): it changes nothing."""
+    return req.method in ("GET", "HEAD") and not req.body

@@ -1,0 +1,126 @@
+"""The recovery coordinator (serving/recovery.py): the decisions of an outage from the request
+as received, in one place: its work and its place (the earliest expected finish included), its
+replay, its continuation, what is mirrored."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from multidict import CIMultiDict, CIMultiDictProxy
+from test_failover_unit import OOM, transcript
+from test_pool import FakeMember, FakeSource
+
+from supervisor.policy.estimate import Work
+from supervisor.policy.media import find
+from supervisor.policy.routes import RouteClass
+from supervisor.serving.pool import Lease, Pool
+from supervisor.serving.recovery import GoOn, Recovery, RecoverySettings, Replay, safe_read
+from supervisor.vocabulary import Attempt, OwnHeaders, Received
+
+CHAT = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32, "stream": True}
+
+
+def received(payload: dict[str, Any] | None = None, **more: Any) -> Received:
+    payload = CHAT if payload is None else payload
+    body = b'{"messages": []}' + b" " * 300
+    values: dict[str, Any] = dict(
+        request_id="r1", method="POST", path="/v1/chat/completions",
+        path_qs="/v1/chat/completions", route=RouteClass.GENERATION, body=body,
+        payload=payload, stream=True, client_headers=CIMultiDictProxy(CIMultiDict()),
+        received=time.monotonic(), media=find("/v1/chat/completions", payload))
+    values.update(more)
+    return Received(**values)
+
+
+def pool(states: dict[str, str] | None = None) -> Pool:
+    source = FakeSource({"gpu": 1, "cpu": 1}, states or {"gpu": "READY", "cpu": "READY"})
+    members = {n: FakeMember(n, source) for n in ("gpu", "cpu")}
+    return Pool(source, members, 4, 30.0)  # type: ignore[arg-type]
+
+
+def test_the_request_as_received_is_frozen() -> None:
+    req = received()
+    try:
+        req.path = "/elsewhere"  # type: ignore[misc]
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("a received request was written")
+
+
+async def test_its_work_and_its_place() -> None:
+    recovery = Recovery(pool(), RecoverySettings())
+    req = received()
+    counted = recovery.work(req, 1234, counted=True)
+    assert (counted.prompt_tokens, counted.max_tokens) == (1234, 32)
+    bound = recovery.work(req, 1234, counted=False)
+    assert bound.prompt_tokens == len(req.body) // 3  # not counted: its bytes' bound
+    got = await recovery.admit(req, counted, 1234, exact=True)
+    assert isinstance(got, Lease) and got.name == "gpu"
+    got.close(None, None)
+
+
+async def test_its_deadline_and_its_opt_out_reach_the_replay_rule() -> None:
+    recovery = Recovery(pool({"gpu": "EXITED", "cpu": "READY"}), RecoverySettings())
+    nxt = await recovery.after_failure(received(), Work(10, 32), OOM, 1, 10)
+    assert isinstance(nxt, Replay) and nxt.lease.name == "cpu"
+    nxt.lease.close(None, None)
+    never = received(own=OwnHeaders(replay=False))
+    refused = await recovery.after_failure(never, Work(10, 32), OOM, 1, 10)
+    assert not isinstance(refused, Replay) and "opted out" in refused.reason
+    gone = received(own=OwnHeaders(deadline_s=1.0), received=time.monotonic() - 5)
+    assert recovery.deadline_left(gone) is not None and recovery.deadline_left(gone) < 0
+    off = Recovery(recovery.pool, RecoverySettings(replay=False))
+    assert not isinstance(await off.after_failure(received(), Work(10, 32), OOM, 1, 10),
+                          Replay)
+
+
+async def test_a_cut_stream_goes_on_with_its_prompt_and_the_text_sent() -> None:
+    recovery = Recovery(pool({"gpu": "EXITED", "cpu": "READY"}), RecoverySettings())
+    nxt = await recovery.after_cut(received(), Work(10, 32), transcript(), False, OOM)
+    assert isinstance(nxt, GoOn) and nxt.lease.name == "cpu"
+    nxt.lease.close(None, None)
+
+
+class Offers:
+    def __init__(self) -> None:
+        self.warm: dict[str, int] = {}
+        self.offered: list[tuple[Any, str | None, int, bool]] = []
+        self.busied = 0
+
+    def busy(self) -> None:
+        self.busied += 1
+
+    def offer(self, payload: Any, answer: str | None, prompt_tokens: int,
+              prefills: bool = True) -> None:
+        self.offered.append((payload, answer, prompt_tokens, prefills))
+
+
+def test_what_is_mirrored() -> None:
+    offers = Offers()
+    recovery = Recovery(pool(), RecoverySettings(no_prefill=frozenset({"cpu"})),
+                        offers)  # type: ignore[arg-type]
+    on_gpu = Attempt("gpu", 1, answer_text="hello")
+    recovery.served(received(), [on_gpu], 200, False, None, 40)
+    assert offers.offered == [(CHAT, "hello", 40, True)]
+    recovery.served(received(), [Attempt("gpu", 1)], 200, False, "streamed", 40)
+    assert offers.offered[-1][1] == "streamed"
+    # Not mirrored: an error, a replay, a continuation, another child, an image, no chat.
+    for args in ((received(), [on_gpu], 500, False), (received(), [on_gpu, Attempt("cpu", 2)],
+                                                      200, False),
+                 (received(), [on_gpu], 200, True), (received(), [Attempt("cpu", 1)], 200, False),
+                 (received(path="/completion"), [on_gpu], 200, False)):
+        recovery.served(*args, None, 40)  # type: ignore[arg-type]
+    image = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
+    recovery.served(received(image), [on_gpu], 200, False, None, 40)
+    assert len(offers.offered) == 2
+    assert offers.busied == 8  # every ending is real work: a mirror waits for the next idle
+
+
+def test_safe_read_is_a_body_less_get_or_head() -> None:
+    assert safe_read(received(method="GET", body=b"", route=RouteClass.PASSTHROUGH))
+    assert not safe_read(received(method="GET", body=b"x", route=RouteClass.PASSTHROUGH))
+    assert not safe_read(received())
