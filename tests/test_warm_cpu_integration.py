@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from harness import Spillway, eventually, real_config
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SpillwayFactory
 
@@ -68,6 +69,12 @@ def test_a_failed_over_turn_finds_its_prefix_in_the_warm_cpu_childs_cache(
     mirror = s.status()["mirror"]
     assert mirror["warm_prefixes"] == 1 and mirror["warm_tokens"] >= prefix
     assert mirror["budget_used_s"] > 0
+    code, text = s.get("/spillway/metrics")
+    assert code == 200
+    found = {(m.name, tuple(sorted(sample.labels.items()))): sample.value
+             for m in text_string_to_metric_families(text) for sample in m.samples}
+    assert found[("spillway_mirrors", (("outcome", "mirrored"),))] >= 1
+    assert found[("spillway_mirror_warm_tokens", ())] >= prefix
     pause_gpu(s)
     two = second_turn(s, one)
     assert two["timings"]["cache_n"] >= 0.8 * prefix, two["timings"]

@@ -7,7 +7,7 @@ children `gpu`/`cpu`, failure kinds from the fixed set.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import (
@@ -27,6 +27,7 @@ from ..config.schema import ROUTERS
 
 DURATION_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+MIRROR_OUTCOMES = ("mirrored", "cancelled", "failed", "skipped")
 COUNT_ERROR_BUCKETS = (-64, -16, -4, -1, 0, 1, 4, 16, 64)
 FORECAST_ERROR_BUCKETS = (-30, -10, -3, -1, -0.3, 0, 0.3, 1, 3, 10, 30)
 WAIT_BUCKETS = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -103,6 +104,18 @@ class Metrics:
             "spillway_stream_sessions", "Resumable streams (X-Conversation-Id) held, live "
             "(still being answered) or finished (kept for their time to live).", ["state"],
             registry=r)
+        # The warm CPU child: its mirrors by outcome (a gauge read from the mirror's own counts,
+        # which only grow), the prompt tokens it is known to hold, its budget used.
+        self.mirrors = Gauge(
+            "spillway_mirrors", "Conversations sent to the warm CPU child since the start, by "
+            "outcome (mirrored, cancelled by real work, failed, skipped).", ["outcome"],
+            registry=r)
+        self.mirror_warm_tokens = Gauge(
+            "spillway_mirror_warm_tokens", "Prompt tokens of the mirrored conversations the CPU "
+            "child is known to hold (the newest 64).", registry=r)
+        self.mirror_budget_used = Gauge(
+            "spillway_mirror_budget_used_seconds", "The CPU child's time spent mirroring in the "
+            "last minute.", registry=r)
         self.stream_session_bytes = Gauge(
             "spillway_stream_session_bytes", "Bytes held in the resumable streams' replay "
             "buffers.", registry=r)
@@ -183,6 +196,15 @@ class Metrics:
     def set_model_state(self, child: str, model: str, state: ChildState) -> None:
         for s in ChildState:
             self.model_state.labels(child, model, str(s)).set(1 if s is state else 0)
+
+    def track_mirror(self, counts: Mapping[str, int], warm_tokens: Callable[[], int],
+                     budget_used_s: Callable[[], float]) -> None:
+        """The warm CPU child's figures (serving/mirror.py), read at each scrape."""
+        for outcome in MIRROR_OUTCOMES:
+            self.mirrors.labels(outcome).set_function(
+                lambda outcome=outcome: counts.get(outcome, 0))  # type: ignore[misc]
+        self.mirror_warm_tokens.set_function(warm_tokens)
+        self.mirror_budget_used.set_function(budget_used_s)
 
     def track_streams(self, streams: StreamSessions) -> None:
         """The resumable streams' gauges, read from the store at each scrape."""

@@ -710,6 +710,8 @@ class Daemon:
         self.res.warm_tokens = lambda name, work: (
             mirror.warm_tokens(work.prefix_keys) if name == cpu.name else 0)
         mirror.on_timings = lambda timings: self.res.observe_timings(cpu.name, timings)
+        self.metrics.track_mirror(mirror.counts, lambda: sum(mirror.warm.values()),
+                                  lambda: mirror.budget.used_s(time.monotonic()))
         self._spawn(mirror.run())
         return mirror
 
