@@ -651,7 +651,7 @@ class Drill:
                       "(timings.cache_n), and its first token sooner than that of the same turn "
                       "of a cold conversation (as long, never mirrored, lost and replayed the "
                       f"same way, mostly uncached); {self.gpu} READY again")
-        why = self._no_mirror(await self.client.status())
+        why = no_mirror(await self.client.status())
         if why is not None:
             return self._skip(r, why)
         await self.settle()
@@ -675,36 +675,25 @@ class Drill:
             return await self._conversation_end(r)
         info["mirror"] = await self._mirrored(mirror_wait_s)
         if not info["mirror"]["mirrored"]:
-            r.notes.append(f"the first turn was not mirrored to the CPU child within "
-                           f"{mirror_wait_s:.0f} s (status `mirror`: "
-                           f"{info['mirror']['status']})")
+            r.notes.append(f"the first turn ({one.prompt_tokens} prompt tokens) was not "
+                           f"mirrored to the CPU child within {mirror_wait_s:.0f} s (status "
+                           f"`mirror`: {info['mirror']['status']}; a conversation over "
+                           "cpu.mirror_max_prompt_tokens is never mirrored)")
             return await self._conversation_end(r)
         answer = [{"role": "assistant", "content": one.answer or ""},
                   {"role": "user", "content": follow}]
         # The cold turn first: the GPU child's death in it empties its cache, so that the warm
         # turn's prefill on the GPU child is as long as the cold one's, and its simulated death
         # (at the task's launch) lands before its first token, as a real OOM's does.
+        prefill_s = (one.prompt_ms or 0.0) / 1000
         cold = await self._lost_turn([{"role": "system", "content": cold_system},
-                                      {"role": "user", "content": question}, *answer])
-        warm = await self._lost_turn([*first, *answer])
+                                      {"role": "user", "content": question}, *answer], prefill_s)
+        warm = await self._lost_turn([*first, *answer], prefill_s)
         r.requests.extend([cold, warm])
         info["cold"], info["warm"] = _turn(cold), _turn(warm)
         if warm.ttft_s and cold.ttft_s:
             info["warm_over_cold"] = round(warm.ttft_s / cold.ttft_s, 3)
         return await self._conversation_end(r)
-
-    def _no_mirror(self, status: dict[str, Any]) -> str | None:
-        """Why there is no warm CPU child to fail over to (None: there is one)."""
-        if self.model is not None:
-            return "router mode does not mirror conversations to the CPU router (yet)"
-        mirror = status.get("mirror")
-        if mirror is None:
-            return "this Spillway does not mirror conversations (its status has no `mirror`)"
-        if not mirror.get("enabled"):
-            mode = (status["children"].get(CPU_CHILD) or {}).get("mode")
-            return ("mirroring is off: the CPU child is on demand (it is stopped when idle)"
-                    if mode == "on-demand" else "mirroring is off (cpu.mirror = false)")
-        return None
 
     async def _mirrored(self, timeout: float) -> dict[str, Any]:
         """Until the CPU child has mirrored one more conversation, this one (the newest goes
@@ -722,10 +711,16 @@ class Drill:
                             "budget_used_s")}}
             await asyncio.sleep(0.1)
 
-    async def _lost_turn(self, messages: list[dict[str, Any]]) -> Sent:
+    async def _lost_turn(self, messages: list[dict[str, Any]], prefill_s: float) -> Sent:
         """A second turn, streamed, lost by the GPU child as its task launches (the failure
-        armed as for 1 to 5) and replayed on the CPU child; then the GPU child back."""
+        armed as for 1 to 5) and replayed on the CPU child; then the GPU child back. Simulated,
+        the answer armed() asks for keeps the GPU child at work for about a second after the
+        launch; the GPU child's prefill of this turn (as long as the first turn's, `prefill_s`:
+        it holds nothing of it) counts toward that second, and the CPU child is spared the
+        rest of the answer (its time to first token is the figure, not its answer)."""
         tokens, extra = await self.armed(16)
+        if self.provoker.simulated and prefill_s > 0:
+            tokens = max(16, min(tokens, int(await self._speed() * max(0.0, 1.0 - prefill_s))))
         async with self.failing():
             sent = await self.client.chat(10, messages, tokens, stream=True, extra=extra)
         await self.settle()
@@ -737,6 +732,20 @@ class Drill:
         r.conversation["gpu_after"] = state_of(await self.client.status(), GPU_CHILD,
                                                self.model)
         return r
+
+
+def no_mirror(status: dict[str, Any]) -> str | None:
+    """Scenario 10: why there is no warm CPU child to fail over to (None: there is one)."""
+    if status.get("router"):
+        return "router mode does not mirror conversations to the CPU router (yet)"
+    mirror = status.get("mirror")
+    if mirror is None:
+        return "this Spillway does not mirror conversations (its status has no `mirror`)"
+    if not mirror.get("enabled"):
+        mode = (status.get("children", {}).get(CPU_CHILD) or {}).get("mode")
+        return ("mirroring is off: the CPU child is on demand (it is stopped when idle)"
+                if mode == "on-demand" else "mirroring is off (cpu.mirror = false)")
+    return None
 
 
 def _identity(s: Sent) -> list[str]:
