@@ -1,11 +1,13 @@
 """`spillway drill` in CI: simulated (no GPU here), against real llama-server children (and
 routers, in router mode, with its sixth scenario; a small child, with its eighth; the tiny model
-with its projector, with its ninth); its report rendered in headless Chromium and read back from
-the DOM. The judges of scenarios 6, 7, 8 and 9 are also held to made-up results, to see them
-fail. The whole drills run on conftest's slow model: their failures must land in the middle of
-an answer, and the tiny model's answers were whole before Spillway's word to stop the child
-arrived on a busy machine. (Scenario 9 runs on the tiny model, the one its projector fits, with
-slots as long as the model takes: its image request is still running when the word arrives.)"""
+with its projector, with its ninth; the tiny model in long slots, with its tenth); its report
+rendered in headless Chromium and read back from the DOM. The judges of scenarios 6, 7, 8, 9 and
+10 are also held to made-up results, to see them fail. The whole drills run on conftest's slow
+model: their failures must land in the middle of an answer, and the tiny model's answers were
+whole before Spillway's word to stop the child arrived on a busy machine. (Scenario 9 runs on the
+tiny model, the one its projector fits, with slots as long as the model takes: its image request
+is still running when the word arrives. So does scenario 10: its conversation is long, some
+2,500 tokens, so that a cold CPU child takes a while to prefill it.)"""
 
 from __future__ import annotations
 
@@ -17,12 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import REPO, Spillway, real_config, router_config
+from harness import REPO, Spillway, fake_config, real_config, router_config
 
 from conftest import SpillwayFactory
 from supervisor.commands import bootstrap
 from supervisor.commands.drill.client import Sent
-from supervisor.commands.drill.scenarios import ScenarioResult, judge
+from supervisor.commands.drill.report import conversation_line
+from supervisor.commands.drill.scenarios import ScenarioResult, _turn, judge, no_mirror
 
 integration = pytest.mark.integration
 NO_PROJECTOR = ("no projector: the GPU child's /props `modalities` say it takes no images "
@@ -46,6 +49,8 @@ class Dom(HTMLParser):
         self.states: list[str] = []
         self.skipped: list[str] = []
         self.request_rows: list[dict[str, str]] = []
+        self.turns: list[dict[str, str]] = []  # scenario 10's warm and cold second turns
+        self.ratios: list[str] = []
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {k: v or "" for k, v in attrs}
@@ -62,6 +67,10 @@ class Dom(HTMLParser):
             self.request_rows.append(a)
         elif tag == "rect" and "state" in classes:
             self.states.append(a["data-state"])
+        elif tag == "tr" and "turn" in classes:
+            self.turns.append(a)
+        elif tag == "p" and "ratio" in classes:
+            self.ratios.append(a["data-ratio"])
 
 
 def rendered_dom(chromium: Path, page: Path, tmp: Path) -> str:
@@ -87,9 +96,9 @@ def test_the_drill_passes_simulated_and_its_report_renders(
     [html_path] = (tmp_path / "report").glob("drill-*.html")
     report: dict[str, Any] = json.loads(json_path.read_text())
     assert report["simulated"] is True and report["passed"] is True
-    assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 7]
+    assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 7, 10]
     # Scenario 6 is router mode's, 8 needs a small child, 9 a projector: skipped here, with
-    # the reason, and not a failure.
+    # the reason, and not a failure. (10 runs: a hot CPU child mirrors by default.)
     assert report["router"] is False
     six, eight, nine = report["skipped"]
     assert six["number"] == 6 and "router mode only" in six["why"], six
@@ -108,7 +117,7 @@ def test_the_drill_passes_simulated_and_its_report_renders(
         assert caught, sc["name"]
         for r in caught:  # every figure matched to the daemon's own record by request id
             assert r["incident"] == incidents[r["request_id"]]
-    one, two, three, four, five, seven = report["scenarios"]
+    one, two, three, four, five, seven, ten = report["scenarios"]
     assert one["requests"][0]["outcome"] == "replayed"
     assert one["requests"][0]["incident"]["evidence"] == "killed by SIGABRT"
     assert two["requests"][0]["stream"] and two["requests"][0]["complete"]
@@ -119,6 +128,14 @@ def test_the_drill_passes_simulated_and_its_report_renders(
     assert cut["outcome"] == "continued" and cut["cut_at"] == 8 and cut["continued"]
     assert cut["incident"]["decision"] == "continued"
     assert cut["incident"]["replay_child"] == "cpu" and cut["incident"]["tokens_before"] >= 8
+    # The long conversation: its warm second turn from the CPU child's cache, sooner than the
+    # cold one (scenario 10's own test holds it in detail).
+    talk = ten["conversation"]
+    assert talk["mirror"]["mirrored"] and talk["gpu_after"] == "READY"
+    assert talk["warm"]["child"] == talk["cold"]["child"] == "cpu"
+    assert talk["warm"]["cache_n"] >= 0.8 * talk["first"]["prompt_tokens"]
+    assert talk["warm"]["ttft_s"] < talk["cold"]["ttft_s"]
+    assert "[10] the second turn on the CPU child: warm first token in" in result.stdout
     # The page, as a browser renders it.
     dom = Dom()
     dom.feed(rendered_dom(chromium, html_path, tmp_path))
@@ -133,6 +150,7 @@ def test_the_drill_passes_simulated_and_its_report_renders(
     assert dom.lanes == ["gpu", "cpu"] and dom.model_lanes == []
     assert {"READY", "BACKOFF", "STARTING"} <= set(dom.states)
     assert dom.skipped == ["6", "8", "9"]
+    assert [t["data-turn"] for t in dom.turns] == ["warm", "cold"]
     assert [row["data-request-id"] for row in dom.request_rows] == \
         [r["request_id"] for r in sent]
     assert [row["data-child"] for row in dom.request_rows] == [r["child"] or "" for r in sent]
@@ -151,9 +169,11 @@ def test_the_drill_passes_in_router_mode_with_a_second_model_loading(
     report: dict[str, Any] = json.loads(next((tmp_path / "report").glob("drill-*.json"))
                                         .read_text())
     assert report["router"] is True and report["passed"] is True
-    # No small child in router mode; the models have no projector.
-    assert [sc["number"] for sc in report["skipped"]] == [8, 9]
+    # No small child in router mode; the models have no projector; router mode does not mirror.
+    assert [sc["number"] for sc in report["skipped"]] == [8, 9, 10]
     assert report["skipped"][1]["why"] == NO_PROJECTOR
+    assert report["skipped"][2]["why"] == \
+        "router mode does not mirror conversations to the CPU router (yet)"
     assert (report["model"], report["second_model"]) == ("alpha", "beta")
     assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 6, 7]
     incidents = {r["request_id"]: r for r in s.incidents()}
@@ -626,3 +646,181 @@ def test_scenario_9_judge_fails_unless_the_image_was_answered_on_the_cpu_child()
     # The GPU child not back.
     bad(_scenario_9(_plain_9("p"), gpu_after="BACKOFF"),
         "the GPU child is BACKOFF at the end, not READY")
+
+
+# --- scenario 10: a long conversation fails over ----------------------------------------------
+
+
+def conversation_drill_config(llama_server: Path, tiny_model: Path) -> dict[str, Any]:
+    """The tiny model in two slots of its whole 4,096 tokens, so that the conversation is long
+    (60% of a slot: some 2,450 tokens, which a cold CPU child prefills in about half a second
+    on one thread here, and a warm one finds in its cache); mirroring on, as by default for a
+    hot CPU child."""
+    cfg = real_config(llama_server, tiny_model)
+    cfg["model"]["args"] = ["-c", "8192", "-np", "2", "-t", "1", "-tb", "1"]
+    return cfg
+
+
+@integration
+def test_scenario_10_a_long_conversation_fails_over_to_the_warm_cpu_child(
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, tmp_path: Path,
+        chromium: Path) -> None:
+    s = spillway(conversation_drill_config(llama_server, tiny_model))
+    result = drill(s, tmp_path / "report", "--only", "10")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASSED (simulated: no GPU here)" in result.stdout
+    report: dict[str, Any] = json.loads(next((tmp_path / "report").glob("drill-*.json"))
+                                        .read_text())
+    assert report["passed"] is True and report["skipped"] == []
+    [ten] = report["scenarios"]
+    assert ten["number"] == 10 and ten["name"] == "a long conversation fails over"
+    assert ten["passed"] and ten["simulated"], ten["verdict"]
+    talk = ten["conversation"]
+    first, cold, warm = ten["requests"]
+    # The first turn: answered by the GPU child, then mirrored to the CPU child.
+    assert first["child"] == "gpu" and first["status"] == 200 and not first["stream"]
+    assert first["incident"] is None and first["prompt_tokens"] > 2000  # "a few thousand"
+    assert talk["first"]["prompt_tokens"] == first["prompt_tokens"]
+    assert talk["mirror"]["mirrored"] and talk["mirror"]["status"]["warm_prefixes"] >= 1
+    # The two second turns: lost by the GPU child, replayed on the CPU child, streamed.
+    incidents = {r["request_id"]: r for r in s.incidents()}
+    for turn, r in (("cold", cold), ("warm", warm)):
+        assert talk[turn]["request_id"] == r["request_id"]
+        assert r["stream"] and r["complete"] and r["status"] == 200 and r["child"] == "cpu"
+        assert r["outcome"] == "replayed" and r["attempts"] == 2 and not r["continued"]
+        assert r["incident"] == incidents[r["request_id"]]
+        assert r["incident"]["evidence"] == "killed by SIGABRT"
+        # The daemon's record of what the CPU child reused agrees with its timings.
+        assert r["incident"]["prompt_reused"] == r["cache_n"] == talk[turn]["cache_n"]
+        assert r["ttft_s"] == talk[turn]["ttft_s"] and 0 < r["ttft_s"] < r["latency_s"]
+    # As long as each other; the warm one's prefix in the CPU child's cache, the cold one's not.
+    assert abs(talk["cold"]["prompt_tokens"] - talk["warm"]["prompt_tokens"]) < 0.05 * \
+        talk["warm"]["prompt_tokens"]
+    assert warm["cache_n"] >= 0.8 * first["prompt_tokens"] and cold["cache_n"] < 50
+    assert warm["ttft_s"] < cold["ttft_s"]
+    assert talk["warm_over_cold"] == round(warm["ttft_s"] / cold["ttft_s"], 3)
+    assert talk["gpu_after"] == "READY" and s.child("gpu")["state"] == "READY"
+    line = conversation_line(ten)
+    assert line is not None and f"[10] {line}" in result.stdout
+    assert f"warm first token in {warm['ttft_s']:.2f} s, {warm['cache_n']} of " in line
+    # The page, as a browser renders it: the warm and the cold turn, and their ratio.
+    dom = Dom()
+    dom.feed(rendered_dom(chromium, next((tmp_path / "report").glob("drill-*.html")),
+                          tmp_path))
+    assert [(t["data-turn"], t["data-request-id"], t["data-child"], t["data-ttft"],
+             t["data-cache-n"]) for t in dom.turns] == \
+        [(turn, r["request_id"], "cpu", str(r["ttft_s"]), str(r["cache_n"]))
+         for turn, r in (("warm", warm), ("cold", cold))]
+    assert dom.ratios == [str(talk["warm_over_cold"])]
+    assert [bar["data-request-id"] for bar in dom.bars] == [first["request_id"],
+                                                           cold["request_id"],
+                                                           warm["request_id"]]
+    print(f"scenario 10: {line}")
+
+
+ON_DEMAND = "mirroring is off: the CPU child is on demand (it is stopped when idle)"
+
+
+def test_scenario_10_is_skipped_without_mirroring(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path,
+        tmp_path: Path) -> None:
+    # An on-demand CPU child is not mirrored to (it is stopped when idle): the daemon's status
+    # says so, and the drill skips 10 with the reason. Fake children: nothing is sent to them.
+    s = spillway(fake_config(fake_server, tiny_model, cpu={"mode": "on-demand"}),
+                 wait_ready=False)
+    s.wait_listening()
+    s.wait_state(("gpu",), ("READY",))
+    why = ON_DEMAND
+    result = drill(s, tmp_path / "report", "--only", "10")
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads(next((tmp_path / "report").glob("drill-*.json")).read_text())
+    assert report["passed"] is True and report["scenarios"] == []
+    [skipped] = report["skipped"]
+    assert skipped["number"] == 10 and skipped["why"] == why, skipped
+    assert f"[10] SKIPPED: {why}" in result.stderr
+    assert f"a long conversation fails over: skipped ({why})" in result.stdout
+
+
+def _turn_10(rid: str, ttft: float, cache_n: int, prompt: int = 2630, **kw: Any) -> Sent:
+    s = Sent(10, rid, True, 1.0, ended=3.0, status=200, attempts=2, child="cpu",
+             complete=True, request_id_kept=True, ttft_s=ttft, cache_n=cache_n,
+             prompt_n=prompt - cache_n, prompt_ms=10.0)
+    s.incident = {"request_id": rid, "decision": "replayed", "replay_child": "cpu",
+                  "prompt_reused": cache_n}
+    for name, value in kw.items():
+        setattr(s, name, value)
+    return s
+
+
+def _scenario_10(warm: Sent | None = None, cold: Sent | None = None,
+                 **conversation: Any) -> ScenarioResult:
+    r = ScenarioResult(10, "a long conversation fails over", "bar", True)
+    first = Sent(10, "first", False, 0.0, ended=0.5, status=200, attempts=1, child="gpu",
+                 complete=True, request_id_kept=True, prompt_tokens=2525)
+    warm = warm or _turn_10("warm", 0.08, 2589)
+    cold = cold or _turn_10("cold", 0.95, 0)
+    r.requests.extend([first, cold, warm])
+    r.conversation = {"gpu": "the GPU child", "first": _turn(first),
+                      "mirror": {"mirrored": True, "waited_s": 2.4},
+                      "warm": _turn(warm), "cold": _turn(cold), "gpu_after": "READY",
+                      **conversation}
+    return r
+
+
+def test_scenario_10_judge_fails_unless_the_warm_turn_was_warm_and_sooner() -> None:
+    good = _scenario_10()
+    judge(good)
+    assert good.passed, good.verdict
+
+    def bad(r: ScenarioResult, said: str) -> None:
+        judge(r)
+        assert not r.passed and said in r.verdict, r.verdict
+
+    # Not warm: the CPU child prefilled the conversation again (the mirror was lost).
+    bad(_scenario_10(warm=_turn_10("warm", 0.5, 40)),
+        "the warm turn found 40 tokens in the CPU child's cache, under 80% of the first turn's "
+        "2525 prompt tokens: it was not warm")
+    # Warm, but its first token no sooner than the cold one's.
+    bad(_scenario_10(warm=_turn_10("warm", 0.95, 2589)),
+        "the warm turn's first token (0.950 s) came no sooner than the cold one's (0.950 s)")
+    # The cold figure was no cold one: the CPU child held most of it.
+    bad(_scenario_10(cold=_turn_10("cold", 0.1, 2000)),
+        "the cold turn found 2000 of its 2630 prompt tokens in the CPU child's cache (over "
+        "20%): it was not cold")
+    # The warm turn answered by the GPU child (never lost), or with a controlled error.
+    never = _turn_10("warm", 0.05, 2589, attempts=1, child="gpu")
+    never.incident = None
+    bad(_scenario_10(warm=never), "warm: the warm turn was not answered whole by the CPU child "
+                                  "(status 200, child gpu)")
+    bad(_scenario_10(warm=never), "warm: the warm turn's incident says none on None")
+    refused = _turn_10("warm", 0.0, 0, status=503, complete=False, controlled=True,
+                       child=None, ttft_s=None, note="no child can take it")
+    bad(_scenario_10(warm=refused), "warm: the warm turn was not answered whole by the CPU "
+                                    "child (status 503, child None, no child can take it)")
+    bad(_scenario_10(warm=refused), "warm: no first token of the warm turn")
+    # Its first tokens were the GPU child's: continued, not replayed.
+    bad(_scenario_10(warm=_turn_10("warm", 0.05, 2589, continued=True)),
+        "warm: the warm turn's first tokens were the GPU child's")
+    # The GPU child not back.
+    bad(_scenario_10(gpu_after="BACKOFF"), "the GPU child is BACKOFF at the end, not READY")
+    # Never mirrored: the drill stopped before the second turns.
+    unmirrored = ScenarioResult(10, "a long conversation fails over", "bar", True)
+    unmirrored.notes.append("the first turn (2525 prompt tokens) was not mirrored to the CPU "
+                            "child within 60 s")
+    unmirrored.conversation = {"gpu": "the GPU child", "gpu_after": "READY"}
+    bad(unmirrored, "was not mirrored to the CPU child within 60 s")
+
+
+def test_scenario_10_says_why_there_is_no_warm_cpu_child() -> None:
+    children = {"gpu": {"state": "READY"}, "cpu": {"state": "READY", "mode": "hot"}}
+    mirror = {"enabled": True, "mirrored": 0}
+    assert no_mirror({"children": children, "mirror": mirror}) is None
+    assert no_mirror({"children": children, "mirror": {**mirror, "enabled": False}}) == \
+        "mirroring is off (cpu.mirror = false)"
+    on_demand = {**children, "cpu": {"state": "STOPPED", "mode": "on-demand"}}
+    assert no_mirror({"children": on_demand, "mirror": {**mirror, "enabled": False}}) == \
+        ON_DEMAND
+    assert no_mirror({"children": children, "mirror": None}) == \
+        "this Spillway does not mirror conversations (its status has no `mirror`)"
+    assert no_mirror({"children": children, "mirror": None, "router": True}) == \
+        "router mode does not mirror conversations to the CPU router (yet)"

@@ -3,9 +3,9 @@
 #
 #   scripts/gpu/drill.sh
 #
-# What it proves, on the card: the drill's nine scenarios with a real out-of-memory (ballast)
-# where they can have one (1 to 5; 6 is router mode's and 8 needs a small child, so both are
-# skipped here; 7 is Spillway's SIGABRT even on a GPU), and scenario 9: the model is given a
+# What it proves, on the card: the drill's ten scenarios with a real out-of-memory (ballast)
+# where they can have one (1 to 5 and 10; 6 is router mode's and 8 needs a small child, so both
+# are skipped here; 7 is Spillway's SIGABRT even on a GPU), and scenario 9: the model is given a
 # projector (the tiny vision and audio one, tests/tinymm.py, sized to the model's width), and an
 # image request (a PNG, first in its message, then the long prompt) reaches the GPU child while
 # the ballast leaves it a few MiB, so that the allocations its image and prompt need there fail;
@@ -14,7 +14,12 @@
 # are answered, and the GPU child comes back READY. The drill does not tell whether the first
 # allocation to fail was the vision encoder's or the prompt's that follows it (the child's own
 # log in spillway.log may); a tiny projector's encoder needs little memory, so it may well be
-# the prompt's.
+# the prompt's. Scenario 10: a long conversation (a system prompt of PROMPT_TOKENS) is mirrored
+# to the CPU child (mirroring is on for a hot CPU child), and its second turn, lost by the GPU
+# child to the ballast, is answered by the CPU child from its cache, its first token timed
+# against a cold conversation's of the same length (the CPU child's prefill of PROMPT_TOKENS on
+# this machine's cores). The CPU child has one slot: the cold turn takes it, and the warm
+# conversation waits in its host cache (llama-server's --cache-ram) meanwhile.
 #
 # Environment:
 #   LLAMA_SERVER  a CUDA llama-server (or LLAMA_SERVER_XZ: the .xz that

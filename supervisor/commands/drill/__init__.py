@@ -7,9 +7,11 @@ GPU router while the first one's requests run there; (7) a stream whose GPU chil
 middle of its answer, continued on the CPU child; (8) with a small child ([small]) only: the
 small model answers the requests that accept it while the large one reloads; (9) with a
 projector (`--mmproj`) only: an image request whose vision encoder takes the last VRAM is
-replayed, image and all, on the CPU child. On a GPU the failure is real (ballast); without one
-it is simulated and every result says so. The report (table, JSON, HTML with an SVG timeline)
-takes its figures from the daemon's own incident records.
+replayed, image and all, on the CPU child; (10) with a warm CPU child (mirroring on) only: a
+long conversation's second turn fails over to the CPU child, which holds its first turn, and its
+first token comes sooner than a cold conversation's. On a GPU the failure is real (ballast);
+without one it is simulated and every result says so. The report (table, JSON, HTML with an
+SVG timeline) takes its figures from the daemon's own incident records.
 
 In router mode every request names the drilled model (A: the routers' first, or `--model`),
 and the failure is A's instance's on the GPU router; B (the second listed, or
@@ -36,7 +38,7 @@ from . import provoke, report
 from .client import DrillClient, model_info, state_of
 from .scenarios import Drill, ScenarioResult, judge
 
-ALL = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+ALL = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
 
 
 def say(text: str) -> None:
@@ -114,7 +116,8 @@ def _lane_states(status: dict[str, Any], models: list[str]) -> dict[str, str | N
 async def _scenarios(drill: Drill, only: tuple[int, ...]) -> list[ScenarioResult]:
     steps = {1: drill.non_streaming, 2: drill.streaming, 3: drill.cancellation,
              4: drill.concurrent, 5: drill.agent, 6: drill.second_model,
-             7: drill.continued_stream, 8: drill.smaller_model, 9: drill.image_request}
+             7: drill.continued_stream, 8: drill.smaller_model, 9: drill.image_request,
+             10: drill.long_conversation}
     results: list[ScenarioResult] = []
     try:
         for number in ALL:

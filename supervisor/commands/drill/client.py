@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import random
 import struct
@@ -52,6 +53,15 @@ class Sent:
     gpu_when_sent: str | None = None  # scenario 8: the GPU child's state as it was sent
     images: int = 0  # scenario 9: the images the request carried
     prompt_tokens: int = 0  # the answer's usage.prompt_tokens (media tokens included)
+    # A stream: seconds from sending it to its first event with text (its time to first token)
+    ttft_s: float | None = None
+    # The answering child's timings (a stream's last event, a whole answer's body): the prompt
+    # tokens it found in its cache (cache_n), those it computed (prompt_n), and how long that
+    # took it (prompt_ms); None when the answer had no timings.
+    cache_n: int | None = None
+    prompt_n: int | None = None
+    prompt_ms: float | None = None
+    answer: str | None = None  # the answer's text, where the drill asked to keep it (`keep`)
     note: str = ""
     incident: dict[str, Any] | None = None
 
@@ -187,9 +197,11 @@ class DrillClient:
                    stream: bool = False, headers: dict[str, str] | None = None,
                    leave_after_first_event: bool = False,
                    extra: dict[str, Any] | None = None,
-                   cut: tuple[int, Callable[[], Awaitable[None]]] | None = None) -> Sent:
+                   cut: tuple[int, Callable[[], Awaitable[None]]] | None = None,
+                   keep: bool = False) -> Sent:
         """One chat request; `cut` = (K, stop): `stop()` is awaited once K events of the
-        stream have been read (scenario 7 stops the GPU child there), and reading goes on."""
+        stream have been read (scenario 7 stops the GPU child there), and reading goes on;
+        `keep`: the text of a whole answer is kept (scenario 10's next turn carries it)."""
         rid = f"drill-{scenario}-{uuid.uuid4().hex[:10]}"
         sent = Sent(scenario, rid, stream, time.time(), images=_images(messages))
         self.sent.append(sent)
@@ -213,14 +225,14 @@ class DrillClient:
                     await self._read_stream(r, sent, leave_after_first_event, cut)
                 else:
                     raw = await r.read()
-                    self._read_json(raw, sent)
+                    self._read_json(raw, sent, keep)
         except (TimeoutError, aiohttp.ClientError) as e:
             sent.note = f"connection: {type(e).__name__}: {e}"
         sent.ended = time.time()
         return sent
 
     @staticmethod
-    def _read_json(raw: bytes, sent: Sent) -> None:
+    def _read_json(raw: bytes, sent: Sent, keep: bool = False) -> None:
         try:
             data = json.loads(raw)
         except ValueError:
@@ -235,6 +247,10 @@ class DrillClient:
             usage = data.get("usage") or {}
             sent.tokens = int(usage.get("completion_tokens", 0))
             sent.prompt_tokens = int(usage.get("prompt_tokens", 0))
+            _read_timings(data.get("timings"), sent)
+            if keep:
+                message = (data["choices"][0] or {}).get("message") or {}
+                sent.answer = str(message.get("content") or "")
 
     @staticmethod
     async def _read_stream(r: aiohttp.ClientResponse, sent: Sent, leave: bool,
@@ -256,6 +272,11 @@ class DrillClient:
             events += 1
             if sent.answer_model is None:
                 sent.answer_model = _model_of(data)
+            if sent.ttft_s is None and _has_text(data):
+                sent.ttft_s = round(time.time() - sent.started, 3)
+            if b'"timings"' in data:
+                with contextlib.suppress(ValueError):
+                    _read_timings(json.loads(data).get("timings"), sent)
             if cut is not None and events == cut[0]:
                 sent.cut_at = events
                 await cut[1]()
@@ -275,6 +296,30 @@ def _model_of(data: Any) -> str | None:
             return None
     model = data.get("model") if isinstance(data, dict) else None
     return model if isinstance(model, str) else None
+
+
+def _has_text(data: bytes) -> bool:
+    """Whether a chat stream's event carries the answer's first text (content, reasoning or a
+    tool call): the role-only event before it does not."""
+    if b'"delta"' not in data:
+        return False
+    try:
+        choices = json.loads(data).get("choices") or [{}]
+        delta = choices[0].get("delta") or {}
+    except (ValueError, AttributeError):
+        return False
+    return any(delta.get(k) for k in ("content", "reasoning_content", "tool_calls"))
+
+
+def _read_timings(timings: Any, sent: Sent) -> None:
+    """The answering child's timings, where the answer has them."""
+    if not isinstance(timings, dict):
+        return
+    for name in ("cache_n", "prompt_n"):
+        if isinstance(timings.get(name), int):
+            setattr(sent, name, int(timings[name]))
+    if isinstance(timings.get("prompt_ms"), (int, float)):
+        sent.prompt_ms = round(float(timings["prompt_ms"]), 1)
 
 
 def _images(messages: list[dict[str, Any]]) -> int:

@@ -4,8 +4,11 @@ each router; each request a bar coloured by outcome, with the child that answere
 request is listed too: whether it accepted a smaller model, the GPU child's state as it was sent
 (scenario 8), the child that answered, the model the answer names, attempts, outcome and
 latency, and whether it carried an image (scenario 9, whose image request's line says how many
-of its prompt tokens were the image's). A scenario that did not run (6 outside router mode, 8
-without a small child, 9 without a projector) is listed as skipped, with the reason."""
+of its prompt tokens were the image's), and a stream's time to first token. Scenario 10 has a
+line and a table of its own: the warm and the cold second turn's time to first token and the
+prompt tokens the CPU child found in its cache, and their ratio. A scenario that did not run (6
+outside router mode, 8 without a small child, 9 without a projector, 10 without a warm CPU
+child) is listed as skipped, with the reason."""
 
 from __future__ import annotations
 
@@ -88,6 +91,35 @@ def image_line(scenario: dict[str, Any]) -> str | None:
             f"{media.get('gpu') or 'the GPU child'} at the end: {media.get('gpu_after')}")
 
 
+def conversation_line(scenario: dict[str, Any]) -> str | None:
+    """Scenario 10: the warm and the cold second turn (time to first token, prompt tokens
+    cached, the CPU child's own prefill time), their ratio, and the GPU child at the end."""
+    talk = scenario.get("conversation")
+    if not talk or "warm" not in talk or "cold" not in talk:
+        return None
+    warm, cold = talk["warm"], talk["cold"]
+    ratio = talk.get("warm_over_cold")
+    first = (talk.get("first") or {}).get("prompt_tokens")
+    waited = (talk.get("mirror") or {}).get("waited_s")
+    return (f"the second turn on the CPU child: warm {_turn_words(warm)}; cold "
+            f"{_turn_words(cold)}; warm/cold {'-' if ratio is None else f'{ratio:.2f}'} "
+            f"(the first turn's prompt {first or '-'} tokens, mirrored "
+            f"{'-' if waited is None else f'{waited:.1f}'} s after its answer); "
+            f"{talk.get('gpu') or 'the GPU child'} at the end: {talk.get('gpu_after')}")
+
+
+def _turn_words(turn: dict[str, Any]) -> str:
+    """"first token in 0.21 s, 2431 of 2450 prompt tokens cached (its prefill 12 ms)"."""
+    ttft, prompt_ms = turn.get("ttft_s"), turn.get("prompt_ms")
+    return (f"first token in {'-' if ttft is None else f'{ttft:.2f}'} s, "
+            f"{_or_dash(turn.get('cache_n'))} of {_or_dash(turn.get('prompt_tokens'))} prompt "
+            f"tokens cached (its prefill {'-' if prompt_ms is None else f'{prompt_ms:.0f}'} ms)")
+
+
+def _or_dash(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
 def _kind(r: dict[str, Any]) -> str:
     """"stream" or "whole", and the images it carried: "whole + 1 image"."""
     n = int(r.get("images") or 0)
@@ -142,7 +174,7 @@ def table(report: dict[str, Any]) -> str:
     text = tables.render(["#", "scenario", "result", "first error", "decision",
                           "cpu start s", "final", "latency s", "connection", "tools"], rows)
     for s in report["scenarios"]:
-        for line in (gpu_states_after(s), image_line(s)):
+        for line in (gpu_states_after(s), image_line(s), conversation_line(s)):
             if line:
                 text += f"\n[{s['number']}] {line}"
         for line in answered_by(s):
@@ -242,7 +274,7 @@ def svg_timeline(report: dict[str, Any], width: int = 1000) -> str:
 
 
 def _after(scenario: dict[str, Any]) -> str:
-    after = gpu_states_after(scenario) or image_line(scenario)
+    after = gpu_states_after(scenario) or image_line(scenario) or conversation_line(scenario)
     return f" ({after})" if after else ""
 
 
@@ -272,8 +304,41 @@ def _request_rows(report: dict[str, Any]) -> str:
                 f'<td>{e(str(r.get("child") or "-"))}</td>'
                 f'<td title={quoteattr(r.get("answer_model") or "")}>'
                 f'{e(short_model(r.get("answer_model")))}</td><td>{r["attempts"]}</td>'
-                f'<td>{e(r["outcome"])}</td><td>{r["latency_s"]}</td></tr>')
+                f'<td>{e(r["outcome"])}</td><td>{_or_dash(r.get("ttft_s"))}</td>'
+                f'<td>{r["latency_s"]}</td></tr>')
     return "".join(rows)
+
+
+def _conversation_table(report: dict[str, Any]) -> str:
+    """Scenario 10's warm and cold second turns, side by side, with their ratio."""
+    e = html.escape
+    parts = []
+    for s in report["scenarios"]:
+        talk = s.get("conversation") or {}
+        if "warm" not in talk or "cold" not in talk:
+            continue
+        rows = "".join(
+            f'<tr class="turn" data-turn="{name}" data-request-id={quoteattr(t["request_id"])} '
+            f'data-child={quoteattr(t.get("child") or "")} '
+            f'data-ttft="{_or_dash(t.get("ttft_s"))}" data-cache-n="{_or_dash(t.get("cache_n"))}"'
+            f' data-prompt-tokens="{_or_dash(t.get("prompt_tokens"))}"><td>{name}</td>'
+            f'<td class="ids">{e(t["request_id"])}</td><td>{e(str(t.get("child") or "-"))}</td>'
+            f'<td>{_or_dash(t.get("ttft_s"))}</td><td>{_or_dash(t.get("cache_n"))}</td>'
+            f'<td>{_or_dash(t.get("prompt_tokens"))}</td><td>{_or_dash(t.get("prompt_ms"))}</td>'
+            f'</tr>' for name, t in (("warm", talk["warm"]), ("cold", talk["cold"])))
+        ratio = talk.get("warm_over_cold")
+        first = (talk.get("first") or {}).get("prompt_tokens")
+        parts.append(
+            f'<h2>A long conversation fails over</h2><p>Its second turn, lost by '
+            f'{e(str(talk.get("gpu") or "the GPU child"))} and answered by the CPU child: '
+            f'warm (the conversation mirrored to the CPU child, its first turn '
+            f'{_or_dash(first)} prompt tokens) and cold (as long, never mirrored).</p>'
+            '<table><tr><th>second turn</th><th>request id</th><th>answered by</th>'
+            '<th>first token s</th><th>prompt tokens cached</th><th>prompt tokens</th>'
+            f'<th>the child\'s prefill ms</th></tr>{rows}</table>'
+            f'<p class="ratio" data-ratio="{_or_dash(ratio)}">warm/cold time to first token: '
+            f'{"-" if ratio is None else f"{ratio:.2f}"}</p>')
+    return "".join(parts)
 
 
 def write_html(report: dict[str, Any], path: Path) -> None:
@@ -345,8 +410,9 @@ GPU: {e(str(machine.get("gpu")))}</p>
 <h2>Requests</h2>
 <table><tr><th>#</th><th>request id</th><th>kind</th><th>a smaller model</th>
 <th>GPU child when sent</th><th>answered by</th><th>the answer's model</th><th>attempts</th>
-<th>outcome</th><th>latency s</th></tr>
+<th>outcome</th><th>first token s</th><th>latency s</th></tr>
 {_request_rows(report)}</table>
+{_conversation_table(report)}
 <h2>Timeline</h2>
 <p>Requests: {legend}</p><p>Child states: {states}</p>
 {svg_timeline(report)}

@@ -1,4 +1,4 @@
-"""The eight scenarios of the drill, in order, each with the bar it must meet.
+"""The ten scenarios of the drill, in order, each with the bar it must meet.
 
 Every figure in the report comes from the daemon's own incident records, matched by request
 id; the drill adds only what a client alone can know (did the connection survive, what did the
@@ -13,7 +13,9 @@ Spillway's SIGABRT at the drill's word, on a GPU too (labelled simulated). Scena
 small model answering while the large one reloads, needs a small child ([small]): without one it
 is skipped, as 6 is outside router mode. Scenario 9, an image request whose vision encoder takes
 the last VRAM, needs a projector (`--mmproj`): where the GPU child's /props `modalities` say it
-takes no images, it is skipped too.
+takes no images, it is skipped too. Scenario 10, a long conversation failing over to the warm
+CPU child, needs the CPU child's mirroring (the status's `mirror` enabled: a hot CPU child,
+`cpu.mirror` on): without it, and in router mode (which does not mirror yet), it is skipped.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import asyncio
 import contextlib
 import time
 import urllib.parse
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,9 +33,13 @@ from ...config.schema import CPU_CHILD, GPU_CHILD, SMALL_CHILD
 from .client import DrillClient, Sent, image_part, model_info, png, state_of
 from .provoke import Provoker, SimulatedFailure
 
-SCENARIOS = 9
+SCENARIOS = 10
 SMALLER = {"X-Spillway-Fallback": "smaller"}  # the request accepts a smaller model's answer
 PLAIN = {"X-Spillway-Fallback": "none"}  # it does not, even where small.requests = "all"
+# Scenario 10: the warm turn finds at least this share of the first turn's prompt in the CPU
+# child's cache; the cold one, at most this share of its own (its template's first tokens).
+WARM_SHARE = 0.8
+COLD_SHARE = 0.2
 WORDS = ("the quick brown fox jumps over the lazy dog while the model reads a long document "
          "about memory and servers ").split()
 
@@ -56,8 +63,11 @@ class ScenarioResult:
     # Scenario 9: what each child's projector takes, the image's tokens in the answer, the GPU
     # child's state at the end.
     media: dict[str, Any] | None = None
+    # Scenario 10: the first turn, the mirror, the warm and the cold second turns' figures (time
+    # to first token, prompt tokens cached), their ratio, the GPU child's state at the end.
+    conversation: dict[str, Any] | None = None
     skipped: str | None = None  # why it did not run (6 outside router mode, 8 without [small],
-    # 9 without a projector)
+    # 9 without a projector, 10 without mirroring)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -66,6 +76,7 @@ class ScenarioResult:
             "requests": [r.to_json() for r in self.requests],
             "tool_effects": self.tool_effects, "executions": self.executions,
             "notes": self.notes, "models": self.models, "media": self.media,
+            "conversation": self.conversation,
         }
 
     def skip_json(self) -> dict[str, Any]:
@@ -630,6 +641,113 @@ class Drill:
             await asyncio.sleep(0.02)
 
 
+    # --- scenario 10: a long conversation fails over ------------------------------------------
+
+    async def long_conversation(self, mirror_wait_s: float = 60.0) -> ScenarioResult:
+        r = self._new(10, "a long conversation fails over",
+                      "its second turn, lost by the GPU child, answered (200, a whole stream) "
+                      "by the CPU child, which the conversation was mirrored to: at least "
+                      f"{WARM_SHARE:.0%} of the first turn's prompt tokens found in its cache "
+                      "(timings.cache_n), and its first token sooner than that of the same turn "
+                      "of a cold conversation (as long, never mirrored, lost and replayed the "
+                      f"same way, mostly uncached); {self.gpu} READY again")
+        why = no_mirror(await self.client.status())
+        if why is not None:
+            return self._skip(r, why)
+        await self.settle()
+        # Two conversations of the same length that share no prefix (their own tag first, the
+        # same words in the reverse order): the warm one's first turn is answered by the GPU
+        # child and mirrored; the cold one's never reaches any child, so that neither child holds
+        # a token of it (its answer is the warm one's, its questions the same).
+        text = await self.prompt(self.prompt_tokens)
+        question, follow = "Summarise the document in one line.", "And what of the servers?"
+        warm_system = f"Conversation {uuid.uuid4().hex[:8]}. {text}"
+        cold_system = f"Conversation {uuid.uuid4().hex[:8]}. {' '.join(text.split()[::-1])}"
+        first = [{"role": "system", "content": warm_system}, {"role": "user", "content": question}]
+        info: dict[str, Any] = {"gpu": self.gpu, "mirror_wait_s": mirror_wait_s}
+        r.conversation = info
+        one = await self.client.chat(10, first, 16, extra={"ignore_eos": True}, keep=True)
+        r.requests.append(one)
+        info["first"] = _turn(one)
+        if not (one.complete and one.child == GPU_CHILD):
+            r.notes.append(f"{one.request_id}: the first turn was not answered by the GPU child "
+                           f"(status {one.status}, child {one.child}): nothing to mirror")
+            return await self._conversation_end(r)
+        info["mirror"] = await self._mirrored(mirror_wait_s)
+        if not info["mirror"]["mirrored"]:
+            r.notes.append(f"the first turn ({one.prompt_tokens} prompt tokens) was not "
+                           f"mirrored to the CPU child within {mirror_wait_s:.0f} s (status "
+                           f"`mirror`: {info['mirror']['status']}; a conversation over "
+                           "cpu.mirror_max_prompt_tokens is never mirrored)")
+            return await self._conversation_end(r)
+        answer = [{"role": "assistant", "content": one.answer or ""},
+                  {"role": "user", "content": follow}]
+        # The cold turn first: the GPU child's death in it empties its cache, so that the warm
+        # turn's prefill on the GPU child is as long as the cold one's, and its simulated death
+        # (at the task's launch) lands before its first token, as a real OOM's does.
+        prefill_s = (one.prompt_ms or 0.0) / 1000
+        cold = await self._lost_turn([{"role": "system", "content": cold_system},
+                                      {"role": "user", "content": question}, *answer], prefill_s)
+        warm = await self._lost_turn([*first, *answer], prefill_s)
+        r.requests.extend([cold, warm])
+        info["cold"], info["warm"] = _turn(cold), _turn(warm)
+        if warm.ttft_s and cold.ttft_s:
+            info["warm_over_cold"] = round(warm.ttft_s / cold.ttft_s, 3)
+        return await self._conversation_end(r)
+
+    async def _mirrored(self, timeout: float) -> dict[str, Any]:
+        """Until the CPU child has mirrored one more conversation, this one (the newest goes
+        first, and none older was running: the first turn's own work would have cancelled it),
+        or `timeout` seconds; what the status said, and how long it took."""
+        began = time.monotonic()
+        before = int(((await self.client.status()).get("mirror") or {}).get("mirrored") or 0)
+        while True:
+            mirror = (await self.client.status()).get("mirror") or {}
+            done = int(mirror.get("mirrored") or 0) > before
+            if done or time.monotonic() - began > timeout:
+                return {"mirrored": done, "waited_s": round(time.monotonic() - began, 2),
+                        "status": {k: mirror.get(k) for k in (
+                            "queued", "warm_prefixes", "warm_tokens", "mirrored", "cancelled",
+                            "budget_used_s")}}
+            await asyncio.sleep(0.1)
+
+    async def _lost_turn(self, messages: list[dict[str, Any]], prefill_s: float) -> Sent:
+        """A second turn, streamed, lost by the GPU child as its task launches (the failure
+        armed as for 1 to 5) and replayed on the CPU child; then the GPU child back. Simulated,
+        the answer armed() asks for keeps the GPU child at work for about a second after the
+        launch; the GPU child's prefill of this turn (as long as the first turn's, `prefill_s`:
+        it holds nothing of it) counts toward that second, and the CPU child is spared the
+        rest of the answer (its time to first token is the figure, not its answer)."""
+        tokens, extra = await self.armed(16)
+        if self.provoker.simulated and prefill_s > 0:
+            tokens = max(16, min(tokens, int(await self._speed() * max(0.0, 1.0 - prefill_s))))
+        async with self.failing():
+            sent = await self.client.chat(10, messages, tokens, stream=True, extra=extra)
+        await self.settle()
+        return sent
+
+    async def _conversation_end(self, r: ScenarioResult) -> ScenarioResult:
+        await self.settle()
+        assert r.conversation is not None
+        r.conversation["gpu_after"] = state_of(await self.client.status(), GPU_CHILD,
+                                               self.model)
+        return r
+
+
+def no_mirror(status: dict[str, Any]) -> str | None:
+    """Scenario 10: why there is no warm CPU child to fail over to (None: there is one)."""
+    if status.get("router"):
+        return "router mode does not mirror conversations to the CPU router (yet)"
+    mirror = status.get("mirror")
+    if mirror is None:
+        return "this Spillway does not mirror conversations (its status has no `mirror`)"
+    if not mirror.get("enabled"):
+        mode = (status.get("children", {}).get(CPU_CHILD) or {}).get("mode")
+        return ("mirroring is off: the CPU child is on demand (it is stopped when idle)"
+                if mode == "on-demand" else "mirroring is off (cpu.mirror = false)")
+    return None
+
+
 def _identity(s: Sent) -> list[str]:
     """The request's identity survived: its id kept, its incident its own."""
     problems = []
@@ -830,9 +948,77 @@ def _judge_image(r: ScenarioResult) -> list[str]:
     return problems
 
 
+def _turn(s: Sent) -> dict[str, Any]:
+    """A turn's figures, as the client saw them and the answering child's timings said."""
+    prompt = s.prompt_tokens or ((s.prompt_n or 0) + (s.cache_n or 0)) or None
+    return {"request_id": s.request_id, "child": s.child, "status": s.status,
+            "ttft_s": s.ttft_s, "prompt_tokens": prompt, "cache_n": s.cache_n,
+            "prompt_n": s.prompt_n, "prompt_ms": s.prompt_ms}
+
+
+def _judge_turn(name: str, s: Sent | None) -> list[str]:
+    """Scenario 10's warm or cold second turn: lost by the GPU child, replayed on the CPU child
+    (its first token the CPU child's), answered whole there."""
+    if s is None:
+        return [f"the {name} turn is not among the requests"]
+    problems = []
+    if not (s.status == 200 and s.complete and not s.error_event and s.child == CPU_CHILD):
+        problems.append(f"{s.request_id}: the {name} turn was not answered whole by the CPU "
+                        f"child (status {s.status}, child {s.child}"
+                        f"{', ' if s.note else ''}{s.note})")
+    if s.continued:
+        problems.append(f"{s.request_id}: the {name} turn's first tokens were the GPU child's "
+                        "(its stream was continued, not replayed)")
+    inc = s.incident
+    if inc is None or (inc.get("decision"), inc.get("replay_child")) != ("replayed", CPU_CHILD):
+        problems.append(f"{s.request_id}: the {name} turn's incident says "
+                        f"{'none' if inc is None else inc.get('decision')} on "
+                        f"{None if inc is None else inc.get('replay_child')}, not replayed on "
+                        "the CPU child")
+    if s.ttft_s is None:
+        problems.append(f"{s.request_id}: no first token of the {name} turn")
+    return problems
+
+
+def _judge_conversation(r: ScenarioResult) -> list[str]:
+    """Scenario 10: the warm second turn, lost by the GPU child, answered by the CPU child
+    from its cache, sooner than the cold one; the GPU child back."""
+    info = r.conversation or {}
+    by_id = {s.request_id: s for s in r.requests}
+    problems = [p for s in r.requests for p in _identity(s)] + r.notes
+    first = info.get("first") or {}
+    if r.notes or "warm" not in info or "cold" not in info:
+        return problems or ["the second turns were not sent"]
+    warm, cold = info["warm"], info["cold"]
+    problems += _judge_turn("warm", by_id.get(warm["request_id"]))
+    problems += _judge_turn("cold", by_id.get(cold["request_id"]))
+    prefix = first.get("prompt_tokens")
+    reused = warm.get("cache_n")
+    if not prefix or reused is None:
+        problems.append(f"the warm turn's cache is not known (cache_n {reused}, the first "
+                        f"turn's prompt {prefix} tokens)")
+    elif reused < WARM_SHARE * prefix:
+        problems.append(f"the warm turn found {reused} tokens in the CPU child's cache, under "
+                        f"{WARM_SHARE:.0%} of the first turn's {prefix} prompt tokens: it was "
+                        "not warm")
+    cold_prompt, cold_reused = cold.get("prompt_tokens"), cold.get("cache_n")
+    if cold_prompt and cold_reused is not None and cold_reused > COLD_SHARE * cold_prompt:
+        problems.append(f"the cold turn found {cold_reused} of its {cold_prompt} prompt tokens "
+                        f"in the CPU child's cache (over {COLD_SHARE:.0%}): it was not cold")
+    if warm.get("ttft_s") is not None and cold.get("ttft_s") is not None and \
+            warm["ttft_s"] >= cold["ttft_s"]:
+        problems.append(f"the warm turn's first token ({warm['ttft_s']:.3f} s) came no sooner "
+                        f"than the cold one's ({cold['ttft_s']:.3f} s)")
+    if info.get("gpu_after") != "READY":
+        problems.append(f"{info.get('gpu') or 'the GPU child'} is {info.get('gpu_after')} at "
+                        "the end, not READY")
+    return problems
+
+
 _JUDGES = {1: _judge_failover, 2: _judge_failover, 3: _judge_cancellation,
            4: _judge_concurrent, 5: _judge_agent, 6: _judge_second_model,
-           7: _judge_continued, 8: _judge_smaller, 9: _judge_image}
+           7: _judge_continued, 8: _judge_smaller, 9: _judge_image,
+           10: _judge_conversation}
 
 
 def judge(r: ScenarioResult) -> None:
