@@ -309,3 +309,16 @@ def test_the_earliest_expected_finish_waits_for_the_gpu_child_when_it_is_clearly
     # The client's deadline still rules: it will not wait 7 s.
     hurried = dataclasses.replace(REQ, deadline_s=6.0)
     assert decide(hurried, with_(gpu=restarting, cpu={"expected_s": 5.0})).child == "cpu"
+
+
+def test_no_wait_for_a_gpu_child_already_overdue_or_a_wait_past_half_the_limit() -> None:
+    """A GPU child whose start already took longer than its last one (no time left in its
+    forecast) is no reason to wait; nor is a wait over half of what the client allows: a late
+    return must leave the CPU child time to answer."""
+    overdue = {"state": ChildState.STARTING, "back_in_s": 0.0, "expected_s": 2.0}
+    assert decide(REQ, with_(gpu=overdue, cpu={"expected_s": 60.0})).child == "cpu"
+    restarting = {"state": ChildState.STARTING, "back_in_s": 5.0, "expected_s": 2.0}
+    assert decide(REQ, with_(gpu=restarting, cpu={"expected_s": 60.0}, max_wait_s=13)).child \
+        == "cpu"  # 7 s is over half of 13
+    assert decide(REQ, with_(gpu=restarting, cpu={"expected_s": 60.0}, max_wait_s=14)).action \
+        is Action.WAIT

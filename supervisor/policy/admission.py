@@ -219,9 +219,12 @@ def _gpu_sooner(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:
     if gpu_s is None or cpu_s is None or gpu_s >= cpu_s * GPU_WAIT_MARGIN:
         return None
     allowed = cap.max_wait_s if req.deadline_s is None else min(cap.max_wait_s, req.deadline_s)
-    if cap.waiting >= cap.max_waiting or gpu_s > allowed:
-        return None
     gpu = cap.gpu
+    # Only a forecast with room to be wrong: a GPU child already overdue (its start longer
+    # than the last one) has none, and the wait must fit half of what the client allows, so
+    # that a late return still leaves the CPU child time to answer.
+    if cap.waiting >= cap.max_waiting or not gpu.back_in_s or gpu_s > allowed / 2:
+        return None
     return Decision(Action.WAIT, 6, f"waiting for the {gpu.shown} ({gpu.state}, back in about "
                                     f"{gpu.back_in_s:.0f} s): answered in about {gpu_s:.0f} s "
                                     f"there, against about {cpu_s:.0f} s on the {cpu.shown}",
