@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -63,7 +64,7 @@ from ..policy.progress import DEFAULT_BATCH, stall_timeout
 from ..router.models import RouterModels
 from ..router.upstream import ModelUpstream
 from .systemd import Notifier
-from . import logs
+from . import listen_fds, logs
 from ..records.caches import figures
 from ..upstreams.launcher import recent_ports_figures
 
@@ -213,6 +214,7 @@ class Daemon:
         self._session: aiohttp.ClientSession | None = None
         self._upstream: UpstreamClient | None = None
         self.listening: list[str] = []
+        self.listeners: list[listen_fds.Listener] = []  # the sockets served, passed or bound
         # The card's free memory when the GPU child went FATAL: memory freed since then (by a
         # game or another model quitting) is a reason to try it again at once.
         self._gpu_free_at_fatal: int | None = None
@@ -572,6 +574,8 @@ class Daemon:
         self._stop.set()
 
     async def run(self) -> int:
+        # First: systemd's sockets (LISTEN_FDS) are taken, and its variables unset.
+        passed, source = listen_fds.from_systemd(), "systemd"
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
@@ -632,13 +636,7 @@ class Daemon:
         await self.monitor.sample_now()  # the cards it can use, now that the listing says
         self._give_cards()
         self._warn_if_split_over_hidden_cards()
-        try:
-            for addr in self.config.server.listen:
-                site = web.TCPSite(self._runner, addr.host, addr.port, reuse_address=True)
-                await site.start()
-                self.listening.append(str(addr))
-        except OSError as e:
-            log.error("cannot listen on %s: %s", addr, e)
+        if not await self._listen(passed, source):
             await self._shutdown()
             return 1
         if self.config.balancer.agent_listen:
@@ -670,6 +668,26 @@ class Daemon:
         await self._stop.wait()
         await self._shutdown()
         return self.exit_code
+
+    async def _listen(self, passed: list[socket.socket], source: str) -> bool:
+        """Serve on every listen address: on the socket passed for it (systemd's, or the old
+        daemon's at an upgrade), else on one bound now (listen_fds.py). False when one cannot
+        be listened on (said in the log)."""
+        assert self._runner is not None
+        try:
+            self.listeners = listen_fds.open_all(self.config.server.listen, passed, source)
+            for listener in self.listeners:
+                site = web.SockSite(self._runner, listener.sock, backlog=listen_fds.BACKLOG)
+                await site.start()
+                self.listening.append(listener.address)
+                if listener.how != "bound":
+                    log.info("listening on %s: the socket %s passed", listener.address,
+                             listener.how)
+        except (listen_fds.ListenError, OSError) as e:
+            log.error("%s", e if isinstance(e, listen_fds.ListenError) else
+                      f"cannot listen: {e}")
+            return False
+        return True
 
     def _make_mode(self) -> Mode:
         """Single model or router, from the config at start (a change between them waits
