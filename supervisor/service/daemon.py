@@ -31,6 +31,7 @@ from ..gpu.llama_devices import list_devices
 from ..config import llama_args
 from ..config import schema as config_module
 from ..upstreams.children import Child
+from ..upstreams.owned import MEDIA_MARKER_ENV
 from .agent_port import AgentServer
 from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
@@ -39,6 +40,8 @@ from ..policy.devices import HIDE_ALL_GPUS, parse_listing
 from ..records.idempotency import IdempotencyStore
 from .modes import Mode, RouterMode, SingleModel
 from .offload_watch import OffloadWatch
+from .ownership import Ownership
+from ..records.timefmt import rfc3339
 from .operator import Operator
 from ..records.stream_sessions import StreamSessions
 from ..records.incidents import IncidentLog, default_path
@@ -81,7 +84,6 @@ UPSTREAM_KEEPALIVE_S = 4.0
 
 # --- settings from the config: one function each, used at start and on every reload -----------
 
-MEDIA_MARKER_ENV = "LLAMA_MEDIA_MARKER"  # tools/server/server-common.cpp get_media_marker
 
 
 def media_marker() -> str:
@@ -167,12 +169,17 @@ class Daemon:
         # is told READY=1): the quickstart prints its newcomer's lines then.
         self.on_ready = on_ready
         self.started = time.monotonic()
+        self.started_wall = time.time()
         self.boot = f"{int(time.time()):x}"
+        # The children the last daemon left running, and this one's state file (ownership.py).
+        self.ownership = Ownership(config.path)
         # The marker of a media item in a prompt (/completion's multimodal_data, which /props
         # names `media_marker`): llama-server draws a random one per process, so a client's
         # prompt written for one child would fail on the other, or on the same child after a
         # restart. Every child gets this one (the environment's LLAMA_MEDIA_MARKER if set).
-        self.media_marker = media_marker()
+        # Children adopted from the last daemon keep theirs: it stays the marker of them all.
+        self.media_marker = os.environ.get(MEDIA_MARKER_ENV) or \
+            self.ownership.inherited_marker() or media_marker()
         self.monitor = GpuMonitor(config.monitor.sample_interval_s)
         self.monitor.owners = self._gpu_owners
         # Which cards the GPU child uses: asked by the monitor at every sample.
@@ -618,7 +625,8 @@ class Daemon:
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
                            models=self.models, operator=self.operator, streams=self.streams,
-                           offload=self.offload.to_json, caches=self.caches)
+                           offload=self.offload.to_json, caches=self.caches,
+                           daemon=self.daemon_json)
         app = build_app(self.proxy, self.auth, routes.table(),
                         StreamRoutes(self.streams, self.metrics, time.time,
                                      lambda: self.config.server.body_timeout_s).table(),
@@ -661,13 +669,37 @@ class Daemon:
             self.reloader = Reloader(self.config.path, lambda: self.config, self.apply_config,
                                      self._reload_result, self._reload_started)
             self.reloader.watch()
+        adopted = await self._take_over("restart")
         for name in self.config.order:
-            if self.mode.starts_at_boot(name):
+            if self.mode.starts_at_boot(name) and name not in adopted:
                 self.children[name].start()
+        self._roll_out_adopted()
         self._maybe_ready()
         await self._stop.wait()
         await self._shutdown()
         return self.exit_code
+
+    async def _take_over(self, how: str) -> list[str]:
+        """The children the last daemon left running: adopted (their start is posted), or
+        ended; the names adopted. From now on the state file follows the children."""
+        self.ownership.watch(self.children, self.media_marker)
+        return await self.ownership.take_over(self.config, self.children, self.incidents,
+                                              router=self.config.router, how=how)
+
+    def _roll_out_adopted(self) -> None:
+        """Adopted children whose config asks another command now take it, as a reload's
+        (one at a time, rollout.py)."""
+        changed = self.ownership.changed
+        if changed:
+            log.info("adopted with another command asked for: %s (restarted with it, as a "
+                     "reload would)", ", ".join(changed))
+            self.rollout = self.rollout or Rollout(self.children)
+            self.rollout.start(self.config, list(changed))
+
+    def daemon_json(self) -> dict[str, Any]:
+        """This daemon: its pid, when it started, and what it took over from the last one."""
+        return {"pid": os.getpid(), "started": rfc3339(self.started_wall),
+                **self.ownership.to_json()}
 
     async def _listen(self, passed: list[socket.socket], source: str) -> bool:
         """Serve on every listen address: on the socket passed for it (systemd's, or the old
@@ -788,6 +820,7 @@ class Daemon:
         grace = 1.0 if self._stop_signals >= 2 else None
         await asyncio.gather(*(c.close(grace) for c in self.children.values()),
                              return_exceptions=True)
+        await self.ownership.close()  # no child left: the state file goes
         if self._upstream is not None:
             self._upstream.close()
         if self._session is not None:

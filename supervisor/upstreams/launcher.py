@@ -6,8 +6,10 @@ A `Launcher` starts a process (`spawn`) and asks a child's port whether it is he
 signalling its process group, reading its output a line at a time. `SubprocessLauncher` is the
 real one:
 
-- each process runs in its own session and process group, with the kernel told to kill it when
-  the daemon dies (PR_SET_PDEATHSIG), so none outlives the daemon even when it gets SIGKILL;
+- each process runs in its own session and process group, and is not told to die with the
+  daemon: it outlives a crash or an upgrade of the daemon by design, to be adopted (or ended) by
+  the next one (owned.py, adopted.py). It inherits SIGPIPE ignored (as llama-server sets it
+  itself), so that a line written while no daemon reads its output is lost, not its life;
 - stdout and stderr are one pipe, read a line at a time (a line over 1 MiB is cut there);
 - a signal goes to the whole group once, falling back to the process itself;
 - healthy means `GET /health` on the loopback port answers 200 (503 `Loading model` is "still
@@ -18,10 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import os
-import signal
 import socket
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -32,7 +31,6 @@ import aiohttp
 from ..records.caches import figures
 
 LINE_LIMIT = 1 << 20  # the longest output line read as one; a longer one is cut
-_PR_SET_PDEATHSIG = 1
 
 
 class Process(Protocol):
@@ -90,6 +88,12 @@ def recent_ports_figures() -> dict[str, Any]:
     return figures(len(_RECENT_PORTS), max_entries=_RECENT_PORTS.maxlen)
 
 
+def reserve_port(port: int) -> None:
+    """A port taken otherwise (an adopted child's): not handed out while it is recent."""
+    if port not in _RECENT_PORTS:
+        _RECENT_PORTS.append(port)
+
+
 def pick_port(avoid: int | None = None, probe: Callable[[], int] = free_port) -> int:
     """A free loopback port, never `avoid` and never one handed out lately. A process outside
     Spillway may still take it first: the child then exits and is restarted with another."""
@@ -98,20 +102,6 @@ def pick_port(avoid: int | None = None, probe: Callable[[], int] = free_port) ->
         if port != avoid and port not in _RECENT_PORTS:
             _RECENT_PORTS.append(port)
             return port
-
-
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A preexec function: the child gets SIGKILL when the daemon (its parent) dies."""
-    libc_name = ctypes.util.find_library("c")
-
-    def preexec() -> None:
-        if libc_name is not None:
-            libc = ctypes.CDLL(libc_name, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
-
-    return preexec
 
 
 class SubprocessProcess:
@@ -163,7 +153,8 @@ class SubprocessLauncher:
             stderr=asyncio.subprocess.STDOUT,
             env=dict(env),
             start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
+            # Python's SIGPIPE (and SIGXFSZ) stay ignored in the child: see the module's doc.
+            restore_signals=False,
             limit=LINE_LIMIT,
         )
         return SubprocessProcess(proc)
