@@ -40,6 +40,9 @@ from ..policy.devices import HIDE_ALL_GPUS, parse_listing
 from ..records.idempotency import IdempotencyStore
 from .modes import Mode, RouterMode, SingleModel
 from .offload_watch import OffloadWatch
+from .handover import COMMIT_MARGIN_S, UPGRADE_TIMEOUT_S, Control, Handover, \
+    UpgradeFailed, answers_path, control_path, load_answers, save_answers, start_successor, \
+    tell_old, wait_exit
 from .ownership import Ownership
 from ..records.timefmt import rfc3339
 from .operator import Operator
@@ -79,6 +82,9 @@ log = logging.getLogger("spillway")
 # llama-server closes idle keep-alive connections after 5 s; reusing one just as it closes would
 # look like a child dying mid-request, so idle upstream connections are dropped a bit sooner.
 UPSTREAM_KEEPALIVE_S = 4.0
+# An upgrade's old daemon, once it stops accepting: the moment given to the connections it has
+# just accepted to have their requests read, before it drains what is in flight and exits.
+HANDOVER_SETTLE_S = 0.5
 
 
 
@@ -173,6 +179,18 @@ class Daemon:
         self.boot = f"{int(time.time()):x}"
         # The children the last daemon left running, and this one's state file (ownership.py).
         self.ownership = Ownership(config.path)
+        # An upgrade in place (handover.py): the handover this daemon was started for, and
+        # while it is not done (`_probation`) it starts and ends no process; what it took
+        # over (`upgraded_from`); in the old daemon, the new one's pid once it serves.
+        self.handover = Handover.from_env()
+        self._probation = self.handover is not None
+        self.upgraded_from: dict[str, Any] | None = None
+        self.handed_to: int | None = None
+        self._upgrading = False
+        self._holds: dict[str, Callable[[], str | None] | None] = {}
+        self._held: set[str] = set()  # children kept paused until the handover is done
+        self._answers_kept = 0  # Idempotency-Key answers the old daemon handed over
+        self.control: Control | None = None  # the control socket (`spillway upgrade`)
         # The marker of a media item in a prompt (/completion's multimodal_data, which /props
         # names `media_marker`): llama-server draws a random one per process, so a client's
         # prompt written for one child would fail on the other, or on the same child after a
@@ -440,6 +458,8 @@ class Daemon:
             for c in self.children.values())
 
     def _maybe_ready(self) -> None:
+        if self._probation:
+            return  # an upgrade's new daemon: its READY=1 comes with MAINPID=
         if not self.notifier.ready_sent and self.listening and self.can_serve():
             self.notifier.ready(self.status_line())
             if self.on_ready is not None:
@@ -581,8 +601,12 @@ class Daemon:
         self._stop.set()
 
     async def run(self) -> int:
-        # First: systemd's sockets (LISTEN_FDS) are taken, and its variables unset.
+        # First: systemd's sockets (LISTEN_FDS) are taken, and its variables unset; or, at an
+        # upgrade, the old daemon's.
         passed, source = listen_fds.from_systemd(), "systemd"
+        if self.handover is not None:
+            source = "the old daemon"
+            passed = listen_fds.from_fds([fd for fd, _ in self.handover.listen], source)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
@@ -665,19 +689,149 @@ class Daemon:
             self._spawn(self.watchdog.run())
         self._spawn(self.notifier.watchdog())
         self._spawn(self._extend_start())
-        if self.config.path is not None:
-            self.reloader = Reloader(self.config.path, lambda: self.config, self.apply_config,
-                                     self._reload_result, self._reload_started)
-            self.reloader.watch()
-        adopted = await self._take_over("restart")
-        for name in self.config.order:
-            if self.mode.starts_at_boot(name) and name not in adopted:
-                self.children[name].start()
-        self._roll_out_adopted()
+        if self.handover is not None:  # the old daemon's stored answers, before any request
+            self._answers_kept = await load_answers(
+                answers_path(self.ownership.state_id, "handover"), self.idempotency)
+        adopted = await self._take_over("restart" if self.handover is None else "upgrade")
+        if self.handover is None:
+            await self._own_everything(adopted)
+        else:
+            self._hold_for_handover(adopted)
+            self._spawn(self._take_handover(self.handover, adopted))
         self._maybe_ready()
         await self._stop.wait()
         await self._shutdown()
         return self.exit_code
+
+    async def _own_everything(self, adopted: list[str]) -> None:
+        """The children started (those not adopted), changed commands rolled out, the config
+        file watched, and the control socket open: at a start, or once a handover is done."""
+        assert self.mode is not None
+        for name in self.config.order:
+            child = self.children[name]
+            if child.state is ChildState.STOPPED and (name in adopted or
+                                                      self.mode.starts_at_boot(name)):
+                child.start()
+        self._roll_out_adopted()
+        if self.config.path is not None and self.reloader is None:
+            self.reloader = Reloader(self.config.path, lambda: self.config, self.apply_config,
+                                     self._reload_result, self._reload_started)
+            self.reloader.watch()
+        if self.ownership.file is not None and self.control is None:
+            self.control = Control(control_path(self.ownership.state_id), self._on_control)
+            await self.control.start()
+
+    # --- an upgrade in place (handover.py): the old daemon's side -----------------------------
+
+    async def _on_control(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A request on the control socket: `upgrade`, or `ping`."""
+        if request.get("op") == "ping":
+            return {"ok": True, "pid": os.getpid()}
+        if request.get("op") != "upgrade":
+            return {"ok": False, "error": f"no such request: {request.get('op')!r}"}
+        why = self._why_no_upgrade(request)
+        if why is not None:
+            return {"ok": False, "error": why}
+        assert self.config.path is not None
+        try:
+            await asyncio.to_thread(config_module.load, self.config.path)
+        except config_module.ConfigError as e:
+            return {"ok": False, "error": f"{self.config.path} is not valid: " +
+                    "; ".join(str(p) for p in e.problems) + " (nothing changed)"}
+        self._upgrading = True
+        answers = answers_path(self.ownership.state_id, "handover")
+        try:
+            saved = await save_answers(answers, self.idempotency)
+            timeout = float(request.get("timeout_s") or UPGRADE_TIMEOUT_S)
+            answer = await start_successor(self.config.path, self.listeners,
+                                           self.config.server.drain_timeout_s, timeout)
+        except UpgradeFailed as e:
+            log.error("upgrade: %s", e)
+            with contextlib.suppress(OSError):
+                answers.unlink()
+            return {"ok": False, "error": str(e)}
+        finally:
+            self._upgrading = False
+        log.info("upgrade: %d stored answer(s) (Idempotency-Key) handed over", saved)
+        asyncio.get_running_loop().call_soon(self._hand_over, int(answer["pid"]))
+        return {"ok": True, "old_pid": os.getpid(), "pid": answer["pid"],
+                "adopted": answer.get("adopted", {}), "listening": answer.get("listening")}
+
+    def _why_no_upgrade(self, request: dict[str, Any]) -> str | None:
+        if self.stopping or self.handed_to is not None:
+            return "this spillway is stopping"
+        if self._probation:
+            return "this spillway is itself taking over from another: try again in a moment"
+        if self._upgrading:
+            return "an upgrade is already in progress"
+        if self.config.router:
+            return ("router mode: an upgrade in place is not supported yet (its routers' "
+                    "models are not handed over); restart spillway instead")
+        asked, own = str(request.get("config") or ""), self.config.path or ""
+        if os.path.realpath(asked) != os.path.realpath(own):
+            return f"this spillway runs {own}, not {asked}"
+        return None
+
+    def _hand_over(self, new_pid: int) -> None:
+        """The new daemon serves: this one says no more to systemd, lets go of its children,
+        stops accepting, finishes its requests and exits (`_shutdown`)."""
+        self.handed_to = new_pid
+        self.notifier.silence()
+        log.warning("upgrade: spillway pid %d serves now; this one (pid %d) lets go of its "
+                    "children, stops accepting and finishes its %d request(s) in flight (up to "
+                    "%.0f s)", new_pid, os.getpid(),
+                    self.proxy.open_requests if self.proxy else 0,
+                    self.config.server.drain_timeout_s)
+        self._stop.set()
+
+    # --- an upgrade in place: the new daemon's side -----------------------------------------
+
+    def _hold_for_handover(self, adopted: list[str]) -> None:
+        """Until the old daemon has exited, no process is started: a child that dies waits
+        (its hold), one not adopted stays stopped (paused)."""
+        reason = "an upgrade's handover is in progress"
+        for name, child in self.children.items():
+            self._holds[name] = child.hold
+            child.hold = lambda: reason
+            if name not in adopted and name not in self.res.paused:
+                self.res.paused.add(name)
+                self._held.add(name)
+
+    async def _take_handover(self, handover: Handover, adopted: list[str]) -> None:
+        """Serve, tell systemd and the old daemon, wait for the old one's exit, then own
+        everything."""
+        await asyncio.gather(*(self.children[n].engine.until(
+            lambda life: life.state is not ChildState.STARTING, 30.0) for n in adopted))
+        kept = {n: self.children[n].pid for n in adopted if self.children[n].is_ready}
+        self.notifier.main_pid(self.status_line())
+        tell_old(handover, {"serving": True, "pid": os.getpid(), "adopted": kept,
+                            "listening": list(self.listening)})
+        self.upgraded_from = {"pid": handover.from_pid, "asked": rfc3339(handover.asked_at),
+                              "serving": rfc3339(time.time()), "kept": kept,
+                              "took_over": None, "answers_kept": self._answers_kept}
+        log.warning("upgrade: serving, with %s adopted; spillway pid %d finishes its requests "
+                    "in flight and exits", ", ".join(f"{n} (pid {p})" for n, p in kept.items())
+                    or "no child", handover.from_pid)
+        if not await wait_exit(handover.from_pid,
+                               handover.drain_timeout_s + COMMIT_MARGIN_S):
+            log.warning("upgrade: spillway pid %d has not exited %.0f s after its drain "
+                        "timeout: going on without it", handover.from_pid, COMMIT_MARGIN_S)
+        self._answers_kept += await load_answers(
+            answers_path(self.ownership.state_id, "drained"), self.idempotency)
+        self.upgraded_from["answers_kept"] = self._answers_kept
+        self._probation = False
+        for name, hold in self._holds.items():
+            self.children[name].hold = hold
+        self.res.paused.difference_update(self._held)
+        self.ownership.take_writing()
+        await self.ownership.end_deferred()
+        await self._own_everything(adopted)
+        self.upgraded_from["took_over"] = rfc3339(time.time())
+        log.warning("upgrade: done: this daemon (pid %d) took over from spillway pid %d, "
+                    "keeping %s", os.getpid(), handover.from_pid,
+                    ", ".join(f"{n} (pid {p})" for n, p in kept.items()) or "no child")
+        if self.pool is not None:
+            self.pool.dispatch()
 
     async def _take_over(self, how: str) -> list[str]:
         """The children the last daemon left running: adopted (their start is posted), or
@@ -699,6 +853,9 @@ class Daemon:
     def daemon_json(self) -> dict[str, Any]:
         """This daemon: its pid, when it started, and what it took over from the last one."""
         return {"pid": os.getpid(), "started": rfc3339(self.started_wall),
+                "upgraded_from_pid": self.handover.from_pid if self.handover else None,
+                "upgrade": self.upgraded_from, "handing_over_to": self.handed_to,
+                "control_socket": str(self.control.path) if self.control else None,
                 **self.ownership.to_json()}
 
     async def _listen(self, passed: list[socket.socket], source: str) -> bool:
@@ -787,29 +944,18 @@ class Daemon:
                         len(given))
 
     async def _shutdown(self) -> None:
-        self.notifier.stopping()
+        # At an upgrade (this daemon handed over, or a new one stopped before it took over)
+        # the children are let go of, not stopped: the other daemon has them.
+        letting_go = self.handed_to is not None or self._probation
+        if letting_go:
+            await self._let_go()
+        else:
+            self.notifier.stopping()
         self.stopping = True  # the balancer's agent says "down" from now on
         if self.reloader is not None:
             self.reloader.stop()
         if self._runner is not None:
-            # Stop accepting, then let in-flight requests finish up to the drain timeout; a
-            # second signal cuts the wait short.
-            for site in list(self._runner.sites):
-                await site.stop()
-            if self.proxy is not None and self.proxy.open_requests:
-                log.info("waiting for %d in-flight request(s), up to %.0f s",
-                         self.proxy.open_requests,
-                         self.config.server.drain_timeout_s)
-                idle = asyncio.create_task(self.proxy.idle.wait())
-                second = asyncio.create_task(self._second_signal())
-                await asyncio.wait({idle, second}, timeout=self.config.server.drain_timeout_s,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                idle.cancel()
-                second.cancel()
-            # Resumable streams still going past the drain end now, and so do their readers.
-            self.streams.stop_all(time.time())
-            with contextlib.suppress(Exception):
-                await self._runner.cleanup()
+            await self._drain(self._runner)
         for task in self._tasks:
             task.cancel()
         if self.rollout is not None:
@@ -818,9 +964,12 @@ class Daemon:
             await self.mode.close()
         # A second signal asked for speed: a short grace for the children too.
         grace = 1.0 if self._stop_signals >= 2 else None
-        await asyncio.gather(*(c.close(grace) for c in self.children.values()),
-                             return_exceptions=True)
-        await self.ownership.close()  # no child left: the state file goes
+        if not letting_go:
+            await asyncio.gather(*(c.close(grace) for c in self.children.values()),
+                                 return_exceptions=True)
+            await self.ownership.close()  # no child left: the state file goes
+        if self.control is not None:
+            await self.control.close(unlink=not letting_go)
         if self._upstream is not None:
             self._upstream.close()
         if self._session is not None:
@@ -829,6 +978,44 @@ class Daemon:
         if self.agent is not None:
             await self.agent.close()
         log.info("stopped")
+
+    async def _drain(self, runner: web.AppRunner) -> None:
+        """Stop accepting, then let in-flight requests finish up to the drain timeout; a
+        second signal cuts the wait short."""
+        for site in list(runner.sites):
+            await site.stop()
+        if self.handed_to is not None:
+            # The connections just accepted have their requests read before the drain looks
+            # for requests in flight.
+            await asyncio.sleep(HANDOVER_SETTLE_S)
+        if self.proxy is not None and self.proxy.open_requests:
+            log.info("waiting for %d in-flight request(s), up to %.0f s",
+                     self.proxy.open_requests, self.config.server.drain_timeout_s)
+            idle = asyncio.create_task(self.proxy.idle.wait())
+            second = asyncio.create_task(self._second_signal())
+            await asyncio.wait({idle, second}, timeout=self.config.server.drain_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            idle.cancel()
+            second.cancel()
+        # Resumable streams still going past the drain end now, and so do their readers.
+        self.streams.stop_all(time.time())
+        with contextlib.suppress(Exception):
+            await runner.cleanup()
+        if self.handed_to is not None:  # what it answered meanwhile, for the new daemon
+            saved = await save_answers(answers_path(self.ownership.state_id, "drained"),
+                                       self.idempotency)
+            log.info("upgrade: %d stored answer(s) (Idempotency-Key) handed over after the "
+                     "drain", saved)
+
+    async def _let_go(self) -> None:
+        """Let go of every child without a signal; the state file is the other daemon's."""
+        if self.rollout is not None:
+            await self.rollout.close()
+        await self.ownership.close(keep=True)
+        await asyncio.gather(*(c.release() for c in self.children.values()),
+                             return_exceptions=True)
+        log.info("let go of the children: %s", ", ".join(
+            f"{n} (pid {c.pid})" for n, c in self.children.items() if c.pid) or "none running")
 
     async def _second_signal(self) -> None:
         while self._stop_signals < 2:

@@ -57,6 +57,8 @@ class Ownership:
         self.ended: list[dict[str, Any]] = []
         self.left_alone: list[dict[str, Any]] = []
         self.from_pid: int | None = None  # the daemon whose children were taken over
+        self.how: str | None = None  # "upgrade" or "restart"
+        self._to_end: list[tuple[ChildRecord, float, str]] = []  # at an upgrade: once it is ours
         self.at: float | None = None
 
     @property
@@ -74,15 +76,16 @@ class Ownership:
                         incidents: IncidentLog, *, router: bool, how: str) -> list[str]:
         """Check every recorded process; adopt those the config has a child for (their
         children are then started by `adopt`), end the others. `how`: "upgrade" (the last
-        daemon hands over) or "restart" (it ended without stopping its children). The names
-        adopted, in the config's order."""
+        daemon hands over) or "restart" (it ended without stopping its children). At an
+        upgrade the processes to end are ended later (`end_deferred`, once the old daemon,
+        which may still be answering on them, has exited). The names adopted, in the config's
+        order."""
         self.children = children
         self.incidents = incidents
         prev, self.previous = self.previous, None
         if prev is None or not prev.children:
             return []
-        self.from_pid, self.at = prev.daemon_pid, time.time()
-        ending: list[asyncio.Task[bool]] = []
+        self.from_pid, self.at, self.how = prev.daemon_pid, time.time(), how
         for record in prev.children:
             found = adopted.identify(record)
             if not found.ours:
@@ -92,12 +95,10 @@ class Ownership:
             why_end = ("router mode: its routers start anew" if router else
                        None if cfg is not None else "the config has no such child now")
             if why_end is not None or record.name in self.adopted:
-                self.ended.append({"child": record.name, "pid": record.pid,
-                                   "why": why_end or "a second process for one child"})
-                self._incident(record, "ended", why_end or "a second process for one child",
-                               how)
-                ending.append(asyncio.create_task(adopted.end(
-                    record, cfg.stop_grace_s if cfg else 10.0, why_end or "a second process")))
+                why = why_end or "a second process for one child"
+                self.ended.append({"child": record.name, "pid": record.pid, "why": why})
+                self._incident(record, "ended", why, how)
+                self._to_end.append((record, cfg.stop_grace_s if cfg else 10.0, why))
                 continue
             assert cfg is not None
             changed = fingerprint(cfg) != record.fingerprint
@@ -110,8 +111,8 @@ class Ownership:
             self._incident(record, "adopted", ("its config asks another command now: it is "
                                                "restarted with it, as a reload would"
                                                if changed else "its model and cache kept"), how)
-        if ending:
-            await asyncio.gather(*ending)
+        if how != "upgrade":
+            await self.end_deferred()
         if self.adopted or self.ended:
             log.warning("%s: adopted %s; ended %s", "upgrade" if how == "upgrade" else
                         f"spillway pid {prev.daemon_pid} ended without stopping its children",
@@ -119,6 +120,11 @@ class Ownership:
                         ", ".join(f"{e['child']} (pid {e['pid']})" for e in self.ended)
                         or "none")
         return [name for name in config.order if name in self.adopted]
+
+    async def end_deferred(self) -> None:
+        """End the processes no child takes (SIGTERM, grace, SIGKILL), all at once."""
+        ending, self._to_end = self._to_end, []
+        await asyncio.gather(*(adopted.end(record, grace, why) for record, grace, why in ending))
 
     def _left_alone(self, record: ChildRecord, found: adopted.Identity) -> None:
         if found.gone:
@@ -203,5 +209,6 @@ class Ownership:
             "ended": list(self.ended),
             "left_alone": list(self.left_alone),
             "adopted_from_pid": self.from_pid,
+            "adopted_how": self.how,
             "adopted_at": rfc3339(self.at) if self.at is not None else None,
         }

@@ -11,10 +11,9 @@ A process is taken for one of this config's children only when everything in its
   readable only by its own user, so no other program carries it by chance.
 
 A process that fails any of these is not Spillway's: it is never signalled. One that passes is
-adopted (`AdoptedProcess`, the launcher's `Process` for a process that is not the daemon's own
-child: its end is seen through a pidfd, it is signalled through the pidfd, and its output is
-read from its stdout pipe, opened again through /proc/PID/fd/1), or ended (`end`: SIGTERM, a
-grace period, SIGKILL) when the config no longer has a place for it.
+adopted (`adopt`: the launcher's `WatchedProcess`, its end seen and its signals sent through a
+pidfd, its output read from its stdout pipe, opened again through /proc/PID/fd/1), or ended
+(`end`: SIGTERM, a grace period, SIGKILL) when the config no longer has a place for it.
 
 Not the daemon's child, its exit status cannot be had (only its parent may wait for it): an
 adopted process's end is recorded as "exit status unknown" (policy/evidence.EXIT_UNKNOWN) and
@@ -29,12 +28,10 @@ import functools
 import logging
 import os
 import signal
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..policy.evidence import EXIT_UNKNOWN
-from .launcher import LINE_LIMIT
+from .launcher import WatchedProcess
 from .owned import OWNER_ENV, ChildRecord
 
 log = logging.getLogger("spillway.child")
@@ -113,12 +110,6 @@ def identify(record: ChildRecord) -> Identity:
                                  f"pid {record.daemon_pid}")
 
 
-def _open_pidfd(pid: int) -> int:
-    fd = os.pidfd_open(pid)
-    os.set_inheritable(fd, False)
-    return fd
-
-
 def _open_output(pid: int) -> int | None:
     """The child's stdout pipe (stdout and stderr are one), opened again for reading; None
     when it cannot be (its lines are then not read)."""
@@ -129,90 +120,17 @@ def _open_output(pid: int) -> int | None:
         return None
 
 
-class AdoptedProcess:
-    """A child process another Spillway started, as the launcher's `Process`."""
-
-    def __init__(self, pid: int, pidfd: int, output: asyncio.StreamReader | None) -> None:
-        self._pid = pid
-        self._pidfd: int | None = pidfd
-        self._output = output
-        self._returncode: int | None = None
-        self._exited = asyncio.get_running_loop().create_future()
-        asyncio.get_running_loop().add_reader(pidfd, self._on_exit)
-        self.adopted_at = time.time()
-
-    @classmethod
-    async def adopt(cls, pid: int) -> AdoptedProcess:
-        """Watch `pid` (its identity already checked); OSError if it is gone meanwhile."""
-        pidfd = _open_pidfd(pid)
-        output: asyncio.StreamReader | None = None
-        fd = _open_output(pid)
-        if fd is not None:
-            loop = asyncio.get_running_loop()
-            reader = output = asyncio.StreamReader(limit=LINE_LIMIT, loop=loop)
-            pipe = os.fdopen(fd, "rb", buffering=0)
-            try:
-                await loop.connect_read_pipe(
-                    lambda: asyncio.StreamReaderProtocol(reader, loop=loop), pipe)
-            except (OSError, ValueError) as e:  # not a pipe (a file, a terminal): not read
-                pipe.close()
-                output = None
-                log.warning("pid %d: its output cannot be read (%s): its lines are not "
-                            "logged", pid, e)
-        return cls(pid, pidfd, output)
-
-    def _on_exit(self) -> None:
-        loop = asyncio.get_running_loop()
-        if self._pidfd is not None:
-            loop.remove_reader(self._pidfd)
-            os.close(self._pidfd)
-            self._pidfd = None
-        self._returncode = EXIT_UNKNOWN
-        if not self._exited.done():
-            self._exited.set_result(EXIT_UNKNOWN)
-
-    @property
-    def pid(self) -> int:
-        return self._pid
-
-    @property
-    def returncode(self) -> int | None:
-        return self._returncode
-
-    async def wait(self) -> int:
-        return await asyncio.shield(self._exited)
-
-    def signal_group(self, sig: int) -> None:
-        """To its group (it leads one: every child runs in its own session), once, while the
-        pidfd says it lives; else nothing (its pid may be another's by now)."""
-        fd = self._pidfd
-        if fd is None:
-            return
-        try:
-            signal.pidfd_send_signal(fd, 0)
-        except ProcessLookupError:
-            return
-        try:
-            os.killpg(self._pid, sig)
-        except (ProcessLookupError, PermissionError):
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(fd, sig)
-
-    async def readline(self) -> bytes:
-        if self._output is None:
-            await self.wait()
-            return b""
-        try:
-            return await self._output.readline()
-        except ValueError:  # a line over the limit: take what is there
-            return await self._output.read(LINE_LIMIT)
+async def adopt(pid: int) -> WatchedProcess:
+    """Watch a process whose identity was checked (identify), as the launcher's `Process`;
+    OSError when it is gone meanwhile."""
+    return await WatchedProcess.watch(pid, _open_output(pid))
 
 
 async def end(record: ChildRecord, grace_s: float, why: str) -> bool:
     """End a process whose identity was checked (identify) and that no child takes: SIGTERM
     to its group, `grace_s`, then SIGKILL. True once it is gone."""
     try:
-        proc = await AdoptedProcess.adopt(record.pid)
+        proc = await adopt(record.pid)
     except OSError:
         return True  # gone already
     log.warning("[%s] ending pid %d, left running by spillway pid %d: %s", record.name,
@@ -238,7 +156,7 @@ async def end(record: ChildRecord, grace_s: float, why: str) -> bool:
             await reader
 
 
-async def _drain(proc: AdoptedProcess) -> None:
+async def _drain(proc: WatchedProcess) -> None:
     """Its last lines, logged (a pipe left unread would hold its writer)."""
     while line := await proc.readline():
         log.info("[ended pid %d] %s", proc.pid, line.decode(errors="replace").rstrip())

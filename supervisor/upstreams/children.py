@@ -240,6 +240,7 @@ class Child(LifeReader):
         # and the one taken over, while it runs.
         self._adoption: tuple[ChildRecord, bool] | None = None
         self.adopted: ChildRecord | None = None
+        self._released = False  # let go of at an upgrade: its process runs on, unwatched
 
         # The running process, its supervision (spawn, probes, exit) and how Spillway is
         # ending it, if it is: (planned, a note for an unplanned end's record).
@@ -424,6 +425,25 @@ class Child(LifeReader):
         if self._own_launcher is not None:
             await self._own_launcher.close()
 
+    async def release(self) -> None:
+        """Let go of the process without a signal (an upgrade's handover: the next daemon has
+        adopted it). The owner and the process's tasks end; the process runs on."""
+        self._released = True
+        await self.engine.close()
+        proc = self._process
+        release = getattr(proc, "release", None)  # a real process's (launcher.WatchedProcess)
+        if release is not None:
+            release()
+        for task in [*self._tasks, *([self._run] if self._run is not None else [])]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for fut in self._exits.values():
+            if not fut.done():
+                fut.cancel()
+        if self._own_launcher is not None:
+            await self._own_launcher.close()
+
     async def wait_state(self, *states: ChildState, timeout: float | None = None) -> bool:
         """Wait until the child is in one of `states`; False on timeout."""
         return await self.engine.wait_state(*states, timeout=timeout)
@@ -557,7 +577,7 @@ class Child(LifeReader):
     async def _take_over(self, record: ChildRecord, changed: bool) -> Process:
         """The adopted process as this child's: its port, key and command; OSError when it
         ended meanwhile (a failed start: the child starts a process of its own)."""
-        proc = await _adopted.AdoptedProcess.adopt(record.pid)
+        proc = await _adopted.adopt(record.pid)
         self.port, self.api_key, self._argv = record.port, record.api_key, record.argv
         reserve_port(record.port)
         # A changed command runs the old one: a copy of the config stands for it, so that the
@@ -608,6 +628,8 @@ class Child(LifeReader):
         finally:
             given_up.cancel()
             await self._reap(proc, waiter, reader)
+        if self._released:
+            return  # the next daemon has it
         planned, note, kind = self._ending or (False, "", None)
         record = self._exit_record(generation, proc, spawned, planned, note, kind,
                                    served=self.tasks_started > tasks_before)
@@ -680,7 +702,7 @@ class Child(LifeReader):
     async def _reap(self, proc: Process, waiter: asyncio.Task[int],
                     reader: asyncio.Task[None]) -> None:
         """The process gone (SIGKILL if cancelled while it runs) and its last lines read."""
-        if not waiter.done():  # cancelled, or SIGKILL did not end it: one more, and on
+        if not waiter.done() and not self._released:  # cancelled, or SIGKILL did not end it
             proc.signal_group(signal.SIGKILL)
             with contextlib.suppress(Exception):
                 await self._clock.wait_any({waiter}, 5)
