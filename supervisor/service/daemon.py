@@ -85,6 +85,8 @@ UPSTREAM_KEEPALIVE_S = 4.0
 # An upgrade's old daemon, once it stops accepting: the moment given to the connections it has
 # just accepted to have their requests read, before it drains what is in flight and exits.
 HANDOVER_SETTLE_S = 0.5
+# An upgrade's new daemon: how long its adopted children may take to answer before it serves.
+ADOPTION_WAIT_S = 30.0
 
 
 
@@ -668,6 +670,16 @@ class Daemon:
         await self.monitor.sample_now()  # the cards it can use, now that the listing says
         self._give_cards()
         self._warn_if_split_over_hidden_cards()
+        # The children the last daemon left are adopted (or ended) before a request is
+        # accepted; at an upgrade, the old daemon's stored answers taken first, and the
+        # adopted children answering before this daemon accepts beside the old one.
+        if self.handover is not None:
+            self._answers_kept = await load_answers(
+                answers_path(self.ownership.state_id, "handover"), self.idempotency)
+        adopted = await self._take_over("restart" if self.handover is None else "upgrade")
+        if self.handover is not None:
+            self._hold_for_handover(adopted)
+            await self._until_answering(adopted)
         if not await self._listen(passed, source):
             await self._shutdown()
             return 1
@@ -689,14 +701,9 @@ class Daemon:
             self._spawn(self.watchdog.run())
         self._spawn(self.notifier.watchdog())
         self._spawn(self._extend_start())
-        if self.handover is not None:  # the old daemon's stored answers, before any request
-            self._answers_kept = await load_answers(
-                answers_path(self.ownership.state_id, "handover"), self.idempotency)
-        adopted = await self._take_over("restart" if self.handover is None else "upgrade")
         if self.handover is None:
             await self._own_everything(adopted)
         else:
-            self._hold_for_handover(adopted)
             self._spawn(self._take_handover(self.handover, adopted))
         self._maybe_ready()
         await self._stop.wait()
@@ -797,11 +804,15 @@ class Daemon:
                 self.res.paused.add(name)
                 self._held.add(name)
 
-    async def _take_handover(self, handover: Handover, adopted: list[str]) -> None:
-        """Serve, tell systemd and the old daemon, wait for the old one's exit, then own
-        everything."""
+    async def _until_answering(self, adopted: list[str]) -> None:
+        """Until each adopted child has answered its first /health (or failed it)."""
         await asyncio.gather(*(self.children[n].engine.until(
-            lambda life: life.state is not ChildState.STARTING, 30.0) for n in adopted))
+            lambda life: life.state is not ChildState.STARTING, ADOPTION_WAIT_S)
+            for n in adopted))
+
+    async def _take_handover(self, handover: Handover, adopted: list[str]) -> None:
+        """Serving: tell systemd and the old daemon, wait for the old one's exit, then own
+        everything."""
         kept = {n: self.children[n].pid for n in adopted if self.children[n].is_ready}
         self.notifier.main_pid(self.status_line())
         tell_old(handover, {"serving": True, "pid": os.getpid(), "adopted": kept,
