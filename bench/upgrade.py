@@ -42,6 +42,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,7 +99,7 @@ class Traffic:
         finally:
             conn.close()
         if resp.status != 200:
-            return f"status {resp.status}"
+            return f"status {resp.status}: {body[:120].decode(errors='replace')}"
         if stream and b"data: [DONE]" not in body:
             return "stream cut"
         return "ok"
@@ -196,6 +197,7 @@ def one_round(scenario: str, cfg: dict[str, Any], folder: Path, settle: float,
         "scenario": scenario,
         "requests": len(traffic.done),
         "failed": len([1 for *_, outcome in traffic.done if outcome != "ok"]),
+        "failures": dict(Counter(outcome for *_, outcome in traffic.done if outcome != "ok")),
         "refused_connections": traffic.refused,
         "longest_steady_s": round(max(steady, default=0.0), 3),
         "longest_across_s": round(max(across, default=0.0), 3),

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness import Spillway, eventually, pid_alive, real_config, wait_gone
+from harness import Spillway, eventually, fake_config, pid_alive, real_config, wait_gone
 
 from conftest import SpillwayFactory
 
@@ -235,3 +235,42 @@ def test_an_upgrade_that_cannot_be_done_leaves_the_old_daemon_serving(
     assert s.stop() == 0
     none = upgrade(s)
     assert none.returncode == 3 and "no spillway runs" in none.stderr, none.stderr
+
+
+def test_systemd_follows_the_new_daemon_and_hears_nothing_more_from_the_old(
+        tmp_path: Path, fake_server: Path, tiny_model: Path,
+        new_daemons: list[int]) -> None:
+    """MAINPID=<new pid> with READY=1 from the new daemon (NotifyAccess=all), before the old
+    one exits; and no STOPPING=1 (nor anything else) from the old one once it handed over: that
+    would stop the service the new one runs."""
+    from test_service import NotifySocket  # the notify socket systemd would read
+
+    notify = NotifySocket(tmp_path / "notify.sock")
+    s = Spillway(tmp_path / "spillway", fake_config(fake_server, tiny_model),
+                 env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "1000000"})
+    try:
+        s.start()
+        assert s.proc is not None
+        old_pid = s.proc.pid
+        assert eventually(lambda: notify.fields("READY"))
+        done = upgrade(s)
+        assert done.returncode == 0, (done.stderr, s.log_tail())
+        new_pid = s.status()["daemon"]["pid"]
+        new_daemons.append(new_pid)
+        assert new_pid != old_pid
+        (at, main), = notify.fields("MAINPID")
+        assert int(main) == new_pid
+        assert any(t == at for t, _ in notify.fields("READY"))  # in the same message
+        assert s.proc.wait(60) == 0
+        exited = time.monotonic()
+        assert not notify.fields("STOPPING")  # the old one said nothing of its stop
+        # The new one pings the watchdog (WATCHDOG_PID was the old one's: not passed on).
+        assert eventually(lambda: [t for t, _ in notify.fields("WATCHDOG") if t > exited])
+        assert s.get("/spillway/health")[0] == 200
+    finally:
+        for pid in new_daemons:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        wait_gone(set(new_daemons), 30)
+        s.stop()
+        notify.close()

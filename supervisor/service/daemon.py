@@ -988,7 +988,8 @@ class Daemon:
         await self.monitor.close()
         if self.agent is not None:
             await self.agent.close()
-        log.info("stopped")
+        log.info("stopped%s", f": spillway pid {self.handed_to} serves on, with the children"
+                 if self.handed_to is not None else "")
 
     async def _drain(self, runner: web.AppRunner) -> None:
         """Stop accepting, then let in-flight requests finish up to the drain timeout; a
