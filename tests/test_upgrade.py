@@ -274,3 +274,39 @@ def test_systemd_follows_the_new_daemon_and_hears_nothing_more_from_the_old(
         wait_gone(set(new_daemons), 30)
         s.stop()
         notify.close()
+
+
+def test_a_new_daemon_stopped_while_the_old_one_drains_stops_the_children(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path,
+        new_daemons: list[int]) -> None:
+    """Once the new daemon has said it serves, the old one has let go of the children: a stop
+    of the new one (systemd's, say) stops them, even while the old one still drains. Nothing
+    is left running."""
+    cfg = fake_config(fake_server, tiny_model, gpu={"env": {"FAKE_TOKEN_DELAY_S": "0.5"}},
+                      server={"drain_timeout_s": 60})
+    s = spillway(cfg)
+    assert s.proc is not None
+    children = {s.child(n)["pid"] for n in ("gpu", "cpu")}
+    got: dict[str, Any] = {}
+
+    def long_request() -> None:
+        try:
+            got["answer"] = s.post("/v1/chat/completions", {**HI, "max_tokens": 40,
+                                                            "stream": True}, timeout=120)
+        except Exception as e:  # noqa: BLE001 - cut when its child is stopped
+            got["error"] = e
+
+    running = threading.Thread(target=long_request, daemon=True)
+    running.start()
+    assert eventually(lambda: s.child("gpu")["busy"] == 1)
+    done = upgrade(s)
+    assert done.returncode == 0, (done.stderr, s.log_tail())
+    new_pid = s.status()["daemon"]["pid"]
+    new_daemons.append(new_pid)
+    assert s.proc.poll() is None  # the old one drains its request
+    os.kill(new_pid, signal.SIGTERM)
+    assert wait_gone({new_pid, *children}, 60) == set(), s.log_tail()
+    assert s.proc.wait(60) == 0  # its request ended with its child; then it exits
+    running.join(60)
+    after = s.log_text().rsplit("SIGTERM: stopping", 1)[1]
+    assert "[gpu] READY -> STOPPING: daemon shutting down" in after  # the new one stopped it

@@ -192,6 +192,7 @@ class Daemon:
         self._holds: dict[str, Callable[[], str | None] | None] = {}
         self._held: set[str] = set()  # children kept paused until the handover is done
         self._answers_kept = 0  # Idempotency-Key answers the old daemon handed over
+        self._told_old = False  # the new daemon said it serves: the old one lets go
         self.control: Control | None = None  # the control socket (`spillway upgrade`)
         # The marker of a media item in a prompt (/completion's multimodal_data, which /props
         # names `media_marker`): llama-server draws a random one per process, so a client's
@@ -815,6 +816,7 @@ class Daemon:
         everything."""
         kept = {n: self.children[n].pid for n in adopted if self.children[n].is_ready}
         self.notifier.main_pid(self.status_line())
+        self._told_old = True
         tell_old(handover, {"serving": True, "pid": os.getpid(), "adopted": kept,
                             "listening": list(self.listening)})
         self.upgraded_from = {"pid": handover.from_pid, "asked": rfc3339(handover.asked_at),
@@ -955,13 +957,15 @@ class Daemon:
                         len(given))
 
     async def _shutdown(self) -> None:
-        # At an upgrade (this daemon handed over, or a new one stopped before it took over)
-        # the children are let go of, not stopped: the other daemon has them.
-        letting_go = self.handed_to is not None or self._probation
+        # At an upgrade (this daemon handed over, or a new one stopped before it answered the
+        # old one) the children are let go of, not stopped: the other daemon has them. A new
+        # one that answered is theirs (the old one has let go): it stops them, as any stop.
+        letting_go = self.handed_to is not None or (self._probation and not self._told_old)
         if letting_go:
             await self._let_go()
         else:
             self.notifier.stopping()
+            self.ownership.writing = True  # its last word: no child left
         self.stopping = True  # the balancer's agent says "down" from now on
         if self.reloader is not None:
             self.reloader.stop()
