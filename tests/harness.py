@@ -121,6 +121,9 @@ class Spillway:
         empty_sys = folder / "no-sysfs"
         empty_sys.mkdir(exist_ok=True)
         self.env["SPILLWAY_SYSFS_ROOT"] = str(empty_sys)
+        # Its state folder (the children's state file, issue 40) is its own, as systemd's
+        # StateDirectory= would be: a test's daemon never finds another test's children.
+        self.env["STATE_DIRECTORY"] = str(folder / "state")
         self.env.update(env or {})
         paths = [str(REPO)]
         if fake_nvml is not None:

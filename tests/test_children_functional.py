@@ -1,5 +1,6 @@
 """Child supervision against the fake child's fault switches: slow start, start timeout, crash,
-load OOM, freeze, SIGTERM ignored; and no child outliving the daemon."""
+load OOM, freeze, SIGTERM ignored; and a daemon killed with SIGKILL leaving its children to the
+next start, which adopts them."""
 
 from __future__ import annotations
 
@@ -145,9 +146,19 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(
     assert "still running 1 s after SIGTERM; sending SIGKILL" in s.log_text()
 
 
-def test_no_child_outlives_a_daemon_killed_with_sigkill(
+def test_a_daemon_killed_with_sigkill_leaves_its_children_to_the_next_start(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
+    """Issue 40: the children outlive a crash of the daemon (no PR_SET_PDEATHSIG any more), and
+    are never orphaned: the next start adopts them, and its stop ends them."""
     s = spillway(fake_config(fake_server, tiny_model))
     pids = {s.child(n)["pid"] for n in ("gpu", "cpu")}
     s.signal(signal.SIGKILL)
+    assert s.proc is not None and s.proc.wait(10) == -signal.SIGKILL
+    assert wait_gone(pids, 1) == pids  # still running, waiting for the next start
+    s._log.close()
+    s.start(wait_ready=True)
+    assert {s.child(n)["pid"] for n in ("gpu", "cpu")} == pids  # adopted
+    assert s.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                           "max_tokens": 4})[0] == 200
+    assert s.stop() == 0
     assert wait_gone(pids, 10) == set()

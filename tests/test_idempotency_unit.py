@@ -187,3 +187,22 @@ def test_max_total_mib_is_a_config_key_with_a_default_of_256() -> None:
     cfg = build({"model": {"path": "/m.gguf"}, "idempotency": {"max_total_mib": 0.5}},
                 check_paths=False)
     assert cfg.idempotency.max_total_bytes == MIB // 2
+
+
+def test_an_upgrade_hands_the_completed_answers_to_the_next_store() -> None:
+    """Issue 40: export's answers, absorbed by another store, are answered from there; a
+    running key is not handed over, nor an expired one, and a key the new store holds keeps
+    its own."""
+    old = IdempotencyStore(max_entries=100, ttl_s=100.0)
+    run_one(old, "done", 1.0)
+    run_one(old, "old", 0.0)
+    old.begin(SCOPE, "running", "fp", 2.0)
+    new = IdempotencyStore(max_entries=100, ttl_s=100.0)
+    new.begin(SCOPE, "done", "other", 3.0)  # a retry the new daemon saw first: its own
+    kept = new.absorb(old.export(), now=100.5)  # "old" (created at 0) has expired
+    assert kept == 0 and new.begin(SCOPE, "done", "other", 100.5).outcome is Outcome.IN_PROGRESS
+    fresh = IdempotencyStore(max_entries=100, ttl_s=100.0)
+    assert fresh.absorb(old.export(), now=50.0) == 2
+    found = fresh.begin(SCOPE, "done", "fp", 50.0)
+    assert found.outcome is Outcome.DONE and found.response == old.export()[0][4]
+    assert fresh.begin(SCOPE, "running", "fp", 50.0).outcome is Outcome.NEW

@@ -146,11 +146,19 @@ def test_sigterm_stops_both_children_and_leaves_none(
     assert "[gpu] STOPPING -> STOPPED" in log and "[cpu] STOPPING -> STOPPED" in log
 
 
-def test_a_daemon_killed_with_sigkill_leaves_no_llama_server(
+def test_a_daemon_killed_with_sigkill_orphans_no_llama_server(
         spillway: SpillwayFactory, llama_server: Path, tiny_model: Path) -> None:
+    """Issue 40: its llama-servers outlive it by design, and the next start adopts them (the
+    same pids, no model reload); that one's stop ends them (tests/test_adoption.py has more)."""
     s = spillway(real_config(llama_server, tiny_model))
     pids = {s.child(n)["pid"] for n in ("gpu", "cpu")}
     s.signal(signal.SIGKILL)
+    assert s.proc is not None and s.proc.wait(10) == -signal.SIGKILL
+    s._log.close()
+    assert wait_gone(pids, 1) == pids
+    s.start()
+    assert {s.child(n)["pid"] for n in ("gpu", "cpu")} == pids
+    assert s.stop() == 0
     assert wait_gone(pids, 10) == set()
 
 

@@ -22,6 +22,7 @@ from harness import REPO, eventually, eventually_async, fake_config, wait_gone
 from conftest import SpillwayFactory
 
 UNIT = REPO / "systemd" / "spillway.service"
+SOCKET = REPO / "systemd" / "spillway.socket"
 
 
 def test_the_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
@@ -31,15 +32,23 @@ def test_the_unit_file_passes_systemd_analyze_verify(tmp_path: Path) -> None:
     assert os.access(spillway, os.X_OK), "the spillway command must be installed"
     copy = tmp_path / "spillway.service"
     copy.write_text(UNIT.read_text().replace("/usr/local/bin/spillway", spillway))
-    result = subprocess.run([analyze, "verify", str(copy)], capture_output=True, text=True)
+    socket_unit = tmp_path / "spillway.socket"
+    socket_unit.write_text(SOCKET.read_text())
+    # The two together: the service Requires= the socket, found beside it.
+    result = subprocess.run([analyze, "verify", str(socket_unit), str(copy)],
+                            capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "" and result.stderr.strip() == "", result.stderr
-    # verify can fail: a typo in a key is reported.
+    # verify can fail: a typo in a key is reported, in either file.
     broken = tmp_path / "broken" / "spillway.service"
     broken.parent.mkdir()
-    broken.write_text(copy.read_text().replace("NotifyAccess=main", "NotifyAcess=main"))
-    bad = subprocess.run([analyze, "verify", str(broken)], capture_output=True, text=True)
-    assert "Unknown key" in bad.stderr
+    broken.write_text(copy.read_text().replace("NotifyAccess=all", "NotifyAcess=all"))
+    (broken.parent / "spillway.socket").write_text(
+        SOCKET.read_text().replace("ListenStream=", "ListenStrem="))
+    bad = subprocess.run([analyze, "verify", str(broken.parent / "spillway.socket"),
+                          str(broken)], capture_output=True, text=True, cwd=broken.parent)
+    assert "Unknown key 'NotifyAcess'" in bad.stderr, bad.stderr
+    assert "Unknown key 'ListenStrem'" in bad.stderr, bad.stderr
 
 
 def test_the_unit_has_what_a_managed_gpu_service_needs() -> None:
@@ -48,9 +57,12 @@ def test_the_unit_has_what_a_managed_gpu_service_needs() -> None:
         if "=" in line and not line.startswith("#"):
             k, v = line.split("=", 1)
             keys.setdefault(k.strip(), []).append(v.strip())
-    assert keys["Type"] == ["notify"] and keys["NotifyAccess"] == ["main"]
+    # `all`: the new daemon of an upgrade tells systemd MAINPID; `process`: the children
+    # outlive a crash of Spillway, to be adopted (or ended) by the next start.
+    assert keys["Type"] == ["notify"] and keys["NotifyAccess"] == ["all"]
     assert keys["ExecReload"] == ["/bin/kill -HUP $MAINPID"]
-    assert keys["Restart"] == ["on-failure"] and keys["KillMode"] == ["mixed"]
+    assert keys["Restart"] == ["on-failure"] and keys["KillMode"] == ["process"]
+    assert keys["Requires"] == ["spillway.socket"] and "spillway.socket" in keys["After"][0]
     assert int(keys["WatchdogSec"][0]) > 0
     assert int(keys["TimeoutStopSec"][0]) > 30 + 10  # the drain plus a child's grace
     assert keys["User"] == ["spillway"] and keys["StateDirectory"] == ["spillway"]
@@ -60,6 +72,18 @@ def test_the_unit_has_what_a_managed_gpu_service_needs() -> None:
     for node in ("char-nvidiactl", "char-nvidia-frontend", "char-nvidia-uvm",
                  "char-nvidia-caps"):
         assert node in allowed
+
+
+def test_the_socket_unit_listens_where_the_example_config_does() -> None:
+    keys: dict[str, list[str]] = {}
+    for line in SOCKET.read_text().splitlines():
+        if "=" in line and not line.startswith("#"):
+            k, v = line.split("=", 1)
+            keys.setdefault(k.strip(), []).append(v.strip())
+    example = (REPO / "examples" / "spillway.toml").read_text()
+    assert keys["ListenStream"] == ["127.0.0.1:8080"]
+    assert 'listen = "127.0.0.1:8080"' in example
+    assert keys["Service"] == ["spillway.service"] and keys["FileDescriptorName"]
 
 
 class NotifySocket:

@@ -125,3 +125,24 @@ def test_two_cards_say_which_the_gpu_child_is_given_and_why() -> None:
     lines = gpu_lines(format_status(status(cards, pinned)))
     assert lines[1].endswith("; not given to the GPU child")
     assert lines[2] == f'GPU child is given: {first} (gpu.device = "0")'
+
+
+def test_the_status_says_what_an_upgrade_or_a_start_after_a_crash_took_over() -> None:
+    """Issue 40: the daemon's line under the header."""
+    base = status(TWO, Selection((APU,), "config (assumed)", ASSUMED))
+    upgraded = {**base, "daemon": {
+        "pid": 20, "adopted": {"gpu": 11, "cpu": 12},
+        "upgrade": {"pid": 10, "serving": "2026-01-01T00:00:00.000Z"}}}
+    lines = format_status(upgraded).splitlines()
+    assert lines[1] == ("upgraded at 2026-01-01T00:00:00.000Z from pid 10 (pid 20 now): kept "
+                        "gpu (pid 11), cpu (pid 12)")
+    crashed = {**base, "daemon": {
+        "pid": 20, "started": "2026-01-01T00:00:05.000Z", "adopted": {"gpu": 11},
+        "adopted_from_pid": 10, "ended": [{"child": "small", "pid": 13,
+                                           "why": "the config has no such child now"}]}}
+    lines = format_status(crashed).splitlines()
+    assert lines[1:3] == [
+        "started at 2026-01-01T00:00:05.000Z after pid 10 ended without stopping its "
+        "children: adopted gpu (pid 11)",
+        "ended pid 13 (small): the config has no such child now"]
+    assert format_status(base).splitlines()[1] == ""  # nothing taken over: no line

@@ -109,6 +109,57 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run_daemon(cfg)
 
 
+def _control_sockets(config_path: str) -> list[Path]:
+    """Where the daemon running `config_path` answers `spillway upgrade`: in this user's state
+    folder ($STATE_DIRECTORY under systemd), or the shipped unit's (/var/lib/spillway) for root
+    in a shell."""
+    from ..service.handover import control_path
+    from ..upstreams.owned import run_folder, state_id
+
+    folders = [run_folder(), Path("/var/lib/spillway/run")]
+    found = []
+    for folder in dict.fromkeys(folders):
+        path = control_path(state_id(config_path), folder)
+        if path not in found:
+            found.append(path)
+    return found
+
+
+def cmd_upgrade(args: argparse.Namespace) -> int:
+    """Hand the running daemon's sockets and children to a new daemon running the code
+    installed now: no model reload, no connection refused (service/handover.py)."""
+    from ..service.handover import UPGRADE_TIMEOUT_S, ask
+
+    try:
+        path = os.path.realpath(client.find_config(args.config))
+    except config.ConfigError as e:
+        _print_problems(e)
+        return EXIT_CONFIG
+    timeout = args.timeout or UPGRADE_TIMEOUT_S
+    candidates = _control_sockets(path)
+    sockets = [p for p in candidates if p.exists()]
+    if not sockets:
+        print(f"spillway upgrade: no spillway runs {path} here (no control socket at "
+              f"{' or '.join(map(str, candidates))})", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        answer = ask(sockets[0], {"op": "upgrade", "config": path, "timeout_s": timeout},
+                     timeout + 30)
+    except OSError as e:
+        print(f"spillway upgrade: no answer on {sockets[0]}: {e} (is the daemon running?)",
+              file=sys.stderr)
+        return EXIT_UNREACHABLE
+    if not answer.get("ok"):
+        print(f"spillway upgrade: {answer.get('error')}; the running spillway serves on",
+              file=sys.stderr)
+        return EXIT_FAIL
+    kept = answer.get("adopted") or {}
+    print(f"spillway upgraded: pid {answer.get('old_pid')} -> pid {answer.get('pid')}, "
+          f"serving; kept {', '.join(f'{n} (pid {p})' for n, p in kept.items()) or 'no child'}"
+          f"; pid {answer.get('old_pid')} finishes its requests in flight and exits")
+    return EXIT_OK
+
+
 def cmd_version(args: argparse.Namespace) -> int:
     print(f"spillway {__version__}")
     return EXIT_OK
@@ -370,6 +421,23 @@ def _format_rollout(rollout: dict[str, Any]) -> str:
     return line
 
 
+def _daemon_lines(daemon: dict[str, Any]) -> list[str]:
+    """What the daemon took over at its start: an upgrade's handover, or the children a crashed
+    one left."""
+    out = []
+    upgrade = daemon.get("upgrade")
+    adopted = ", ".join(f"{n} (pid {p})" for n, p in (daemon.get("adopted") or {}).items())
+    if upgrade:
+        out.append(f"upgraded at {upgrade.get('serving')} from pid {upgrade.get('pid')} "
+                   f"(pid {daemon.get('pid')} now): kept {adopted or 'no child'}")
+    elif adopted:
+        out.append(f"started at {daemon.get('started')} after pid {daemon.get('adopted_from_pid')}"
+                   f" ended without stopping its children: adopted {adopted}")
+    for ended in daemon.get("ended") or []:
+        out.append(f"ended pid {ended['pid']} ({ended['child']}): {ended['why']}")
+    return out
+
+
 def format_status(status: dict[str, Any]) -> str:
     rows = []
     for name, c in status["children"].items():
@@ -379,6 +447,7 @@ def format_status(status: dict[str, Any]) -> str:
                      f"{last['kind']}: {last['evidence']}"[:60] if last else "-"])
     out = [f"spillway {status.get('version')}  up {status.get('uptime_s', 0):.0f} s  "
            f"listening on {', '.join(status.get('listen', []))}",
+           *_daemon_lines(status.get("daemon") or {}),
            "", tables.render(["child", "state", "pid", "port", "restarts", "in flight",
                               "last exit"], rows), ""]
     for name, c in status["children"].items():
@@ -610,6 +679,16 @@ def build_parser() -> argparse.ArgumentParser:
                         f"./{client.LOCAL_CONFIG}, {client.DEFAULT_CONFIG}, or the one "
                         "`spillway quickstart` last ran)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("upgrade", help="run the code installed now without a model reload: "
+                                       "the running daemon hands its listening sockets and "
+                                       "children to a new daemon (exit 0 once it serves, else "
+                                       "1 with why, the old one serving on)")
+    p.add_argument("--config", "-c", default=None,
+                   help="the running daemon's TOML file (default: as for run)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds for the new daemon to serve (default: 120)")
+    p.set_defaults(func=cmd_upgrade)
 
     p = sub.add_parser("check-config", help="validate a configuration file (exit 0 or 2); in "
                                             "router mode, list the models it finds")

@@ -169,9 +169,14 @@ class Verdict:
         return self.kind in CHILD_FAILED
 
 
+# The exit status of a process Spillway adopted (another Spillway started it): not its child,
+# it cannot be told how it ended; its output judges.
+EXIT_UNKNOWN = -1000
+
+
 def exit_signal(returncode: int | None) -> int | None:
     """The signal that ended the process: -6 (Python's way) and 134 (a shell's) are SIGABRT."""
-    if returncode is None:
+    if returncode is None or returncode == EXIT_UNKNOWN:
         return None
     if returncode < 0:
         return -returncode
@@ -181,6 +186,8 @@ def exit_signal(returncode: int | None) -> int | None:
 
 
 def describe_exit(returncode: int) -> str:
+    if returncode == EXIT_UNKNOWN:
+        return "exit status unknown: adopted"
     sig = exit_signal(returncode)
     if sig is not None:
         try:
@@ -297,7 +304,7 @@ def _classify_exit(ev: Evidence, returncode: int) -> Verdict:
         return Verdict(FailureKind.GPU_FAULT, seen[1])
     if returncode == 1 and (load := _last_match(lines, _LOAD_FAILURE)) is not None:
         return Verdict(FailureKind.LOAD_OOM, load)
-    if sig is not None:
+    if sig is not None or returncode == EXIT_UNKNOWN:  # (unknown: it may have been a signal)
         if seen is not None:
             return Verdict(FailureKind.RUNTIME_OOM, seen[1])
         cuda_line = _last_match(lines, [_CUDA_ERROR_LINE])

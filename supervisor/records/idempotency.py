@@ -178,6 +178,30 @@ class IdempotencyStore:
         self._evict(0)  # the new answer is the newest and fits alone: it stays
         return True
 
+    def export(self) -> list[tuple[str, str, str, float, StoredResponse]]:
+        """The completed answers, oldest first: (scope, key, fingerprint, created, response),
+        as an upgrade hands them to the next daemon (`created` is monotonic seconds: the same
+        clock for every process of one boot)."""
+        return [(scope, key, self._entries[(scope, key)].fingerprint,
+                 self._entries[(scope, key)].created, response)
+                for (scope, key) in self._done
+                if (response := self._entries[(scope, key)].response) is not None]
+
+    def absorb(self, answers: list[tuple[str, str, str, float, StoredResponse]],
+               now: float) -> int:
+        """Answers another daemon completed (export's), each kept as if completed here, within
+        this store's bounds; a key this store holds already keeps its own, and an expired one
+        is dropped. How many were kept."""
+        kept = 0
+        for scope, key, fp, created, response in answers:
+            ident = (scope, key)
+            if ident in self._entries or now - created >= self.ttl_s:
+                continue
+            self._evict(len(self._entries) - self.max_entries + 1)
+            self._entries[ident] = _Entry(fp, created)
+            kept += self.complete(scope, key, response)
+        return kept
+
     def release(self, scope: str, key: str) -> None:
         """Not a final answer (a controlled error): a retry runs anew."""
         self._forget((scope, key))

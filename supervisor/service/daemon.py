@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from ..gpu.llama_devices import list_devices
 from ..config import llama_args
 from ..config import schema as config_module
 from ..upstreams.children import Child
+from ..upstreams.owned import MEDIA_MARKER_ENV
 from .agent_port import AgentServer
 from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
@@ -39,6 +41,11 @@ from ..records.idempotency import IdempotencyStore
 from ..serving.mirror import Mirror, MirrorSettings
 from .modes import Mode, RouterMode, SingleModel
 from .offload_watch import OffloadWatch
+from .handover import COMMIT_MARGIN_S, UPGRADE_TIMEOUT_S, Control, Handover, \
+    UpgradeFailed, answers_path, control_path, load_answers, save_answers, start_successor, \
+    tell_old, wait_exit
+from .ownership import Ownership
+from ..records.timefmt import rfc3339
 from .operator import Operator
 from ..records.stream_sessions import StreamSessions
 from ..records.incidents import IncidentLog, default_path
@@ -64,7 +71,7 @@ from ..policy.progress import DEFAULT_BATCH, stall_timeout
 from ..router.models import RouterModels
 from ..router.upstream import ModelUpstream
 from .systemd import Notifier
-from . import logs
+from . import listen_fds, logs
 from ..records.caches import figures
 from ..upstreams.launcher import recent_ports_figures
 
@@ -76,12 +83,16 @@ log = logging.getLogger("spillway")
 # llama-server closes idle keep-alive connections after 5 s; reusing one just as it closes would
 # look like a child dying mid-request, so idle upstream connections are dropped a bit sooner.
 UPSTREAM_KEEPALIVE_S = 4.0
+# An upgrade's old daemon, once it stops accepting: the moment given to the connections it has
+# just accepted to have their requests read, before it drains what is in flight and exits.
+HANDOVER_SETTLE_S = 0.5
+# An upgrade's new daemon: how long its adopted children may take to answer before it serves.
+ADOPTION_WAIT_S = 30.0
 
 
 
 # --- settings from the config: one function each, used at start and on every reload -----------
 
-MEDIA_MARKER_ENV = "LLAMA_MEDIA_MARKER"  # tools/server/server-common.cpp get_media_marker
 
 
 def media_marker() -> str:
@@ -173,12 +184,30 @@ class Daemon:
         # is told READY=1): the quickstart prints its newcomer's lines then.
         self.on_ready = on_ready
         self.started = time.monotonic()
+        self.started_wall = time.time()
         self.boot = f"{int(time.time()):x}"
+        # The children the last daemon left running, and this one's state file (ownership.py).
+        self.ownership = Ownership(config.path)
+        # An upgrade in place (handover.py): the handover this daemon was started for, and
+        # while it is not done (`_probation`) it starts and ends no process; what it took
+        # over (`upgraded_from`); in the old daemon, the new one's pid once it serves.
+        self.handover = Handover.from_env()
+        self._probation = self.handover is not None
+        self.upgraded_from: dict[str, Any] | None = None
+        self.handed_to: int | None = None
+        self._upgrading = False
+        self._holds: dict[str, Callable[[], str | None] | None] = {}
+        self._held: set[str] = set()  # children kept paused until the handover is done
+        self._answers_kept = 0  # Idempotency-Key answers the old daemon handed over
+        self._told_old = False  # the new daemon said it serves: the old one lets go
+        self.control: Control | None = None  # the control socket (`spillway upgrade`)
         # The marker of a media item in a prompt (/completion's multimodal_data, which /props
         # names `media_marker`): llama-server draws a random one per process, so a client's
         # prompt written for one child would fail on the other, or on the same child after a
         # restart. Every child gets this one (the environment's LLAMA_MEDIA_MARKER if set).
-        self.media_marker = media_marker()
+        # Children adopted from the last daemon keep theirs: it stays the marker of them all.
+        self.media_marker = os.environ.get(MEDIA_MARKER_ENV) or \
+            self.ownership.inherited_marker() or media_marker()
         self.monitor = GpuMonitor(config.monitor.sample_interval_s)
         self.monitor.owners = self._gpu_owners
         # Which cards the GPU child uses: asked by the monitor at every sample.
@@ -221,6 +250,7 @@ class Daemon:
         self._session: aiohttp.ClientSession | None = None
         self._upstream: UpstreamClient | None = None
         self.listening: list[str] = []
+        self.listeners: list[listen_fds.Listener] = []  # the sockets served, passed or bound
         # The card's free memory when the GPU child went FATAL: memory freed since then (by a
         # game or another model quitting) is a reason to try it again at once.
         self._gpu_free_at_fatal: int | None = None
@@ -442,6 +472,8 @@ class Daemon:
             for c in self.children.values())
 
     def _maybe_ready(self) -> None:
+        if self._probation:
+            return  # an upgrade's new daemon: its READY=1 comes with MAINPID=
         if not self.notifier.ready_sent and self.listening and self.can_serve():
             self.notifier.ready(self.status_line())
             if self.on_ready is not None:
@@ -585,6 +617,12 @@ class Daemon:
         self._stop.set()
 
     async def run(self) -> int:
+        # First: systemd's sockets (LISTEN_FDS) are taken, and its variables unset; or, at an
+        # upgrade, the old daemon's.
+        passed, source = listen_fds.from_systemd(), "systemd"
+        if self.handover is not None:
+            source = "the old daemon"
+            passed = listen_fds.from_fds([fd for fd, _ in self.handover.listen], source)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
@@ -629,7 +667,8 @@ class Daemon:
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
                            models=self.models, operator=self.operator, streams=self.streams,
-                           offload=self.offload.to_json, caches=self.caches)
+                           offload=self.offload.to_json, caches=self.caches,
+                           daemon=self.daemon_json)
         app = build_app(self.proxy, self.auth, routes.table(),
                         StreamRoutes(self.streams, self.metrics, time.time,
                                      lambda: self.config.server.body_timeout_s).table(),
@@ -647,13 +686,17 @@ class Daemon:
         await self.monitor.sample_now()  # the cards it can use, now that the listing says
         self._give_cards()
         self._warn_if_split_over_hidden_cards()
-        try:
-            for addr in self.config.server.listen:
-                site = web.TCPSite(self._runner, addr.host, addr.port, reuse_address=True)
-                await site.start()
-                self.listening.append(str(addr))
-        except OSError as e:
-            log.error("cannot listen on %s: %s", addr, e)
+        # The children the last daemon left are adopted (or ended) before a request is
+        # accepted; at an upgrade, the old daemon's stored answers taken first, and the
+        # adopted children answering before this daemon accepts beside the old one.
+        if self.handover is not None:
+            self._answers_kept = await load_answers(
+                answers_path(self.ownership.state_id, "handover"), self.idempotency)
+        adopted = await self._take_over("restart" if self.handover is None else "upgrade")
+        if self.handover is not None:
+            self._hold_for_handover(adopted)
+            await self._until_answering(adopted)
+        if not await self._listen(passed, source):
             await self._shutdown()
             return 1
         if self.config.balancer.agent_listen:
@@ -674,17 +717,194 @@ class Daemon:
             self._spawn(self.watchdog.run())
         self._spawn(self.notifier.watchdog())
         self._spawn(self._extend_start())
-        if self.config.path is not None:
-            self.reloader = Reloader(self.config.path, lambda: self.config, self.apply_config,
-                                     self._reload_result, self._reload_started)
-            self.reloader.watch()
-        for name in self.config.order:
-            if self.mode.starts_at_boot(name):
-                self.children[name].start()
+        if self.handover is None:
+            await self._own_everything(adopted)
+        else:
+            self._spawn(self._take_handover(self.handover, adopted))
         self._maybe_ready()
         await self._stop.wait()
         await self._shutdown()
         return self.exit_code
+
+    async def _own_everything(self, adopted: list[str]) -> None:
+        """The children started (those not adopted), changed commands rolled out, the config
+        file watched, and the control socket open: at a start, or once a handover is done."""
+        assert self.mode is not None
+        for name in self.config.order:
+            child = self.children[name]
+            if child.state is ChildState.STOPPED and (name in adopted or
+                                                      self.mode.starts_at_boot(name)):
+                child.start()
+        self._roll_out_adopted()
+        if self.config.path is not None and self.reloader is None:
+            self.reloader = Reloader(self.config.path, lambda: self.config, self.apply_config,
+                                     self._reload_result, self._reload_started)
+            self.reloader.watch()
+        if self.ownership.file is not None and self.control is None:
+            self.control = Control(control_path(self.ownership.state_id), self._on_control)
+            await self.control.start()
+
+    # --- an upgrade in place (handover.py): the old daemon's side -----------------------------
+
+    async def _on_control(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A request on the control socket: `upgrade`, or `ping`."""
+        if request.get("op") == "ping":
+            return {"ok": True, "pid": os.getpid()}
+        if request.get("op") != "upgrade":
+            return {"ok": False, "error": f"no such request: {request.get('op')!r}"}
+        why = self._why_no_upgrade(request)
+        if why is not None:
+            return {"ok": False, "error": why}
+        assert self.config.path is not None
+        try:
+            await asyncio.to_thread(config_module.load, self.config.path)
+        except config_module.ConfigError as e:
+            return {"ok": False, "error": f"{self.config.path} is not valid: " +
+                    "; ".join(str(p) for p in e.problems) + " (nothing changed)"}
+        self._upgrading = True
+        answers = answers_path(self.ownership.state_id, "handover")
+        try:
+            saved = await save_answers(answers, self.idempotency)
+            timeout = float(request.get("timeout_s") or UPGRADE_TIMEOUT_S)
+            answer = await start_successor(self.config.path, self.listeners,
+                                           self.config.server.drain_timeout_s, timeout)
+        except UpgradeFailed as e:
+            log.error("upgrade: %s", e)
+            with contextlib.suppress(OSError):
+                answers.unlink()
+            return {"ok": False, "error": str(e)}
+        finally:
+            self._upgrading = False
+        log.info("upgrade: %d stored answer(s) (Idempotency-Key) handed over", saved)
+        asyncio.get_running_loop().call_soon(self._hand_over, int(answer["pid"]))
+        return {"ok": True, "old_pid": os.getpid(), "pid": answer["pid"],
+                "adopted": answer.get("adopted", {}), "listening": answer.get("listening")}
+
+    def _why_no_upgrade(self, request: dict[str, Any]) -> str | None:
+        if self.stopping or self.handed_to is not None:
+            return "this spillway is stopping"
+        if self._probation:
+            return "this spillway is itself taking over from another: try again in a moment"
+        if self._upgrading:
+            return "an upgrade is already in progress"
+        if self.config.router:
+            return ("router mode: an upgrade in place is not supported yet (its routers' "
+                    "models are not handed over); restart spillway instead")
+        asked, own = str(request.get("config") or ""), self.config.path or ""
+        if os.path.realpath(asked) != os.path.realpath(own):
+            return f"this spillway runs {own}, not {asked}"
+        return None
+
+    def _hand_over(self, new_pid: int) -> None:
+        """The new daemon serves: this one says no more to systemd, lets go of its children,
+        stops accepting, finishes its requests and exits (`_shutdown`)."""
+        self.handed_to = new_pid
+        self.notifier.silence()
+        log.warning("upgrade: spillway pid %d serves now; this one (pid %d) lets go of its "
+                    "children, stops accepting and finishes its %d request(s) in flight (up to "
+                    "%.0f s)", new_pid, os.getpid(),
+                    self.proxy.open_requests if self.proxy else 0,
+                    self.config.server.drain_timeout_s)
+        self._stop.set()
+
+    # --- an upgrade in place: the new daemon's side -----------------------------------------
+
+    def _hold_for_handover(self, adopted: list[str]) -> None:
+        """Until the old daemon has exited, no process is started: a child that dies waits
+        (its hold), one not adopted stays stopped (paused)."""
+        reason = "an upgrade's handover is in progress"
+        for name, child in self.children.items():
+            self._holds[name] = child.hold
+            child.hold = lambda: reason
+            if name not in adopted and name not in self.res.paused:
+                self.res.paused.add(name)
+                self._held.add(name)
+
+    async def _until_answering(self, adopted: list[str]) -> None:
+        """Until each adopted child has answered its first /health (or failed it)."""
+        await asyncio.gather(*(self.children[n].engine.until(
+            lambda life: life.state is not ChildState.STARTING, ADOPTION_WAIT_S)
+            for n in adopted))
+
+    async def _take_handover(self, handover: Handover, adopted: list[str]) -> None:
+        """Serving: tell systemd and the old daemon, wait for the old one's exit, then own
+        everything."""
+        kept = {n: self.children[n].pid for n in adopted if self.children[n].is_ready}
+        self.notifier.main_pid(self.status_line())
+        self._told_old = True
+        tell_old(handover, {"serving": True, "pid": os.getpid(), "adopted": kept,
+                            "listening": list(self.listening)})
+        self.upgraded_from = {"pid": handover.from_pid, "asked": rfc3339(handover.asked_at),
+                              "serving": rfc3339(time.time()), "kept": kept,
+                              "took_over": None, "answers_kept": self._answers_kept}
+        log.warning("upgrade: serving, with %s adopted; spillway pid %d finishes its requests "
+                    "in flight and exits", ", ".join(f"{n} (pid {p})" for n, p in kept.items())
+                    or "no child", handover.from_pid)
+        if not await wait_exit(handover.from_pid,
+                               handover.drain_timeout_s + COMMIT_MARGIN_S):
+            log.warning("upgrade: spillway pid %d has not exited %.0f s after its drain "
+                        "timeout: going on without it", handover.from_pid, COMMIT_MARGIN_S)
+        self._answers_kept += await load_answers(
+            answers_path(self.ownership.state_id, "drained"), self.idempotency)
+        self.upgraded_from["answers_kept"] = self._answers_kept
+        self._probation = False
+        for name, hold in self._holds.items():
+            self.children[name].hold = hold
+        self.res.paused.difference_update(self._held)
+        self.ownership.take_writing()
+        await self.ownership.end_deferred()
+        await self._own_everything(adopted)
+        self.upgraded_from["took_over"] = rfc3339(time.time())
+        log.warning("upgrade: done: this daemon (pid %d) took over from spillway pid %d, "
+                    "keeping %s", os.getpid(), handover.from_pid,
+                    ", ".join(f"{n} (pid {p})" for n, p in kept.items()) or "no child")
+        if self.pool is not None:
+            self.pool.dispatch()
+
+    async def _take_over(self, how: str) -> list[str]:
+        """The children the last daemon left running: adopted (their start is posted), or
+        ended; the names adopted. From now on the state file follows the children."""
+        self.ownership.watch(self.children, self.media_marker)
+        return await self.ownership.take_over(self.config, self.children, self.incidents,
+                                              router=self.config.router, how=how)
+
+    def _roll_out_adopted(self) -> None:
+        """Adopted children whose config asks another command now take it, as a reload's
+        (one at a time, rollout.py)."""
+        changed = self.ownership.changed
+        if changed:
+            log.info("adopted with another command asked for: %s (restarted with it, as a "
+                     "reload would)", ", ".join(changed))
+            self.rollout = self.rollout or Rollout(self.children)
+            self.rollout.start(self.config, list(changed))
+
+    def daemon_json(self) -> dict[str, Any]:
+        """This daemon: its pid, when it started, and what it took over from the last one."""
+        return {"pid": os.getpid(), "started": rfc3339(self.started_wall),
+                "upgraded_from_pid": self.handover.from_pid if self.handover else None,
+                "upgrade": self.upgraded_from, "handing_over_to": self.handed_to,
+                "control_socket": str(self.control.path) if self.control else None,
+                **self.ownership.to_json()}
+
+    async def _listen(self, passed: list[socket.socket], source: str) -> bool:
+        """Serve on every listen address: on the socket passed for it (systemd's, or the old
+        daemon's at an upgrade), else on one bound now (listen_fds.py). False when one cannot
+        be listened on (said in the log)."""
+        assert self._runner is not None
+        try:
+            self.listeners = listen_fds.open_all(self.config.server.listen, passed, source)
+            for listener in self.listeners:
+                site = web.SockSite(self._runner, listener.sock, backlog=listen_fds.BACKLOG)
+                await site.start()
+                self.listening.append(listener.address)
+                if listener.how != "bound":
+                    log.info("listening on %s: the socket %s passed", listener.address,
+                             listener.how)
+        except (listen_fds.ListenError, OSError) as e:
+            log.error("%s", e if isinstance(e, listen_fds.ListenError) else
+                      f"cannot listen: {e}")
+            return False
+        return True
 
     def _make_mode(self) -> Mode:
         """Single model or router, from the config at start (a change between them waits
@@ -769,29 +989,20 @@ class Daemon:
                         len(given))
 
     async def _shutdown(self) -> None:
-        self.notifier.stopping()
+        # At an upgrade (this daemon handed over, or a new one stopped before it answered the
+        # old one) the children are let go of, not stopped: the other daemon has them. A new
+        # one that answered is theirs (the old one has let go): it stops them, as any stop.
+        letting_go = self.handed_to is not None or (self._probation and not self._told_old)
+        if letting_go:
+            await self._let_go()
+        else:
+            self.notifier.stopping()
+            self.ownership.writing = True  # its last word: no child left
         self.stopping = True  # the balancer's agent says "down" from now on
         if self.reloader is not None:
             self.reloader.stop()
         if self._runner is not None:
-            # Stop accepting, then let in-flight requests finish up to the drain timeout; a
-            # second signal cuts the wait short.
-            for site in list(self._runner.sites):
-                await site.stop()
-            if self.proxy is not None and self.proxy.open_requests:
-                log.info("waiting for %d in-flight request(s), up to %.0f s",
-                         self.proxy.open_requests,
-                         self.config.server.drain_timeout_s)
-                idle = asyncio.create_task(self.proxy.idle.wait())
-                second = asyncio.create_task(self._second_signal())
-                await asyncio.wait({idle, second}, timeout=self.config.server.drain_timeout_s,
-                                   return_when=asyncio.FIRST_COMPLETED)
-                idle.cancel()
-                second.cancel()
-            # Resumable streams still going past the drain end now, and so do their readers.
-            self.streams.stop_all(time.time())
-            with contextlib.suppress(Exception):
-                await self._runner.cleanup()
+            await self._drain(self._runner)
         for task in self._tasks:
             task.cancel()
         if self.rollout is not None:
@@ -800,8 +1011,12 @@ class Daemon:
             await self.mode.close()
         # A second signal asked for speed: a short grace for the children too.
         grace = 1.0 if self._stop_signals >= 2 else None
-        await asyncio.gather(*(c.close(grace) for c in self.children.values()),
-                             return_exceptions=True)
+        if not letting_go:
+            await asyncio.gather(*(c.close(grace) for c in self.children.values()),
+                                 return_exceptions=True)
+            await self.ownership.close()  # no child left: the state file goes
+        if self.control is not None:
+            await self.control.close(unlink=not letting_go)
         if self._upstream is not None:
             self._upstream.close()
         if self._session is not None:
@@ -809,7 +1024,46 @@ class Daemon:
         await self.monitor.close()
         if self.agent is not None:
             await self.agent.close()
-        log.info("stopped")
+        log.info("stopped%s", f": spillway pid {self.handed_to} serves on, with the children"
+                 if self.handed_to is not None else "")
+
+    async def _drain(self, runner: web.AppRunner) -> None:
+        """Stop accepting, then let in-flight requests finish up to the drain timeout; a
+        second signal cuts the wait short."""
+        for site in list(runner.sites):
+            await site.stop()
+        if self.handed_to is not None:
+            # The connections just accepted have their requests read before the drain looks
+            # for requests in flight.
+            await asyncio.sleep(HANDOVER_SETTLE_S)
+        if self.proxy is not None and self.proxy.open_requests:
+            log.info("waiting for %d in-flight request(s), up to %.0f s",
+                     self.proxy.open_requests, self.config.server.drain_timeout_s)
+            idle = asyncio.create_task(self.proxy.idle.wait())
+            second = asyncio.create_task(self._second_signal())
+            await asyncio.wait({idle, second}, timeout=self.config.server.drain_timeout_s,
+                               return_when=asyncio.FIRST_COMPLETED)
+            idle.cancel()
+            second.cancel()
+        # Resumable streams still going past the drain end now, and so do their readers.
+        self.streams.stop_all(time.time())
+        with contextlib.suppress(Exception):
+            await runner.cleanup()
+        if self.handed_to is not None:  # what it answered meanwhile, for the new daemon
+            saved = await save_answers(answers_path(self.ownership.state_id, "drained"),
+                                       self.idempotency)
+            log.info("upgrade: %d stored answer(s) (Idempotency-Key) handed over after the "
+                     "drain", saved)
+
+    async def _let_go(self) -> None:
+        """Let go of every child without a signal; the state file is the other daemon's."""
+        if self.rollout is not None:
+            await self.rollout.close()
+        await self.ownership.close(keep=True)
+        await asyncio.gather(*(c.release() for c in self.children.values()),
+                             return_exceptions=True)
+        log.info("let go of the children: %s", ", ".join(
+            f"{n} (pid {c.pid})" for n, c in self.children.items() if c.pid) or "none running")
 
     async def _second_signal(self) -> None:
         while self._stop_signals < 2:

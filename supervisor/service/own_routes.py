@@ -130,7 +130,8 @@ class OwnRoutes:
                  streams: StreamSessions | None = None,
                  drill: DrillWindow | None = None,
                  offload: Callable[[], dict[str, Any] | None] | None = None,
-                 caches: Callable[[], dict[str, dict[str, Any]]] | None = None) -> None:
+                 caches: Callable[[], dict[str, dict[str, Any]]] | None = None,
+                 daemon: Callable[[], dict[str, Any]] | None = None) -> None:
         self.host = host
         self.models = models  # router mode: every model on both routers
         self.started = started  # time.monotonic() when the daemon began
@@ -147,6 +148,7 @@ class OwnRoutes:
         self.drill = drill or DrillWindow()  # arming answers only while a drill runs
         self.offload = offload  # how much of the GPU child is on the GPU (the daemon's)
         self.caches = caches  # what the daemon keeps in memory, with each one's bounds
+        self.daemon = daemon  # the daemon's pid, start, and what it took over (an upgrade)
 
     def table(self) -> dict[tuple[str, str], OwnRoute]:
         """(method, path) -> handler, for `build_app`."""
@@ -179,6 +181,7 @@ class OwnRoutes:
         return {
             "version": __version__,
             "uptime_s": round(time.monotonic() - self.started, 3),
+            "daemon": self.daemon() if self.daemon is not None else None,
             "listen": list(self.host.listening),
             "serving": serving,
             "why_not_serving": None if serving else (

@@ -7,7 +7,9 @@ themselves never block.
 - WATCHDOG=1 from the event loop at half of WATCHDOG_USEC, so a blocked loop misses its pings
   and systemd restarts the service;
 - RELOADING=1 with MONOTONIC_USEC while a reload is applied; STOPPING=1 on shutdown;
-- EXTEND_TIMEOUT_USEC while a model takes longer to load than systemd's start timeout.
+- EXTEND_TIMEOUT_USEC while a model takes longer to load than systemd's start timeout;
+- at an upgrade in place (handover.py), MAINPID=<its pid> with READY=1 from the new daemon, and
+  nothing more from the old one.
 
 systemd reads the socket from PID 1, which can pause for seconds when busy; its queue holds a
 few datagrams (net.unix.max_dgram_qlen, 10 by default). A blocking send on a full queue would
@@ -40,7 +42,7 @@ import sdnotify
 log = logging.getLogger("spillway.systemd")
 
 # Messages that change the service's state in systemd: worth a retry when the queue is full.
-IMPORTANT = ("READY=", "RELOADING=", "STOPPING=", "EXTEND_TIMEOUT_USEC=")
+IMPORTANT = ("READY=", "RELOADING=", "STOPPING=", "EXTEND_TIMEOUT_USEC=", "MAINPID=")
 RETRY_FOR_S = 1.0
 RETRY_EVERY_S = 0.05
 MAX_PENDING = 32
@@ -212,6 +214,20 @@ class Notifier:
         if text != self.last_status or text != self._status_sent:
             self.last_status = text
             self.send(f"STATUS={text}")
+
+    def main_pid(self, status: str) -> None:
+        """An upgrade's new daemon: systemd follows this process from now on (MAINPID=, which
+        NotifyAccess=all lets a process other than the main one send), and it is ready."""
+        status = status.replace("\n", " ")
+        self.last_status = status
+        self.send(f"MAINPID={os.getpid()}", "READY=1", f"STATUS={status}")
+        self.ready_sent = True
+
+    def silence(self) -> None:
+        """An upgrade's old daemon, once the new one is the main process: nothing more to
+        systemd (a STOPPING=1 from it would stop the service the new one runs)."""
+        self.enabled = False
+        self._pending.clear()
 
     def reloading(self) -> None:
         self.send("RELOADING=1", f"MONOTONIC_USEC={_monotonic_usec()}")

@@ -12,8 +12,10 @@ Every child:
 - listens on a loopback port Spillway picks, with a random API key only Spillway knows (given in
   the `LLAMA_API_KEY` environment variable, the same setting as `--api-key`, because a command
   line is readable by every local user in /proc and an environment is not);
-- runs in its own session and process group, with the kernel told to kill it when the daemon
-  dies (PR_SET_PDEATHSIG), so none outlives the daemon even when the daemon gets SIGKILL;
+- runs in its own session and process group, and outlives the daemon by design: an upgrade in
+  place hands it to the next daemon, and after a crash the next start adopts it or ends it
+  (owned.py keeps the record of each process, adopted.py recognises one; `adopt` takes one
+  over); a stop of the daemon stops it;
 - is ready when `/health` answers 200 (503 `Loading model` means still starting);
 - has each stdout/stderr line logged with a `[name]` prefix, the last 200 kept as evidence;
 - is stopped with SIGTERM to its group, a grace period, then SIGKILL (llama-server does not exit
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import logging
 import os
@@ -46,15 +49,19 @@ from typing import Any, Protocol
 from .clock import Clock, MonotonicClock
 from ..config.schema import ChildConfig, RestartConfig, command_changed, with_command_of
 from .engine import Engine, LifeReader, exit_within
-from .launcher import LINE_LIMIT, Launcher, Process, SubprocessLauncher
+from .launcher import LINE_LIMIT, Launcher, Process, SubprocessLauncher, reserve_port
 from .launcher import pick_port as pick_port  # the drill's import
+from . import adopted as _adopted
+from .owned import MEDIA_MARKER_ENV, OWNER_ENV, ChildRecord, fingerprint
 from .hostcpu import HostCpu, host_cpu
-from ..policy import lifecycle, release, rollout, signatures
+from ..policy import lifecycle, rollout, signatures
+from ..policy import release as release_rule  # (Child.release lets a process go)
 from ..policy.refusal import Refusal, read_refusal
 from ..records.caches import figures, text_bytes
 from ..records.timefmt import rfc3339
 from ..vocabulary import Load, StateListener
-from ..policy.evidence import FailureKind, VramSample, classify_exit, describe_exit, exit_signal
+from ..policy.evidence import EXIT_UNKNOWN, FailureKind, VramSample, classify_exit, \
+    describe_exit, exit_signal
 from ..policy.lifecycle import ChildState
 
 log = logging.getLogger("spillway.child")
@@ -74,7 +81,7 @@ SYSTEMD_VARIABLES = ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID", "LISTEN_F
 # Vertex AI's contract, which Spillway takes itself (policy/vertex.py): under it every child
 # would leave its port for AIP_HTTP_PORT.
 _OWNED_ENV = ("LLAMA_ARG_HOST", "LLAMA_ARG_PORT", "LLAMA_API_KEY", "LLAMA_ARG_API_KEY_FILE",
-              "LLAMA_ARG_MODEL", *SYSTEMD_VARIABLES,
+              "LLAMA_ARG_MODEL", *SYSTEMD_VARIABLES, OWNER_ENV, "SPILLWAY_HANDOVER",
               "AIP_MODE", "AIP_HTTP_PORT", "AIP_PREDICT_ROUTE", "AIP_HEALTH_ROUTE")
 
 
@@ -116,7 +123,7 @@ class ExitRecord:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "code": self.returncode,
+            "code": None if self.returncode == EXIT_UNKNOWN else self.returncode,
             "signal": self.signal_name,
             "kind": self.kind,
             "evidence": self.evidence,
@@ -163,7 +170,7 @@ class ReleaseProbe(Protocol):
 
     interval_s: float  # how often the cards are sampled: how soon to look again
 
-    async def cards_now(self) -> list[release.Card] | None:
+    async def cards_now(self) -> list[release_rule.Card] | None:
         """The child's cards from a sample taken now; None without figures."""
         ...
 
@@ -249,10 +256,20 @@ class Child(LifeReader):
         # what the last process that ended unplanned may still hold (until the next spawn
         # has waited for it). `_releasing` is set while a launch waits for the card, before
         # its spawn: a stop then ends it there. `waiting_for_memory` says why, for status.
-        self._before: tuple[release.Card, ...] = ()
-        self._footprint: release.Footprint | None = None
+        self._before: tuple[release_rule.Card, ...] = ()
+        self._footprint: release_rule.Footprint | None = None
         self._releasing: asyncio.Event | None = None
         self.waiting_for_memory: str | None = None
+        # Its processes, as the state file records them (owned.py): `owner_id` (the config's
+        # state id) begins each process's SPILLWAY_OWNER; told after each spawn and exit.
+        self.owner_id = ""
+        self.process_listeners: list[Callable[[Child], None]] = []
+        self._record: ChildRecord | None = None  # the current process's
+        # A process another Spillway started, to be taken over at the next launch (`adopt`),
+        # and the one taken over, while it runs.
+        self._adoption: tuple[ChildRecord, bool] | None = None
+        self.adopted: ChildRecord | None = None
+        self._released = False  # let go of at an upgrade: its process runs on, unwatched
 
         # The running process, its supervision (spawn, probes, exit) and how Spillway is
         # ending it, if it is: (planned, a note for an unplanned end's record).
@@ -316,6 +333,9 @@ class Child(LifeReader):
             "command": self.cfg.command(self.port or 0, "")[:-2],
             "rejected_command": self.rejected.to_json() if self.rejected else None,
             "waiting_for_memory": self.waiting_for_memory,
+            "adopted": {"from_daemon_pid": self.adopted.daemon_pid,
+                        "process_started": rfc3339(self.adopted.started)}
+            if self.adopted is not None else None,
         }
 
     @property
@@ -384,6 +404,18 @@ class Child(LifeReader):
         self.engine.post(lifecycle.Start("starting" if first else "start asked for",
                                          keep=True))
 
+    def adopt(self, record: ChildRecord, changed: bool, why: str) -> None:
+        """Take over a running process another Spillway started (its identity checked:
+        adopted.identify), as this child's next process: STARTING, then READY at its first
+        /health (no load: its model and cache are in it). `changed`: its config asks another
+        command now (it runs the old one until a rollout restarts it)."""
+        self._adoption = (record, changed)
+        self.engine.post(lifecycle.Start(why, keep=True))
+
+    def process_record(self) -> ChildRecord | None:
+        """The current process, as the state file records it; None when none runs."""
+        return self._record if self.pid is not None else None
+
     def restart(self, reason: str) -> None:
         """Stop the process now (SIGTERM, grace, SIGKILL) and start it again; from BACKOFF or
         FATAL, start at once."""
@@ -413,6 +445,25 @@ class Child(LifeReader):
         """Stop for good (daemon shutdown)."""
         await self.stop("daemon shutting down", grace_s)
         await self.engine.close()
+        for task in [*self._tasks, *([self._run] if self._run is not None else [])]:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for fut in self._exits.values():
+            if not fut.done():
+                fut.cancel()
+        if self._own_launcher is not None:
+            await self._own_launcher.close()
+
+    async def release(self) -> None:
+        """Let go of the process without a signal (an upgrade's handover: the next daemon has
+        adopted it). The owner and the process's tasks end; the process runs on."""
+        self._released = True
+        await self.engine.close()
+        proc = self._process
+        release = getattr(proc, "release", None)  # a real process's (launcher.WatchedProcess)
+        if release is not None:
+            release()
         for task in [*self._tasks, *([self._run] if self._run is not None else [])]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -528,16 +579,21 @@ class Child(LifeReader):
 
     # --- one process, from spawn to exit ----------------------------------------------------------
 
-    def _environment(self, api_key: str) -> dict[str, str]:
+    def _environment(self, api_key: str, owner: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in _OWNED_ENV}
         # A quick abort (no backtrace through gdb) gets the crash evidence out faster.
         env.setdefault("GGML_NO_BACKTRACE", "1")
         env.update(self.extra_env)
         env.update(self.cfg.env)
         env["LLAMA_API_KEY"] = api_key
+        env[OWNER_ENV] = owner
         return env
 
     async def _spawn_process(self) -> Process:
+        adoption, self._adoption = self._adoption, None
+        self.adopted = None
+        if adoption is not None:
+            return await self._take_over(*adoption)
         # Never the last process's port: connections pooled to it must not reach the new one.
         self.port = pick_port(avoid=self.port)
         self.api_key = secrets.token_urlsafe(24)
@@ -545,8 +601,32 @@ class Child(LifeReader):
         argv = self.cfg.command(self.port, self.api_key)
         argv = argv[:-2]  # the key travels in the environment, not on the command line
         self._argv = tuple(argv)
+        owner = f"{self.owner_id}:{self.name}:{secrets.token_hex(8)}"
         log.info("[%s] starting: %s", self.name, " ".join(argv))
-        return await self._launcher.spawn(argv, self._environment(self.api_key))
+        proc = await self._launcher.spawn(argv, self._environment(self.api_key, owner))
+        self._record = ChildRecord(
+            name=self.name, pid=proc.pid, start_ticks=adoption_ticks(proc.pid),
+            boot_id=_adopted.boot_id(), argv=self._argv, port=self.port, api_key=self.api_key,
+            owner=owner, media_marker=self.extra_env.get(MEDIA_MARKER_ENV, ""),
+            fingerprint=fingerprint(self.cfg), started=time.time(), daemon_pid=os.getpid())
+        return proc
+
+    async def _take_over(self, record: ChildRecord, changed: bool) -> Process:
+        """The adopted process as this child's: its port, key and command; OSError when it
+        ended meanwhile (a failed start: the child starts a process of its own)."""
+        proc = await _adopted.adopt(record.pid)
+        self.port, self.api_key, self._argv = record.port, record.api_key, record.argv
+        reserve_port(record.port)
+        # A changed command runs the old one: a copy of the config stands for it, so that the
+        # rollout sees that the new one does not run yet.
+        self._running = dataclasses.replace(self.cfg) if changed else self.cfg
+        self._record = record
+        self.adopted = record
+        log.info("[%s] adopting pid %d (started by spillway pid %d at %s, port %d)%s",
+                 self.name, record.pid, record.daemon_pid, rfc3339(record.started),
+                 record.port, ": its config asks another command now, which it takes once "
+                 "adopted (as a reload)" if changed else "")
+        return proc
 
     async def _memory_back(self, generation: int) -> bool:
         """Before a spawn: after a GPU process's unplanned end, wait until its cards have its
@@ -557,15 +637,15 @@ class Child(LifeReader):
         if probe is None or woke is None:
             return True
         footprint, self._footprint = self._footprint, None
-        cards: list[release.Card] | None = None
+        cards: list[release_rule.Card] | None = None
         try:
             while self._ending is None:
                 cards = await probe.cards_now()
                 if footprint is None or self._ending is not None:
                     break
                 bound = self.restart_cfg.release_wait_s  # read each time: a reload may change it
-                judged = release.judge(footprint, cards, self._clock.now(), bound,
-                                       int(self.release_slack_mib * release.MIB),
+                judged = release_rule.judge(footprint, cards, self._clock.now(), bound,
+                                       int(self.release_slack_mib * release_rule.MIB),
                                        probe.interval_s)
                 if judged.go:
                     if judged.forced:
@@ -594,11 +674,11 @@ class Child(LifeReader):
         self.engine.post(lifecycle.Ended(generation, planned, what=what, record=record))
         return False
 
-    def _footprint_of(self, pid: int) -> release.Footprint | None:
+    def _footprint_of(self, pid: int) -> release_rule.Footprint | None:
         """What a GPU process that just ended unplanned may still hold, for the next spawn."""
         if self.release_probe is None:
             return None
-        return release.Footprint(pid, self._clock.now(), self._before,
+        return release_rule.Footprint(pid, self._clock.now(), self._before,
                                  self.release_probe.listed_on(pid))
 
     async def _run_process(self, generation: int) -> None:
@@ -625,6 +705,9 @@ class Child(LifeReader):
         self.pid = proc.pid
         self._process = proc
         self.started_at = spawned_at
+        if self.adopted is not None:  # its uptime goes on from its own start
+            self.started_at = spawned_at - max(0.0, time.time() - self.adopted.started)
+        self._tell_process()
         self.stderr_tail.clear()
         self.marker_lines.clear()
         reader = asyncio.create_task(self._read_output(proc), name=f"child-{self.name}-output")
@@ -637,12 +720,17 @@ class Child(LifeReader):
         finally:
             given_up.cancel()
             await self._reap(proc, waiter, reader)
+        if self._released:
+            return  # the next daemon has it
         planned, note, kind = self._ending or (False, "", None)
         record = self._exit_record(generation, proc, spawned, planned, note, kind,
                                    served=self.tasks_started > tasks_before)
         self.pid = None
         self._process = None
         self.started_at = None
+        self._record = None
+        self.adopted = None
+        self._tell_process()
         if not planned:
             self._footprint = self._footprint_of(proc.pid)
             log.warning("[%s] exited: %s (%s)", self.name, record.kind, record.evidence)
@@ -707,7 +795,7 @@ class Child(LifeReader):
     async def _reap(self, proc: Process, waiter: asyncio.Task[int],
                     reader: asyncio.Task[None]) -> None:
         """The process gone (SIGKILL if cancelled while it runs) and its last lines read."""
-        if not waiter.done():  # cancelled, or SIGKILL did not end it: one more, and on
+        if not waiter.done() and not self._released:  # cancelled, or SIGKILL did not end it
             proc.signal_group(signal.SIGKILL)
             with contextlib.suppress(Exception):
                 await self._clock.wait_any({waiter}, 5)
@@ -762,6 +850,13 @@ class Child(LifeReader):
             if not await self._clock.wait_any({waiter}, 10):
                 self._unkillable.set()  # (uninterruptible sleep): its end is recorded as is
 
+    def _tell_process(self) -> None:
+        for listener in list(self.process_listeners):
+            try:
+                listener(self)
+            except Exception:  # noqa: BLE001 - a listener must not break the process task
+                log.exception("process listener failed")
+
     def _spawn(self, coro: Any) -> None:
         task: asyncio.Task[None] = asyncio.create_task(coro)
         self._tasks.add(task)
@@ -786,6 +881,11 @@ class Child(LifeReader):
                 self.tasks_started += 1
                 if self.armed_signal is not None:
                     self._fire_armed(proc)
+
+
+def adoption_ticks(pid: int) -> int:
+    """A process's start time as the state file records it (0 when it is gone already)."""
+    return _adopted.start_ticks(pid) or 0
 
 
 # The states in which a process is probed (/health): starting, and serving.

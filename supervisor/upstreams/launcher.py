@@ -4,10 +4,16 @@ interface, so that the lifecycle (children.py) runs unchanged on a fake (tests/f
 A `Launcher` starts a process (`spawn`) and asks a child's port whether it is healthy
 (`health`); a `Process` is one started process: its pid and exit status, waiting for its exit,
 signalling its process group, reading its output a line at a time. `SubprocessLauncher` is the
-real one:
+real one, and `WatchedProcess` its process (and an adopted one's: adopted.py):
 
-- each process runs in its own session and process group, with the kernel told to kill it when
-  the daemon dies (PR_SET_PDEATHSIG), so none outlives the daemon even when it gets SIGKILL;
+- its end is seen through a pidfd the event loop watches, and the daemon reaps it itself
+  (asyncio's subprocess transport would kill a child still running when it is closed, and a
+  child must outlive a daemon that lets go of it: `release`, at an upgrade's handover);
+
+- each process runs in its own session and process group, and is not told to die with the
+  daemon: it outlives a crash or an upgrade of the daemon by design, to be adopted (or ended) by
+  the next one (owned.py, adopted.py). It inherits SIGPIPE ignored (as llama-server sets it
+  itself), so that a line written while no daemon reads its output is lost, not its life;
 - stdout and stderr are one pipe, read a line at a time (a line over 1 MiB is cut there);
 - a signal goes to the whole group once, falling back to the process itself;
 - healthy means `GET /health` on the loopback port answers 200 (503 `Loading model` is "still
@@ -18,21 +24,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import signal
 import socket
+import subprocess
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 import aiohttp
 
+from ..policy.evidence import EXIT_UNKNOWN
 from ..records.caches import figures
 
 LINE_LIMIT = 1 << 20  # the longest output line read as one; a longer one is cut
-_PR_SET_PDEATHSIG = 1
 
 
 class Process(Protocol):
@@ -90,6 +95,12 @@ def recent_ports_figures() -> dict[str, Any]:
     return figures(len(_RECENT_PORTS), max_entries=_RECENT_PORTS.maxlen)
 
 
+def reserve_port(port: int) -> None:
+    """A port taken otherwise (an adopted child's): not handed out while it is recent."""
+    if port not in _RECENT_PORTS:
+        _RECENT_PORTS.append(port)
+
+
 def pick_port(avoid: int | None = None, probe: Callable[[], int] = free_port) -> int:
     """A free loopback port, never `avoid` and never one handed out lately. A process outside
     Spillway may still take it first: the child then exits and is restarted with another."""
@@ -100,53 +111,124 @@ def pick_port(avoid: int | None = None, probe: Callable[[], int] = free_port) ->
             return port
 
 
-def _die_with_parent(parent_pid: int) -> Callable[[], None]:
-    """A preexec function: the child gets SIGKILL when the daemon (its parent) dies."""
-    libc_name = ctypes.util.find_library("c")
+class WatchedProcess:
+    """A real process, watched through a pidfd: its end is seen by the event loop (the pidfd
+    turns readable), its signals go through it while it lives, its output is read from a pipe.
 
-    def preexec() -> None:
-        if libc_name is not None:
-            libc = ctypes.CDLL(libc_name, use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        if os.getppid() != parent_pid:  # the parent died before prctl took effect
-            os._exit(1)
+    With `popen`, the daemon started it (`SubprocessLauncher`) and reaps it for its exit status;
+    without, it is adopted (adopted.py: another Spillway started it): its status cannot be
+    had, and its end reads as EXIT_UNKNOWN. `release` lets go of it without a signal (an
+    upgrade's handover: the next daemon adopts it)."""
 
-    return preexec
+    def __init__(self, pid: int, pidfd: int, output: asyncio.StreamReader | None,
+                 transport: asyncio.BaseTransport | None,
+                 popen: subprocess.Popen[bytes] | None = None) -> None:
+        self._pid = pid
+        self._pidfd: int | None = pidfd
+        self._output = output
+        self._transport = transport
+        self._popen = popen  # kept, so that subprocess's own clean-up never reaps it first
+        self._returncode: int | None = None
+        loop = asyncio.get_running_loop()
+        self._exited: asyncio.Future[int] = loop.create_future()
+        loop.add_reader(pidfd, self._on_exit)
 
+    @classmethod
+    async def watch(cls, pid: int, output_fd: int | None,
+                    popen: subprocess.Popen[bytes] | None = None) -> WatchedProcess:
+        """Watch `pid` (OSError when it is gone), reading its output from `output_fd` (a pipe's
+        read end, taken over; None: not read)."""
+        try:
+            pidfd = os.pidfd_open(pid)
+        except OSError:
+            if output_fd is not None:
+                os.close(output_fd)
+            raise
+        reader: asyncio.StreamReader | None = None
+        transport: asyncio.BaseTransport | None = None
+        if output_fd is not None:
+            loop = asyncio.get_running_loop()
+            got = reader = asyncio.StreamReader(limit=LINE_LIMIT, loop=loop)
+            pipe = os.fdopen(output_fd, "rb", buffering=0)
+            try:
+                transport, _ = await loop.connect_read_pipe(
+                    lambda: asyncio.StreamReaderProtocol(got, loop=loop), pipe)
+            except (OSError, ValueError):  # not a pipe (a file, a terminal): not read
+                pipe.close()
+                reader = None
+        return cls(pid, pidfd, reader, transport, popen)
 
-class SubprocessProcess:
-    """A real process, started by `SubprocessLauncher`."""
-
-    def __init__(self, proc: asyncio.subprocess.Process) -> None:
-        self._proc = proc
+    def _on_exit(self) -> None:
+        fd = self._pidfd
+        if fd is None:
+            return
+        asyncio.get_running_loop().remove_reader(fd)
+        code = EXIT_UNKNOWN
+        if self._popen is not None:
+            try:
+                info = os.waitid(os.P_PIDFD, fd, os.WEXITED)
+            except ChildProcessError:
+                info = None
+            if info is not None:
+                code = info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+            self._popen.returncode = code
+        os.close(fd)
+        self._pidfd = None
+        self._returncode = code
+        if not self._exited.done():
+            self._exited.set_result(code)
 
     @property
     def pid(self) -> int:
-        return self._proc.pid
+        return self._pid
 
     @property
     def returncode(self) -> int | None:
-        return self._proc.returncode
+        return self._returncode
 
     async def wait(self) -> int:
-        return await self._proc.wait()
+        return await asyncio.shield(self._exited)
 
     def signal_group(self, sig: int) -> None:
-        # Once: llama-server reads a second SIGTERM as "terminate immediately".
+        # Once: llama-server reads a second SIGTERM as "terminate immediately". Only while the
+        # pidfd says it lives: once it is gone, its pid may be another process's.
+        fd = self._pidfd
+        if fd is None:
+            return
         try:
-            os.killpg(self._proc.pid, sig)
+            signal.pidfd_send_signal(fd, 0)
+        except ProcessLookupError:
+            return
+        try:
+            os.killpg(self._pid, sig)
         except (ProcessLookupError, PermissionError):
-            if self._proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    self._proc.send_signal(sig)
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(fd, sig)
 
     async def readline(self) -> bytes:
-        stream = self._proc.stdout
-        assert stream is not None
+        if self._output is None:
+            await self.wait()
+            return b""
         try:
-            return await stream.readline()
+            return await self._output.readline()
         except ValueError:  # a line over the limit: take what is there
-            return await stream.read(LINE_LIMIT)
+            return await self._output.read(LINE_LIMIT)
+
+    def release(self) -> None:
+        """Stop watching it and leave it running: no signal; its output no longer read."""
+        fd = self._pidfd
+        if fd is not None:
+            asyncio.get_running_loop().remove_reader(fd)
+            os.close(fd)
+            self._pidfd = None
+        if self._transport is not None:
+            self._transport.close()
+        if self._popen is not None:
+            self._popen.returncode = EXIT_UNKNOWN  # never waited for by subprocess either
+        if self._output is not None:
+            self._output.feed_eof()
+        if not self._exited.done():
+            self._exited.cancel()
 
 
 class SubprocessLauncher:
@@ -155,18 +237,21 @@ class SubprocessLauncher:
     def __init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
 
-    async def spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> SubprocessProcess:
-        proc = await asyncio.create_subprocess_exec(
-            *argv,
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.STDOUT,
-            env=dict(env),
-            start_new_session=True,
-            preexec_fn=_die_with_parent(os.getpid()),
-            limit=LINE_LIMIT,
-        )
-        return SubprocessProcess(proc)
+    async def spawn(self, argv: Sequence[str], env: Mapping[str, str]) -> WatchedProcess:
+        read_end, write_end = os.pipe()
+        try:
+            # In the loop, as asyncio's own create_subprocess_exec does: fork and exec are quick.
+            popen = subprocess.Popen(  # noqa: ASYNC220
+                list(argv), stdin=subprocess.DEVNULL, stdout=write_end, stderr=write_end,
+                env=dict(env), start_new_session=True,
+                # Python's SIGPIPE (and SIGXFSZ) stay ignored in the child: the module's doc.
+                restore_signals=False, close_fds=True)
+        except BaseException:
+            os.close(read_end)
+            raise
+        finally:
+            os.close(write_end)
+        return await WatchedProcess.watch(popen.pid, read_end, popen)
 
     async def health(self, port: int, timeout: float) -> bool:
         if self._session is None or self._session.closed:
