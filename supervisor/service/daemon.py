@@ -988,6 +988,15 @@ class Daemon:
                         "it can see, as llama-server alone) or list the cards", wanted, device,
                         len(given))
 
+    async def _close_children(self, grace: float | None) -> None:
+        """Every child stopped for good, at once; one that fails to close is said, not
+        hidden (the state file would keep naming it)."""
+        ended = await asyncio.gather(*(c.close(grace) for c in self.children.values()),
+                                     return_exceptions=True)
+        for name, outcome in zip(self.children, ended, strict=True):
+            if isinstance(outcome, BaseException):
+                log.error("[%s] did not close cleanly: %r", name, outcome)
+
     async def _shutdown(self) -> None:
         # At an upgrade (this daemon handed over, or a new one stopped before it answered the
         # old one) the children are let go of, not stopped: the other daemon has them. A new
@@ -1012,8 +1021,7 @@ class Daemon:
         # A second signal asked for speed: a short grace for the children too.
         grace = 1.0 if self._stop_signals >= 2 else None
         if not letting_go:
-            await asyncio.gather(*(c.close(grace) for c in self.children.values()),
-                                 return_exceptions=True)
+            await self._close_children(grace)
             await self.ownership.close()  # no child left: the state file goes
         if self.control is not None:
             await self.control.close(unlink=not letting_go)

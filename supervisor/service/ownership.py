@@ -51,6 +51,7 @@ class Ownership:
         self.writing = True  # False while another daemon owns the file (an upgrade's start)
         self._dirty = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
+        self._closing = False  # the writer ends after its current write
         # What the start did, for the status.
         self.adopted: dict[str, int] = {}  # name -> pid
         self.changed: list[str] = []  # adopted, with a command the config has changed since
@@ -178,6 +179,8 @@ class Ownership:
         assert self.file is not None
         while True:
             await self._dirty.wait()
+            if self._closing:
+                return  # (after its last write: `close` writes the final word)
             self._dirty.clear()
             if not self.writing:
                 continue
@@ -191,7 +194,10 @@ class Ownership:
         """The writer ends; the file is written one last time (with the children left, none
         after a stop: it is then removed), unless `keep` (another daemon writes it now)."""
         if self._writer is not None:
-            self._writer.cancel()
+            # Not cancelled: a write in its worker thread would finish after the final one
+            # and put the stopped children back in the file. It ends after its write.
+            self._closing = True
+            self._dirty.set()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._writer
         if self.file is None or keep or not self.writing:
