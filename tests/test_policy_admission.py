@@ -309,3 +309,16 @@ def test_the_earliest_expected_finish_waits_for_the_gpu_child_when_it_is_clearly
     # The client's deadline still rules: it will not wait 7 s.
     hurried = dataclasses.replace(REQ, deadline_s=6.0)
     assert decide(hurried, with_(gpu=restarting, cpu={"expected_s": 5.0})).child == "cpu"
+
+
+def test_the_earliest_expected_finish_is_off_with_failover_wait_for_gpu_false() -> None:
+    """failover.wait_for_gpu = false: the CPU child takes what it can take now, however soon
+    the GPU child is back (the behaviour before 5w, and the benchmark's baseline)."""
+    restarting = {"state": ChildState.STARTING, "back_in_s": 5.0, "expected_s": 2.0}
+    off = with_(gpu=restarting, cpu={"expected_s": 60.0}, wait_for_gpu=False)
+    d = decide(REQ, off)
+    assert (d.action, d.branch, d.child, d.expected_s) == (Action.FORWARD, 5, "cpu", 60.0)
+    # With the CPU child full it still waits in line, as any request does (branch 6), and
+    # whichever child frees first serves it.
+    full = with_(gpu=restarting, cpu={"expected_s": 60.0, "busy": 1}, wait_for_gpu=False)
+    assert (decide(REQ, full).action, decide(REQ, full).branch) == (Action.WAIT, 6)
