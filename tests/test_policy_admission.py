@@ -322,3 +322,16 @@ def test_no_wait_for_a_gpu_child_already_overdue_or_a_wait_past_half_the_limit()
         == "cpu"  # 7 s is over half of 13
     assert decide(REQ, with_(gpu=restarting, cpu={"expected_s": 60.0}, max_wait_s=14)).action \
         is Action.WAIT
+
+
+def test_the_earliest_expected_finish_is_off_with_failover_wait_for_gpu_false() -> None:
+    """failover.wait_for_gpu = false: the CPU child takes what it can take now, however soon
+    the GPU child is back (the behaviour before 5w, and the benchmark's baseline)."""
+    restarting = {"state": ChildState.STARTING, "back_in_s": 5.0, "expected_s": 2.0}
+    off = with_(gpu=restarting, cpu={"expected_s": 60.0}, wait_for_gpu=False)
+    d = decide(REQ, off)
+    assert (d.action, d.branch, d.child, d.expected_s) == (Action.FORWARD, 5, "cpu", 60.0)
+    # With the CPU child full it still waits in line, as any request does (branch 6), and
+    # whichever child frees first serves it.
+    full = with_(gpu=restarting, cpu={"expected_s": 60.0, "busy": 1}, wait_for_gpu=False)
+    assert (decide(REQ, full).action, decide(REQ, full).branch) == (Action.WAIT, 6)

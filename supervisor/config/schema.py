@@ -442,6 +442,10 @@ class FailoverConfig:
     # A stream whose child dies after bytes went out goes on from the other child.
     continue_streams: bool = field(metadata=key("bool", True))
     drain_timeout_s: float = field(metadata=key("number", DRAIN_TIMEOUT_S, check=_non_negative))
+    # During an outage, a request the CPU child could take waits for the GPU child on its way
+    # back when that is expected to answer clearly sooner (admission's 5w, the earliest expected
+    # finish); false: the CPU child takes it now, as before 5w.
+    wait_for_gpu: bool = field(default=True, metadata=key("bool", True))
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,9 @@ class Capacity:
     max_waiting: int
     wait_s: float  # estimated wait for a place at the back of the line
     max_wait_s: float
+    # Branch 5w on (failover.wait_for_gpu): a request may wait for the GPU child on its way
+    # back when that is clearly sooner; off, the CPU child takes what it can take now.
+    wait_for_gpu: bool = True
 
     @property
     def gpu(self) -> ChildView:
@@ -212,7 +215,9 @@ def _gpu_sooner(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:
     sooner than the CPU child's time (its prompt at its measured speed, less what its cache
     holds), and the wait fits the line and the client's deadline. The head of the line asks
     again each time capacity changes: a GPU child that does not come back in time leaves the
-    request to the CPU child."""
+    request to the CPU child. Off with failover.wait_for_gpu = false."""
+    if not cap.wait_for_gpu:
+        return None
     cpu = cap.cpu
     gpu_s = gpu_forecast_s(cap, gpu_fits)
     cpu_s = cpu.expected_s if cpu.has_room else None

@@ -114,6 +114,7 @@ class RouterModels:
                     metrics=self.metrics, boot=f"{self.boot}-{model}",
                     smaller=[SMALL_CHILD] if smaller_entry is not None else [])
         pool.sick_after = cfg.restart.sick_after_errors
+        pool.wait_for_gpu = cfg.failover.wait_for_gpu
         for name, upstream in upstreams.items():
             upstream.listeners.append(self._changed)
             if self.metrics is not None:

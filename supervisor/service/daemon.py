@@ -640,6 +640,7 @@ class Daemon:
                          self.config.queue.max_wait_s, metrics=self.metrics, boot=self.boot,
                          smaller=[c.name for c in self.config.children if c.smaller])
         self.pool.sick_after = self.config.restart.sick_after_errors
+        self.pool.wait_for_gpu = self.config.failover.wait_for_gpu
         self.res.media_in_flight = self.pool.media_in_flight  # the encoder's memory, learned
         # The proxy's own keep-alive connections to the children (proxy/connections.py).
         self._upstream = UpstreamClient(keepalive_s=UPSTREAM_KEEPALIVE_S)

@@ -135,6 +135,7 @@ class Pool:
         # The upstreams' streaks of 5xx answers (none: no streak), and how long makes it sick.
         self._streaks: dict[str, sickness.Streak] = {}
         self.sick_after = sickness.DEFAULT_SICK_AFTER
+        self.wait_for_gpu = True  # failover.wait_for_gpu: admission's 5w
         self._waiters: dict[int, _Waiter] = {}
         self._media: dict[str, int] = {}  # media items in flight, per upstream
         self._replays: deque[tuple[str, asyncio.Future[None]]] = deque()
@@ -167,6 +168,7 @@ class Pool:
         self.max_wait_s = config.queue.max_wait_s
         self.line.max_waiting = config.queue.max_waiting
         self.sick_after = config.restart.sick_after_errors
+        self.wait_for_gpu = config.failover.wait_for_gpu
 
     def first_ready(self, media: frozenset[Modality] = frozenset()) -> Upstream | None:
         """The upstream a question outside the caps (a token count) goes to: one serving the
@@ -266,6 +268,7 @@ class Pool:
             wait_s=waitline.estimated_wait(waiting + 1, self.service_estimate()[0], servers,
                                            returning),
             max_wait_s=self.max_wait_s,
+            wait_for_gpu=self.wait_for_gpu,
         )
 
     def waiting(self) -> list[dict[str, float]]:
