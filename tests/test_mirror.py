@@ -49,8 +49,9 @@ def test_the_body_is_the_conversation_with_its_answer_prefilled() -> None:
 
 
 def test_the_newest_then_the_longest_goes_first_within_the_bound() -> None:
-    offers = [rules.Offer("a", {}, 500, at=1.0), rules.Offer("b", {}, 900, at=5.0),
-              rules.Offer("c", {}, 2000, at=5.02), rules.Offer("d", {}, 99999, at=9.0)]
+    offers = [rules.Offer({}, None, True, 500, at=1.0), rules.Offer({}, None, True, 900, at=5.0),
+              rules.Offer({}, None, True, 2000, at=5.02),
+              rules.Offer({}, None, True, 99999, at=9.0)]
     assert rules.choose(offers, max_prompt_tokens=4096) == 2  # d too long; b and c at 5.0
     assert rules.choose(offers[:1], max_prompt_tokens=100) is None
 

@@ -40,10 +40,12 @@ _DROPPED = ("max_tokens", "max_completion_tokens", "n_predict", "stream_options"
 
 @dataclass(frozen=True)
 class Offer:
-    """A conversation the GPU child served, offered for mirroring."""
+    """A conversation the GPU child served, offered for mirroring: kept as it came (its body
+    and key are made only when it is mirrored: an offer costs the request nothing)."""
 
-    key: str  # its messages and answer, hashed (prefix_key of the mirrored messages)
-    body: Mapping[str, Any]  # what the mirror sends
+    payload: Mapping[str, Any]  # the request's
+    answer: str | None  # the GPU child's answer's text, when it is text alone
+    prefills: bool  # the CPU child prefills a final assistant message
     prompt_tokens: int  # as counted or bounded: orders offers, bounds the work
     at: float  # when it was offered (monotonic)
 

@@ -73,14 +73,7 @@ class Mirror:
         """A chat request the GPU child answered: its conversation may be mirrored."""
         if not self.settings.enabled:
             return
-        made = rules.offer_body(payload, answer, prefills)
-        if made is None:
-            self.counts["skipped"] += 1
-            return
-        key, body = made
-        if key in self.warm:
-            return  # held already
-        self.queue.append(rules.Offer(key, body, prompt_tokens, self.clock()))
+        self.queue.append(rules.Offer(payload, answer, prefills, prompt_tokens, self.clock()))
         self._wake.set()
 
     def warm_tokens(self, keys: Sequence[str]) -> int:
@@ -123,7 +116,11 @@ class Mirror:
                 continue
             offer = self.queue[chosen]
             del self.queue[chosen]
-            await self._mirror(offer)
+            made = rules.offer_body(offer.payload, offer.answer, offer.prefills)
+            if made is None:
+                self.counts["skipped"] += 1
+            elif made[0] not in self.warm:  # (held already: nothing to do)
+                await self._mirror(offer, *made)
 
     def _idle(self) -> bool:
         return all(u.load.in_flight == 0 for u in self.upstreams)
@@ -142,10 +139,10 @@ class Mirror:
             return 1.0
         return 0.0
 
-    async def _mirror(self, offer: rules.Offer) -> None:
+    async def _mirror(self, offer: rules.Offer, key: str, body: Mapping[str, Any]) -> None:
         began = self.clock()
         self.running = offer
-        task = asyncio.get_running_loop().create_task(self._send(offer))
+        task = asyncio.get_running_loop().create_task(self._send(body))
         try:
             while not task.done():
                 await asyncio.wait([task], timeout=POLL_S)
@@ -163,8 +160,8 @@ class Mirror:
                 return
             self.counts["mirrored"] += 1
             self.tokens_mirrored += tokens
-            self.warm[offer.key] = tokens
-            self.warm.move_to_end(offer.key)
+            self.warm[key] = tokens
+            self.warm.move_to_end(key)
             while len(self.warm) > WARM_KEPT:
                 self.warm.popitem(last=False)
             log.info("mirrored a conversation of %d tokens to the %s child in %.2fs",
@@ -173,14 +170,14 @@ class Mirror:
             self.running = None
             self.budget = self.budget.after(self.clock(), self.clock() - began)
 
-    async def _send(self, offer: rules.Offer) -> int | None:
+    async def _send(self, body: Mapping[str, Any]) -> int | None:
         """The mirror's request; the prompt tokens the CPU child now holds, or None."""
         headers = {"Authorization": f"Bearer {self.cpu.api_key}",
                    "Content-Type": "application/json", "X-Spillway-Mirror": "1"}
         timings: dict[str, Any] | None = None
         try:
             async with self._session().post(
-                    f"{self.cpu.base_url}/v1/chat/completions", data=json.dumps(offer.body),
+                    f"{self.cpu.base_url}/v1/chat/completions", data=json.dumps(body),
                     headers=headers, timeout=aiohttp.ClientTimeout(total=600)) as r:
                 if r.status != 200:
                     log.info("mirror refused by the %s child: HTTP %d", self.cpu.name, r.status)
