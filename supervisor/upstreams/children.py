@@ -445,15 +445,7 @@ class Child(LifeReader):
         """Stop for good (daemon shutdown)."""
         await self.stop("daemon shutting down", grace_s)
         await self.engine.close()
-        for task in [*self._tasks, *([self._run] if self._run is not None else [])]:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        for fut in self._exits.values():
-            if not fut.done():
-                fut.cancel()
-        if self._own_launcher is not None:
-            await self._own_launcher.close()
+        await self._end_tasks()
 
     async def release(self) -> None:
         """Let go of the process without a signal (an upgrade's handover: the next daemon has
@@ -464,6 +456,10 @@ class Child(LifeReader):
         release = getattr(proc, "release", None)  # a real process's (launcher.WatchedProcess)
         if release is not None:
             release()
+        await self._end_tasks()
+
+    async def _end_tasks(self) -> None:
+        """The owner gone: the process's own tasks end, its exit futures too."""
         for task in [*self._tasks, *([self._run] if self._run is not None else [])]:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
