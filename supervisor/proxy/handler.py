@@ -23,7 +23,7 @@ from ..records.idempotency import IdempotencyStore, Outcome, StoredResponse, fin
 from ..records.incidents import Incident, IncidentLog, new_incident_id
 from ..records.metrics import Metrics
 from ..serving.pool import Lease, Pool
-from ..serving.recovery import Close, GiveUp, GoOn, Recovery, RecoverySettings, safe_read
+from ..serving.recovery import Close, GiveUp, GoOn, Recovery, safe_read
 from ..serving.mirror import Mirror
 from ..serving.held import DEFAULT_MAX_HELD_BYTES, LARGE_BODY_BYTES, HeldBodies
 from ..serving.pools import Pools
@@ -106,6 +106,7 @@ class ProxyHandler:
         # The large bodies (images, audio, long prompts) held at once, for their replays.
         self.held = held if held is not None else HeldBodies()
         self.mirror: Mirror | None = None  # the warm CPU child (serving/mirror.py), if any
+        self._recoveries: dict[int, Recovery] = {}  # each pool's coordinator (by its id)
         # Requests in the server (reading a body, waiting in line, at an upstream): what a
         # shutdown waits for. What each upstream is working on is the pool's count.
         self.open_requests = 0
@@ -415,12 +416,15 @@ class ProxyHandler:
 
     def _recovery(self, ctx: RequestCtx) -> Recovery:
         """The recovery coordinator for the request's pool (serving/recovery.py): where it
-        goes, its replay or continuation, what is mirrored."""
+        goes, its replay or continuation, what is mirrored. One a pool, made once: it reads
+        the proxy's settings, which a reload updates in place."""
         pool = self._pool(ctx)
-        return Recovery(pool, RecoverySettings(self.settings.replay,
-                                               self.settings.max_replay_body_bytes,
-                                               self.settings.no_prefill),
-                        self.mirror if pool is self.pools.main else None)
+        recovery = self._recoveries.get(id(pool))
+        if recovery is None or recovery.pool is not pool:
+            recovery = Recovery(pool, self.settings,
+                                self.mirror if pool is self.pools.main else None)
+            self._recoveries[id(pool)] = recovery
+        return recovery
 
     async def _prompt_count(self, ctx: RequestCtx) -> tokens.Count:
         """The prompt's tokens, as the child counts them, when they may matter (over the

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..policy import admission, continuation, estimate, prompts
 from ..policy import mirror as mirror_rules
@@ -30,21 +31,30 @@ from .pool import Lease, Pool
 __all__ = ["Close", "GiveUp", "GoOn", "Recovery", "RecoverySettings", "Replay"]
 
 
-@dataclass
-class RecoverySettings:
-    """What the config says of recovery (copied onto on a reload: the handler holds it)."""
+class Settings(Protocol):
+    """What the config says of recovery, read at each decision (the proxy's settings, which a
+    reload updates in place)."""
 
-    replay: bool = True  # failover.replay
-    max_replay_body_bytes: int = 16 << 20  # failover.max_replay_body_mib
+    replay: bool  # failover.replay
+    max_replay_body_bytes: int  # failover.max_replay_body_mib
     # Upstreams started with --no-prefill-assistant: no stream is continued there, and a
     # mirror there holds the prompt alone.
+    no_prefill: frozenset[str]
+
+
+@dataclass
+class RecoverySettings:
+    """Settings of its own, for a coordinator outside the proxy (the tests)."""
+
+    replay: bool = True
+    max_replay_body_bytes: int = 16 << 20
     no_prefill: frozenset[str] = frozenset()
 
 
 class Recovery:
     """The decisions for the requests of one pool (router mode: one model's)."""
 
-    def __init__(self, pool: Pool, settings: RecoverySettings, mirror: Mirror | None = None,
+    def __init__(self, pool: Pool, settings: Settings, mirror: Mirror | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.pool = pool
         self.settings = settings
