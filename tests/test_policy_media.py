@@ -4,6 +4,7 @@ them, without decoding a pixel."""
 from __future__ import annotations
 
 import base64
+import json
 import struct
 
 import pytest
@@ -172,3 +173,12 @@ def test_the_encoders_memory_is_learned_from_samples_above_the_baseline() -> Non
     assert media.reserve_bytes(m, 2) == 600 * mib
     m = media.observe_memory(m, 1100 * mib, 0)  # a new baseline (a larger KV in use)
     assert m.baseline_bytes == 1100 * mib and m.per_item_bytes == 300 * mib
+
+
+def test_a_body_that_names_no_media_is_not_walked() -> None:
+    payload = chat({"type": "image_url", "image_url": {"url": f"data:image/png;base64,{PNG}"}})
+    body = json.dumps(payload).encode()
+    assert media.find("/v1/chat/completions", payload, body).count(Modality.VISION) == 1
+    # The same payload with a body that does not name it (a stand-in for a text request's
+    # body): the bytes say no media, and nothing is walked.
+    assert not media.find("/v1/chat/completions", payload, b'{"messages": []}')

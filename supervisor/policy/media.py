@@ -96,9 +96,15 @@ class Media:
 NO_MEDIA = Media()
 
 
-def find(path: str, payload: dict[str, Any] | None) -> Media:
-    """The media of a request to `path`; NO_MEDIA when it has none (or is not JSON)."""
-    if not payload:
+# Every media form names one of these in its JSON: a body without any has no media, and is not
+# walked (the common text request pays a few substring searches in C, not a Python walk).
+_MARKERS = (b"image", b"audio", b"video", b"multimodal_data")
+
+
+def find(path: str, payload: dict[str, Any] | None, body: bytes | None = None) -> Media:
+    """The media of a request to `path` (its `body`, when given, is looked at first); NO_MEDIA
+    when it has none (or is not JSON)."""
+    if not payload or (body is not None and not any(m in body for m in _MARKERS)):
         return NO_MEDIA
     items: list[MediaItem] = []
     completion = path in COMPLETION_ROUTES or path in EMBEDDING_ROUTES

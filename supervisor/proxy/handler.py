@@ -190,7 +190,7 @@ class ProxyHandler:
             if problem is not None:
                 return self._early(None, request, rid, "bad_request",
                                    errors.invalid_request(400, problem, rid))
-        found = media.find(request.path, payload)
+        found = media.find(request.path, payload, body)
         held = len(body) if found or len(body) >= LARGE_BODY_BYTES else 0
         if route is RouteClass.GENERATION and not self._hold(request, held):
             return self._held_refusal(request, rid, held)
