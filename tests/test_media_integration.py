@@ -521,10 +521,11 @@ class RssSampler:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while True:
             with contextlib.suppress(psutil.Error):
                 self.peak = max(self.peak, self.proc.memory_info().rss)
-            time.sleep(0.005)
+            if self._stop.wait(0.005):  # a sample every 5 ms, until told to stop
+                return
 
     @contextlib.contextmanager
     def sampling(self) -> Iterator[RssSampler]:
