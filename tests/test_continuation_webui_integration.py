@@ -116,16 +116,22 @@ def deltas(events: list[Any]) -> list[dict[str, Any]]:
 def check_one_whole_stream(raw: bytes) -> tuple[list[Any], list[Any]]:
     """Tokens and [DONE], no error event, one id; the events before and after the switch."""
     assert b'"error"' not in raw, raw[-600:]
-    before, comment, after = raw.partition(b": spillway: continued on the cpu child after "
-                                           b"the gpu child failed")
-    assert comment, raw[:600]
-    first, then = data_events(before), data_events(after)
-    assert then[-1] == "[DONE]"
-    events = [e for e in first + then if isinstance(e, dict)]
+    # Events, and the pings the UI asks for (`:`, as llama-server writes them): no line of
+    # Spillway's own says the switch.
+    assert all(line in (b"", b":") or line.startswith(b"data: ")
+               for line in raw.split(b"\n")), raw[:600]
+    every = data_events(raw)
+    assert every[-1] == "[DONE]"
+    # The switch: the continuation's first prompt progress event, which comes without the
+    # role (the first child's each carry it).
+    switch = next(i for i, e in enumerate(every) if isinstance(e, dict) and
+                  "prompt_progress" in e and "role" not in e["choices"][0]["delta"])
+    first, then = every[:switch], every[switch:]
+    events = [e for e in every if isinstance(e, dict)]
     assert len({e["id"] for e in events}) == 1
-    finishes = [e["choices"][0]["finish_reason"] for e in events
+    finishes = [e for e in events
                 if e.get("choices") and e["choices"][0].get("finish_reason")]
-    assert len(finishes) == 1
+    assert len(finishes) == 1 and finishes[0]["spillway_continuation"]["child"] == "cpu"
     # The client's first events were prompt progress events, with the role (measured: each
     # is a role delta with `prompt_progress`); the continuation's come without it.
     assert "prompt_progress" in first[0] and first[0]["choices"][0]["delta"]["role"]

@@ -9,7 +9,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from harness import eventually_async, fake_config
+from harness import eventually, eventually_async, fake_config
+import strict_sse
 
 from conftest import SpillwayFactory
 
@@ -86,7 +87,7 @@ async def test_a_controlled_error_is_not_stored_so_a_retry_runs_anew(
         assert status == 200 and "Idempotent-Replayed" not in headers
 
 
-async def test_past_the_hold_limit_headers_and_a_comment_flow_and_replay_is_given_up(
+async def test_past_the_hold_limit_the_status_and_headers_alone_flow_and_replay_is_given_up(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
     cfg = fake_config(fake_server, tiny_model,
                       gpu={"env": {"FAKE_PROMPT_DELAY_S": "1.0", "FAKE_CRASH_AFTER": "1"}},
@@ -96,18 +97,21 @@ async def test_past_the_hold_limit_headers_and_a_comment_flow_and_replay_is_give
         async with http.post(f"{s.url}/v1/chat/completions",
                              json={**CHAT, "stream": True}) as r:
             assert r.status == 200
-            # The comment flows at the hold limit (0.3 s), before the child's first token
-            # (1 s): it is the first thing read.
-            first = await r.content.readuntil(b"\n\n")
-            assert first.startswith(b": spillway: waiting")
-            rest = await r.read()
-    data = [line for line in rest.split(b"\n") if line.startswith(b"data: ")]
-    # The crash came after bytes (the comment), so no replay; the stream goes on from the CPU
-    # child instead, with nothing relayed before: the whole answer.
-    assert data[-1] == b"data: [DONE]" and not any(b'"error"' in d for d in data)
-    assert b'"tokens_before":0' in data[-2]
+            raw = await r.read()
+    # No line of Spillway's own while it waited (llama-server sends none: the client did not
+    # ask for pings); every line is one a strict client reads.
+    events = strict_sse.both(raw)
+    assert raw.endswith(b"data: [DONE]\n\n") and not any("error" in e for e in events)
+    # The status and headers went out at the hold limit (0.3 s), before the child's crash (at
+    # its first token, 1 s): bytes had reached the client, so no replay; the stream goes on
+    # from the CPU child instead, with nothing relayed before: the whole answer.
+    assert events[-1]["spillway_continuation"]["tokens_before"] == 0
     [record] = s.wait_incidents(1)
     assert record["decision"] == "continued" and record["tokens_before"] == 0
+    status, text = s.get("/spillway/metrics")
+    assert 'spillway_stream_holds_expired_total{child="gpu"} 1.0' in text
+    assert eventually(lambda: "hold_expired=gpu continued_from=gpu tokens_before=0"
+                      in s.log_text()), s.log_tail()
 
 
 async def test_an_answer_larger_than_the_whole_store_budget_is_not_stored(

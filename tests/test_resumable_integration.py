@@ -15,6 +15,7 @@ import aiohttp
 import openai
 import pytest
 from harness import Spillway, eventually
+import strict_sse
 from test_continuation_integration import STORY, dying_gpu, read_stream, smollm2, text_of
 
 from conftest import SpillwayFactory
@@ -66,7 +67,8 @@ def test_a_client_that_left_reads_the_whole_continued_answer_after_the_gpu_died(
     text, events = events_text(data)
     assert text == text_of(whole) and len(text) > 200
     assert text.startswith(text_of(seen))
-    assert b": spillway: continued on the cpu child after the gpu child failed" in data
+    strict_sse.both(data)  # the continuation is said in the final event, not in a line
+    assert any("spillway_continuation" in e for e in events)
     assert data.endswith(b"data: [DONE]\n\n")
     assert len({e["id"] for e in events}) == 1
     assert sum(1 for e in events for c in e.get("choices", [])
@@ -104,7 +106,8 @@ async def test_a_reader_that_reattached_reads_through_the_gpu_death_what_the_cli
     assert (tmp_path / "fired").exists()
     assert again == got
     text, _ = events_text(got)
-    assert b": spillway: continued on the cpu child" in got and len(text) > 100
+    assert b'"spillway_continuation":{' in got and len(text) > 100
+    strict_sse.both(got)
     assert got.endswith(b"data: [DONE]\n\n")
     [record] = s.wait_incidents(1)
     assert record["decision"] == "continued" and record["client_connected"] is True

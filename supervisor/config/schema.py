@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from . import flag_values, llama_args, models_dir
-from ..policy import vertex
+from ..policy import pings, vertex
 from ..policy.browser import normal_origin, valid_host_entry
 from ..policy.vertex import Contract as VertexContract
 from ..policy.lifecycle import DRAIN_TIMEOUT_S
@@ -381,6 +381,15 @@ class ChildConfig:
         off = ("0", "false", "off", "no", "disabled")
         return "--no-prefill-assistant" not in self.args and \
             self.env.get("LLAMA_ARG_PREFILL_ASSISTANT", "").strip().lower() not in off
+
+    @property
+    def sse_ping_interval(self) -> int | None:
+        """Its `--sse-ping-interval` (else `LLAMA_ARG_SSE_PING_INTERVAL`) as the operator set
+        it; None: not set (llama-server's built-in 30 s, which Spillway does not take as an
+        ask: policy/pings.py)."""
+        given = llama_args.flag_value(self.args, "--sse-ping-interval")
+        return pings.flag_value(given if given is not None else
+                                self.env.get("LLAMA_ARG_SSE_PING_INTERVAL"))
 
     @property
     def router(self) -> bool:

@@ -5,9 +5,15 @@ continuation's own are replaced by those, its role delta is dropped (its prompt 
 events, asked for with `return_progress`, go on without the role: the client sees the other
 child's prefill), an echo of the relayed text (and of the relayed reasoning) is stripped, its
 usage counts the tokens sent before, and its final event says, in a `spillway_continuation`
-field, that it was continued and from where. /v1/messages and /v1/responses, whose events open
-a message (a content block, an output item) before its text, lose the continuation's opening
-events, and their closing ones carry the whole text. Pure bytes in, bytes out.
+field, that it was continued and from where: the only word of it on the wire (no comment line,
+which llama-server would not send). That event is the one that finishes the stream: on chat and
+completions the chunk with the `finish_reason` and, when `stream_options.include_usage` asks for
+one, the usage chunk after it (the last); on `/completion` the `stop` event; on `/v1/messages`
+`message_delta` (with the stop reason and usage; `message_stop` after it carries nothing); on
+`/v1/responses` `response.completed` (or `response.incomplete`). /v1/messages and
+/v1/responses, whose events open a message (a content block, an output item) before its text,
+lose the continuation's opening events, and their closing ones carry the whole text. Pure bytes
+in, bytes out.
 """
 
 from __future__ import annotations
@@ -103,6 +109,8 @@ class ContinuedStream:
         if isinstance(usage, dict):
             self._usage(usage)
             keep = True
+            # The usage chunk that include_usage adds after the finish: the stream's last.
+            final = final or not choices
         # A prompt progress event says something even without its role delta.
         keep = keep or "prompt_progress" in obj
         if final:

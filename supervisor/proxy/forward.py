@@ -12,9 +12,14 @@ event). What the attempt delivered (first byte, events, llama-server's timings) 
   replayable.
 - Streams are held until their first SSE event, because llama-server sends its 200 and SSE
   headers when prompt processing starts (seen on an H200: headers at 18 ms, abort at 88 ms with no
-  event). Holding has a limit; past it, headers and SSE comment lines flow and the request gives
-  up replay. After the first event, whole events flow as they come, and a child that dies then
-  ends the stream with one `data: {"error": ...}` event and no `[DONE]`.
+  event). Holding has a limit; past it, the status and headers alone go out (what llama-server
+  itself had sent by then) and the request gives up replay. After the first event, whole events
+  flow as they come, and a child that dies then ends the stream with one
+  `data: {"error": ...}` event and no `[DONE]`.
+- Nothing goes out that llama-server would not send on that request: no comment line of
+  Spillway's own, and a child's pings (`:` comments) only to a client that asked for them
+  (policy/pings.py); to such a client Spillway also pings, at its interval, while it (not a
+  child) keeps the stream silent, between a child's death and its continuation's first byte.
 - Everything else (`/props`, `/slots`, ...) is piped through as it comes.
 """
 
@@ -25,15 +30,15 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from ..policy import continuation, sickness
+from ..policy import continuation, pings, sickness
 from ..policy.estimate import Work
 from ..policy import evidence as ev
 from ..vocabulary import Attempt, AttemptFailure, Received, Upstream
@@ -60,7 +65,8 @@ _SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # How long to wait, after a connection closed with no answer, for the child's exit record: the
 # exit status is the best evidence and usually arrives within milliseconds.
 EXIT_EVIDENCE_WAIT_S = 2.0
-HOLD_COMMENT_EVERY_S = 10.0
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -88,6 +94,9 @@ class RequestCtx:
     # A resumable stream's replay buffer, which every byte sent joins.
     resumable: StreamSession | None = None
     event_stream: web.StreamResponse | None = None  # the client's, once its headers went out
+    # The child whose stream's status and headers went out before its first event, past
+    # failover.stream_hold_s (the request gave up its replay then).
+    hold_expired_on: str | None = None
 
     @property
     def last(self) -> Attempt | None:
@@ -116,6 +125,8 @@ class ForwardSettings:
     read_timeout_s: float
     connect_timeout_s: float
     stream_hold_s: float
+    # Each child's --sse-ping-interval, where the operator set one (policy/pings.py).
+    ping_flags: dict[str, int] = field(default_factory=dict)
 
 
 # What an attempt's read of the child can raise: the connection closed, or it broke.
@@ -388,51 +399,58 @@ class Forwarder:
         resp = held.resp or await self._commit(request, ctx, attempt, headers)
         # 2. Whole events flow as they come.
         return await self._relay(ctx, attempt, child, generation, upstream, resp, held.buffer,
-                                 anthropic)
+                                 anthropic, pings=self.ping_interval(ctx, child.name) is not None)
 
     async def _hold(self, request: web.Request, ctx: RequestCtx, attempt: Attempt,
                     child: Upstream, generation: int, upstream: UpstreamResponse,
                     headers: CIMultiDict[str],
                     anthropic: bool) -> _Held | Broken | Interrupted | AttemptFailure:
-        """Read until the first SSE event, holding the client's status and headers; past the
-        hold limit, let them out with a comment line (the request then gives up its replay)."""
+        """Read until the first SSE event, holding the client's status and headers. Past the
+        hold limit the status and headers alone go out: llama-server sends them when prompt
+        processing starts, so they are nothing the client could not have had from it, and
+        they answer its wait for a response (the first-byte timers of HTTP clients: aiohttp's
+        sock_read, httpx's read, undici's headersTimeout); the request gives up its replay,
+        and the rest is relayed as it comes. The pings the child sent while held are dropped:
+        late, they would keep no timer alive."""
         buffer = b""
         deadline = time.monotonic() + self.settings.stream_hold_s
-        resp: web.StreamResponse | None = None
         while (found := sse.first_data_event(buffer)) is None:
             left = deadline - time.monotonic()
             if left <= 0:
-                # Past the hold limit: let the headers and a comment out so the client's
-                # first-byte timer is satisfied.
-                if resp is None:
-                    resp = await self._commit(request, ctx, attempt, headers)
-                await resp.write(b": spillway: waiting for the first token\n\n")
-                deadline = time.monotonic() + HOLD_COMMENT_EVERY_S
-                continue
+                ctx.hold_expired_on = child.name
+                resp = await self._commit(request, ctx, attempt, headers)
+                return _Held(sse.without_comments(buffer), b"", resp)
             try:
                 async with asyncio.timeout(left):
                     chunk = await upstream.readany()
             except TimeoutError:
                 if time.monotonic() < deadline:  # sock_read fired first: the child is silent
-                    return await self._stream_broke(ctx, child, generation, resp, anthropic,
+                    return await self._stream_broke(ctx, child, generation, None, anthropic,
                                                     timed_out=True)
                 continue  # the hold limit: handled at the top of the loop
             except _READ_ERRORS:
                 chunk = b""
             if not chunk:
-                return await self._stream_broke(ctx, child, generation, resp, anthropic)
+                return await self._stream_broke(ctx, child, generation, None, anthropic)
             child.load.moved(time.monotonic())  # progress, for the stall rule
             buffer += chunk
-        return _Held(buffer, found[0], resp)
+        return _Held(sse.without_comments(buffer), found[0], None)
+
+    def ping_interval(self, ctx: RequestCtx, child: str) -> int | None:
+        """The seconds after which the client asked to hear a ping on a silent stream from
+        `child`; None: it did not ask (policy/pings.py)."""
+        return pings.asked_interval(ctx.req.payload, ctx.req.path in ANTHROPIC_ROUTES,
+                                    self.settings.ping_flags.get(child))
 
     async def _relay(self, ctx: RequestCtx, attempt: Attempt, child: Upstream, generation: int,
                      upstream: UpstreamResponse, resp: web.StreamResponse, buffer: bytes,
                      anthropic: bool, continued: ContinuedStream | None = None,
-                     ) -> Answered | Broken | Interrupted | AttemptFailure:
-        """Whole events, as they come (rewritten by `continued`, for a continuation). Reads and
-        writes fail apart: a read error is the child's failure, a write error is the client
-        leaving (it propagates)."""
-        whole, pending = sse.split_complete(buffer)
+                     pings: bool = False) -> Answered | Broken | Interrupted | AttemptFailure:
+        """Whole events, as they come (rewritten by `continued`, for a continuation), and the
+        child's pings only for a client that asked for them (`pings`). Reads and writes fail
+        apart: a read error is the child's failure, a write error is the client leaving (it
+        propagates)."""
+        whole, pending = _complete(buffer, pings)
         last = b""
         while True:
             if whole:
@@ -458,7 +476,7 @@ class Forwarder:
             if not chunk:
                 break
             child.load.moved(time.monotonic())  # progress, for the stall rule
-            whole, pending = sse.split_complete(pending + chunk)
+            whole, pending = _complete(pending + chunk, pings)
         if pending and router_evidence.stream_tail_is_proxy_error(pending):
             # Router mode: the instance died mid-stream, and the router ended the stream with
             # its plain-text proxy error (no error event, no [DONE]).
@@ -540,10 +558,12 @@ class Forwarder:
 
     async def continue_stream(self, ctx: RequestCtx, attempt: Attempt, child: Upstream,
                               interrupted: Interrupted, body: bytes,
-                              stream: ContinuedStream, note: bytes) -> Answered | Broken:
+                              stream: ContinuedStream) -> Answered | Broken:
         """The interrupted stream goes on from `child`: `body` (the relayed text as the
-        answer's start) is sent there, and its events reach the client rewritten by `stream`,
-        after the SSE comment `note`. A second failure ends it with the error event."""
+        answer's start) is sent there, and its events reach the client rewritten by `stream`
+        (whose final event says it was continued: nothing else on the wire does). A client
+        that asked for pings hears them while `child` has not answered. A second failure ends
+        it with the error event."""
         resp = interrupted.response
         ctx.continued = True
         generation = child.generation
@@ -551,10 +571,11 @@ class Forwarder:
                                    child.api_key if ctx.req.trusted else None)
         headers["Connection"] = "close"
         headers["Content-Type"] = "application/json"
-        await resp.write(note)
+        interval = self.ping_interval(ctx, child.name)
         use = ConnectionUse()
         try:
-            sent = await self._send(ctx, child, generation, headers, use, body=body)
+            sent = await pinging(resp, interval,
+                                 self._send(ctx, child, generation, headers, use, body=body))
             if isinstance(sent, AttemptFailure):
                 return await self.end_broken(ctx, resp, sent, interrupted.anthropic,
                                              "; its continuation failed too")
@@ -568,7 +589,8 @@ class Forwarder:
                     return await self.end_broken(ctx, resp, failure, interrupted.anthropic,
                                                  "; its continuation was refused")
                 result = await self._relay(ctx, attempt, child, generation, sent, resp, b"",
-                                           interrupted.anthropic, continued=stream)
+                                           interrupted.anthropic, continued=stream,
+                                           pings=interval is not None)
             finally:
                 sent.close()
         finally:
@@ -578,6 +600,37 @@ class Forwarder:
         if isinstance(result, AttemptFailure):
             return await self.end_broken(ctx, resp, result, interrupted.anthropic)
         return result
+
+
+async def pinging(resp: web.StreamResponse, interval: int | None, work: Awaitable[T]) -> T:
+    """`work`, awaited; meanwhile, with an `interval`, llama-server's ping goes to the client
+    after every `interval` seconds that `work` keeps it waiting, as llama-server pings a
+    silent stream. Only while nothing else writes to `resp`: the caller is waiting."""
+    if interval is None:
+        return await work
+    pinger = asyncio.create_task(_ping_every(resp, interval))
+    try:
+        return await work
+    finally:
+        pinger.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await pinger
+
+
+async def _ping_every(resp: web.StreamResponse, interval: int) -> None:
+    while True:
+        await asyncio.sleep(interval)
+        try:
+            await resp.write(pings.PING)
+        except (ConnectionError, RuntimeError):
+            return  # the client left: what the caller writes next finds it out
+
+
+def _complete(data: bytes, pings: bool) -> tuple[bytes, bytes]:
+    """(the whole events, the unfinished rest); without the comment lines (the child's pings)
+    unless the client asked for `pings`."""
+    whole, pending = sse.split_complete(data)
+    return (whole if pings or not whole else sse.without_comments(whole)), pending
 
 
 def _tail(child: Upstream, status: int) -> list[str]:

@@ -39,7 +39,7 @@ from .bodies import BodyTimeout, BodyTooLarge, BodyUnreadable, parse_json_object
 from .continued import ContinuedStream
 from ..vocabulary import Attempt, AttemptFailure, Received
 from .outcomes import Answered, AttemptResult, Broken, Interrupted, ending
-from .forward import Forwarder, RequestCtx
+from .forward import Forwarder, RequestCtx, pinging
 from .headers import HeaderProblem, own_headers
 from .identity import loggable, request_id_of
 
@@ -547,8 +547,10 @@ class ProxyHandler:
         event."""
         failure, so_far = cut.failure, ctx.follow
         assert so_far is not None and ctx.req.payload is not None
-        nxt = await self._recovery(ctx).after_cut(ctx.req, ctx.work, so_far, ctx.continued,
-                                                   failure)
+        # (A client that asked for pings hears them while the other child is found.)
+        nxt = await pinging(cut.response, self.forwarder.ping_interval(ctx, failure.child),
+                            self._recovery(ctx).after_cut(ctx.req, ctx.work, so_far,
+                                                          ctx.continued, failure))
         if isinstance(nxt, Close):
             return await self._close(ctx, cut, nxt.reason, episodes)
         if isinstance(nxt, GiveUp):
@@ -596,10 +598,10 @@ class ProxyHandler:
         log.warning("rid=%s %s child failed mid-stream (%s: %s) after %d tokens; continuing "
                     "on the %s child", ctx.req.request_id, failure.child, kind,
                     failure.verdict.evidence, so_far.tokens, other)
+        # Told in the final event's `spillway_continuation`, the incident, the access log and
+        # the metrics: never in a line of its own, which llama-server would not send.
         note = {"from_child": failure.child, "child": other, "kind": kind,
                 "tokens_before": so_far.tokens}
-        comment = (f": spillway: continued on the {other} child after the {failure.child} "
-                   f"child failed ({kind}), {so_far.tokens} tokens in\n\n").encode()
         body = json.dumps(continuation.continuation_body(ctx.req.payload, so_far)).encode()
         attempt = Attempt(other, len(ctx.attempts) + 1)
         ctx.attempts.append(attempt)
@@ -609,8 +611,7 @@ class ProxyHandler:
         result: Answered | Broken | None = None
         try:
             result = await self.forwarder.continue_stream(
-                ctx, attempt, lease.upstream, cut, body,
-                ContinuedStream(so_far, note), comment)
+                ctx, attempt, lease.upstream, cut, body, ContinuedStream(so_far, note))
         finally:
             lease.close(attempt, ending(result))
         if attempt.first_byte_s is not None:
@@ -732,6 +733,8 @@ class ProxyHandler:
             m.ttft.labels(route).observe(last.first_byte_s)
         if len(ctx.attempts) == 2 and not ctx.continued:
             m.replays.labels("completed" if status == 200 and not broken else "failed").inc()
+        if ctx.hold_expired_on is not None:
+            m.holds_expired.labels(ctx.hold_expired_on).inc()
         if ctx.waited_s is not None:
             m.wait.observe(ctx.waited_s)
         for modality in ctx.req.media.modalities:
@@ -775,8 +778,8 @@ def _child_prompt_tokens(ctx: RequestCtx) -> int | None:
 
 def _count_words(ctx: RequestCtx, reported: int | None) -> str:
     """The access log's fields for a counted prompt: Spillway's figure beside the child's, and
-    the request's media."""
-    words = ""
+    the request's media; and what Spillway did to its stream."""
+    words = _stream_words(ctx)
     if ctx.forecast is not None:
         words += f" forecast_s={ctx.forecast[0]:.2f} took_s={ctx.forecast[1]:.2f}"
     if not ctx.counted:
@@ -786,6 +789,19 @@ def _count_words(ctx: RequestCtx, reported: int | None) -> str:
         words += f" child_prompt_tokens={reported}"
     if ctx.req.media:
         words += f' media="{ctx.req.media.describe()}"'
+    return words
+
+
+def _stream_words(ctx: RequestCtx) -> str:
+    """What Spillway did to a stream, which the client's bytes do not say (llama-server would
+    not have written it): its status and headers let out before its first event, past
+    failover.stream_hold_s; its continuation on another child."""
+    words = ""
+    if ctx.hold_expired_on is not None:
+        words += f" hold_expired={ctx.hold_expired_on}"
+    if ctx.continued and len(ctx.attempts) >= 2:
+        tokens = f" tokens_before={ctx.follow.tokens}" if ctx.follow is not None else ""
+        words += f" continued_from={ctx.attempts[-2].child}{tokens}"
     return words
 
 

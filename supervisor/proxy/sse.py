@@ -34,6 +34,20 @@ def first_data_event(buffer: bytes) -> tuple[bytes, int] | None:
         start = end + 2
 
 
+def without_comments(data: bytes) -> bytes:
+    """`data` less its comment lines (`:` first: llama-server's pings), and less the blocks
+    that held nothing else; an unfinished last block is kept as it is."""
+    if not (data.startswith(b":") or b"\n:" in data):
+        return data  # (the usual case: a data line's JSON holds no raw newline)
+    whole, pending = split_complete(data)
+    kept = []
+    for block in whole.split(SEPARATOR)[:-1]:
+        lines = [line for line in block.split(b"\n") if not line.startswith(b":")]
+        if any(lines):
+            kept.append(b"\n".join(lines) + SEPARATOR)
+    return b"".join(kept) + pending
+
+
 def event_data(block: bytes) -> bytes:
     """The data of one event: its `data:` lines joined by newlines."""
     parts = []

@@ -96,6 +96,10 @@ class Metrics:
             "spillway_stream_continuations", "Streams whose child failed after bytes, by what "
             "came of them: continued on the other child (completed, failed) or not (refused)",
             ["result"], registry=r)
+        self.holds_expired = Counter(
+            "spillway_stream_holds_expired", "Streams whose first event came after "
+            "failover.stream_hold_s, by child: their status and headers went out before it, "
+            "and the request gave up its replay.", ["child"], registry=r)
         self.stream_resumes = Counter(
             "spillway_stream_resumes", "GET /v1/stream: resumable streams read again from "
             "Spillway's replay buffers, by result (served, not_found, offset_lost).",
@@ -158,6 +162,7 @@ class Metrics:
         for child in children:
             self.set_state(child, ChildState.STOPPED)
             self.stale_connection_resends.labels(child)  # 0 from the start, not absent
+            self.holds_expired.labels(child)
         for result in ("served", "not_found", "offset_lost"):
             self.stream_resumes.labels(result)
 
