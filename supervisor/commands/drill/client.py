@@ -45,7 +45,9 @@ class Sent:
     request_id_kept: bool = False
     tokens: int = 0
     cut_at: int | None = None  # scenario 7: the events read when the GPU child was stopped
-    continued: bool = False  # the stream said it was continued on the other child
+    # The stream said it was continued on the other child: its final event's
+    # `spillway_continuation` (proxy/continued.py), the only word of it on the wire.
+    continued: bool = False
     # X-Spillway-Fallback as sent: "smaller" (it accepts a smaller model's answer), "none"
     # (it does not, even where small.requests = "all"), None (not sent)
     fallback: str | None = None
@@ -257,8 +259,6 @@ class DrillClient:
                            cut: tuple[int, Callable[[], Awaitable[None]]] | None) -> None:
         events = 0
         async for line in r.content:
-            if line.startswith(b": spillway: continued"):
-                sent.continued = True
             if not line.startswith(b"data: "):
                 continue
             data = line[6:].strip()
@@ -274,9 +274,12 @@ class DrillClient:
                 sent.answer_model = _model_of(data)
             if sent.ttft_s is None and _has_text(data):
                 sent.ttft_s = round(time.time() - sent.started, 3)
-            if b'"timings"' in data:
-                with contextlib.suppress(ValueError):
-                    _read_timings(json.loads(data).get("timings"), sent)
+            if b'"timings"' in data or b'"spillway_continuation"' in data:
+                with contextlib.suppress(ValueError, AttributeError):
+                    event = json.loads(data)
+                    _read_timings(event.get("timings"), sent)
+                    sent.continued = sent.continued or \
+                        isinstance(event.get("spillway_continuation"), dict)
             if cut is not None and events == cut[0]:
                 sent.cut_at = events
                 await cut[1]()
