@@ -408,10 +408,10 @@ class Forwarder:
         """Read until the first SSE event, holding the client's status and headers. Past the
         hold limit the status and headers alone go out: llama-server sends them when prompt
         processing starts, so they are nothing the client could not have had from it, and
-        they answer its wait for a response (the first-byte timers of HTTP clients: aiohttp's
-        sock_read, httpx's read, undici's headersTimeout); the request gives up its replay,
-        and the rest is relayed as it comes. The pings the child sent while held are dropped:
-        late, they would keep no timer alive."""
+        they end its wait for a response (undici's headersTimeout; the first read of aiohttp's
+        sock_read or httpx's read timeout); the request gives up its replay, and the rest is
+        relayed as it comes. The pings the child sent while held are dropped: late, they would
+        keep no timer alive."""
         buffer = b""
         deadline = time.monotonic() + self.settings.stream_hold_s
         while (found := sse.first_data_event(buffer)) is None:
