@@ -22,6 +22,11 @@ MAX_RETRY_AFTER_S = 60
 JSON_TYPE = "application/json"
 # llama-server's words for "not ready yet" (every route of a server loading its model).
 LOADING = "Loading model"
+# A refusal for want of capacity says this word first. Continue retries a failed request only
+# when its error is a 429 or its message (the body, there) says "overloaded"
+# (core/util/withExponentialBackoff.ts); the OpenAI SDKs go by the status, Retry-After and
+# x-should-retry, whatever the words. LOADING stays llama-server's own words.
+OVERLOADED = "overloaded"
 
 
 def error_body(status: int, type_: str, message: str, request_id: str | None,
@@ -55,6 +60,8 @@ def unavailable(message: str, request_id: str | None, retry_after_s: float,
                 queue_position: int = 0, should_retry: bool = True,
                 **extra: Any) -> web.Response:
     """503: Spillway cannot serve this now; the client learns when to come back."""
+    if message != LOADING and not message.startswith(OVERLOADED):
+        message = f"{OVERLOADED}: {message}"
     retry_after = retry_after_header(retry_after_s)
     headers = {"Retry-After": str(retry_after),
                "x-should-retry": "true" if should_retry else "false"}
