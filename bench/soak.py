@@ -5,7 +5,8 @@ child behind tests/gpu_fault_injector.py with FAULT_EVERY_S, so it dies of a (ca
 out-of-memory every S seconds after it became ready, every time it comes back. Several clients
 send a mix of requests, each drawn from `MIX`:
 
-- chat: a plain chat completion; chat_stream: a streamed one (its finish and [DONE]);
+- chat: a plain chat completion; chat_stream: a streamed one (its finish and [DONE]), greedy,
+  on one of a few prompts, so that its length can be held to the same request's uncut;
 - resumable: a stream with X-Conversation-Id whose client leaves after a few events, then
   reads it back whole from GET /v1/stream once it is done;
 - leave: a stream whose client leaves after a few events (nothing to read back);
@@ -15,10 +16,15 @@ send a mix of requests, each drawn from `MIX`:
 - models, health, status: GET /v1/models, /health, /spillway/status.
 
 Each request's outcome is classified (`classify`, pure): expected ("ok"; a controlled 503 with
-Retry-After is "refused", expected too) or LOST, by kind: a bare 5xx (a 500/502/504, or a 503
-without Retry-After), a stream that ended without its finish, an error event, an idempotent
-retry that ran twice, a read back that did not end whole, a timeout, a broken connection, an
-unexpected status.
+Retry-After is "refused", expected too), "closed" (a stream Spillway closed at its limit, with
+the finish llama-server would have sent: counted apart from the answers, since only the events
+or llama-server's own count say that finish is the answer's) or LOST, by kind: a bare 5xx (a
+500/502/504, or a 503 without Retry-After), a stream that ended without its finish, an error
+event, a stream (or a read back) far shorter than the same request uncut ("short": fewer than
+`SHORT_BELOW` of its content events, measured once for each prompt before the traffic; a cut
+stream's continuation has other text, so its length is near the uncut one's, not equal), an
+idempotent retry that ran twice, a read back that did not end whole, a timeout, a broken
+connection, an unexpected status.
 
 Every minute it reads the daemon's resident memory, open fds and threads from /proc, its asyncio
 task count and caches from /spillway/status, and prints and writes them (the files are rewritten
@@ -64,6 +70,9 @@ MIX: dict[str, int] = {"chat": 20, "chat_stream": 25, "resumable": 8, "leave": 8
                        "malformed": 5, "idempotent": 10, "models": 8, "health": 8,
                        "status": 8}
 STREAM_TOKENS = 200
+# The streams' prompts: few, so that each one's uncut length is measured once.
+STREAM_PROMPTS = tuple(f"Tell me about the number {n}." for n in (7, 42, 365, 1024))
+SHORT_BELOW = 0.9  # a stream with fewer content events than this of its uncut answer's is lost
 CHAT_TOKENS = 32
 LEAVE_AFTER = 5  # events before a leaving client goes
 REQUEST_TIMEOUT_S = 120.0  # a stream held across a restart (failover.stream_hold_s) fits
@@ -88,10 +97,13 @@ class Observation:
     replayed: bool | None = None  # idempotent: the retry was marked Idempotent-Replayed
     same_body: bool | None = None  # idempotent: the retry's body equals the first answer's
     read_back: Observation | None = None  # resumable: what GET /v1/stream gave
+    texts: int = 0  # events with generated content (the answer's tokens, as a client counts)
+    closed: bool = False  # the finish was Spillway's (`spillway_closed`: at its limit)
+    continued: bool = False  # the stream went on from the other child (`spillway_continuation`)
 
 
-LOSSES = ("bare_5xx", "no_finish", "error_event", "ran_twice", "read_back_lost", "timeout",
-          "connection", "unexpected_status")
+LOSSES = ("bare_5xx", "no_finish", "error_event", "short", "ran_twice", "read_back_lost",
+          "timeout", "connection", "unexpected_status")
 
 
 def _status_outcome(obs: Observation, expected: Sequence[int] = (200,)) -> str | None:
@@ -109,7 +121,8 @@ def _status_outcome(obs: Observation, expected: Sequence[int] = (200,)) -> str |
     return None
 
 
-def _stream_outcome(obs: Observation) -> str:
+def _stream_outcome(obs: Observation, uncut: int | None = None) -> str:
+    """`uncut`: the same request's content events, uncut (None: not known)."""
     if obs.error_event:
         return "lost:error_event"
     if obs.broken and not obs.left:
@@ -118,16 +131,20 @@ def _stream_outcome(obs: Observation) -> str:
         return "lost:timeout"
     if obs.left:
         return "ok"
-    return "ok" if obs.finished and obs.done else "lost:no_finish"
+    if not (obs.finished and obs.done):
+        return "lost:no_finish"
+    if uncut is not None and obs.texts < SHORT_BELOW * uncut:
+        return "lost:short"  # whatever its finish says
+    return "closed" if obs.closed else "ok"
 
 
-def _resumable_outcome(obs: Observation) -> str:
+def _resumable_outcome(obs: Observation, uncut: int | None) -> str:
     first = _stream_outcome(obs)
     if first != "ok":
         return first
     if obs.read_back is None:
         return "lost:read_back_lost"
-    back = _status_outcome(obs.read_back) or _stream_outcome(obs.read_back)
+    back = _status_outcome(obs.read_back) or _stream_outcome(obs.read_back, uncut)
     return "lost:read_back_lost" if back == "lost:no_finish" else back
 
 
@@ -145,8 +162,10 @@ def _idempotent_outcome(obs: Observation) -> str:
     return "ok"
 
 
-def classify(kind: str, obs: Observation) -> str:
-    """"ok", "refused" (a controlled 503 with Retry-After) or "lost:<what>" (one of LOSSES)."""
+def classify(kind: str, obs: Observation, uncut: int | None = None) -> str:
+    """"ok", "refused" (a controlled 503 with Retry-After), "closed" (a stream Spillway closed
+    at its limit) or "lost:<what>" (one of LOSSES). `uncut`: a stream's request's content
+    events when it is not cut (None: not known, not checked)."""
     if kind == "malformed":
         verdict = _status_outcome(obs, expected=(400,))
         return verdict or "ok"
@@ -154,9 +173,9 @@ def classify(kind: str, obs: Observation) -> str:
     if verdict is not None:
         return verdict
     if kind in ("chat_stream", "leave"):
-        return _stream_outcome(obs)
+        return _stream_outcome(obs, uncut)
     if kind == "resumable":
-        return _resumable_outcome(obs)
+        return _resumable_outcome(obs, uncut)
     if kind == "idempotent":
         return _idempotent_outcome(obs)
     if kind == "chat":
@@ -174,8 +193,11 @@ def draw_kinds(rng: random.Random, count: int,
 
 
 def _chat_body(content: str, tokens: int, stream: bool) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": content}], "max_tokens": tokens,
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": tokens,
             "stream": stream, "ignore_eos": True}
+    if stream:  # greedy: the same request's uncut answer is the one to compare with
+        body.update(temperature=0, top_k=1, seed=1)
+    return body
 
 
 async def _read_events(r: aiohttp.ClientResponse, obs: Observation,
@@ -194,8 +216,12 @@ async def _read_events(r: aiohttp.ClientResponse, obs: Observation,
             if "error" in event:
                 obs.error_event = True
                 obs.error = obs.error or line[6:406].decode(errors="replace")
-            if any(ch.get("finish_reason") for ch in event.get("choices", [])):
+            choices = event.get("choices") or []
+            if any(ch.get("finish_reason") for ch in choices):
                 obs.finished = True
+            obs.texts += any((ch.get("delta") or {}).get("content") for ch in choices)
+            obs.closed = obs.closed or "spillway_closed" in event
+            obs.continued = obs.continued or "spillway_continuation" in event
             if leave_after is not None and events >= leave_after and not obs.finished:
                 obs.left = True
                 r.close()
@@ -253,18 +279,19 @@ def _whole_answer(raw: bytes) -> bool:
     return any(ch.get("finish_reason") for ch in answer.get("choices", []))
 
 
-async def one_request(http: aiohttp.ClientSession, url: str, kind: str, tag: str
-                      ) -> Observation:
+async def one_request(http: aiohttp.ClientSession, url: str, kind: str, tag: str,
+                      prompt: str = STREAM_PROMPTS[0]) -> Observation:
+    """`prompt`: a stream's (one of STREAM_PROMPTS)."""
     content = f"Say something about the number {tag}."
+    streamed = _chat_body(prompt, STREAM_TOKENS, True)
     if kind == "chat_stream":
-        return await _stream(http, url, _chat_body(content, STREAM_TOKENS, True))
+        return await _stream(http, url, streamed)
     if kind == "leave":
-        return await _stream(http, url, _chat_body(content, STREAM_TOKENS, True),
-                             leave_after=LEAVE_AFTER)
+        return await _stream(http, url, streamed, leave_after=LEAVE_AFTER)
     if kind == "resumable":
         conversation = f"soak-{tag}"
-        obs = await _stream(http, url, _chat_body(content, STREAM_TOKENS, True),
-                            {"X-Conversation-Id": conversation}, leave_after=LEAVE_AFTER)
+        obs = await _stream(http, url, streamed, {"X-Conversation-Id": conversation},
+                            leave_after=LEAVE_AFTER)
         if obs.status == 200 and not obs.error_event:
             obs.read_back = await _read_back(http, url, conversation)
         return obs
@@ -336,21 +363,38 @@ def _brief(obs: Observation) -> dict[str, Any]:
     return {k: v for k, v in asdict(obs).items() if v not in (None, False, "")}
 
 
+async def uncut_lengths(http: aiohttp.ClientSession, url: str, tries: int = 5
+                        ) -> dict[str, int]:
+    """Each stream prompt's content events when its stream is not cut (neither continued nor
+    closed by Spillway), measured before the traffic (a GPU death may cut one: then again)."""
+    lengths: dict[str, int] = {}
+    for prompt in STREAM_PROMPTS:
+        for _ in range(tries):
+            obs = await _stream(http, url, _chat_body(prompt, STREAM_TOKENS, True))
+            if obs.finished and obs.done and not (obs.continued or obs.closed or
+                                                  obs.error_event):
+                lengths[prompt] = obs.texts
+                break
+    return lengths
+
+
 async def client(n: int, http: aiohttp.ClientSession, url: str, tally: Tally, deadline: float,
-                 max_requests: int, seed: int) -> None:
+                 max_requests: int, seed: int, uncut: Mapping[str, int]) -> None:
     rng = random.Random(seed + n)
     i = 0
     while time.monotonic() < deadline and tally.count < max_requests:
         [kind] = draw_kinds(rng, 1)
+        prompt = rng.choice(STREAM_PROMPTS)
         i += 1
         tag = f"{n}-{i}"
         try:
-            obs = await asyncio.wait_for(one_request(http, url, kind, tag), REQUEST_TIMEOUT_S)
+            obs = await asyncio.wait_for(one_request(http, url, kind, tag, prompt),
+                                         REQUEST_TIMEOUT_S)
         except TimeoutError:
             obs = Observation(timed_out=True)
         except (aiohttp.ClientError, ConnectionError) as e:
             obs = Observation(broken=type(e).__name__)
-        tally.add(kind, classify(kind, obs), obs, time.monotonic())
+        tally.add(kind, classify(kind, obs, uncut.get(prompt)), obs, time.monotonic())
         await asyncio.sleep(rng.uniform(*THINK_S))
 
 
@@ -431,14 +475,18 @@ def report(result: Mapping[str, Any]) -> str:
              f"clients, GPU death every {result['gpu_death_every_s']} s", "",
              f"{result['requests']} requests, {result['lost']} lost; "
              f"{result['gpu_deaths']} GPU deaths (incidents recorded: {result['incidents']})",
-             "", "| kind | requests | ok | refused (503 + Retry-After) | lost |",
-             "|---|---|---|---|---|"]
+             "Streams' uncut content events, by prompt: " + (", ".join(
+                 f"{n}" for n in result.get("uncut_events", {}).values()) or "not measured"),
+             "", "| kind | requests | ok | refused (503 + Retry-After) | closed at its limit "
+             "| lost |", "|---|---|---|---|---|---|"]
     outcomes: Mapping[str, int] = result["outcomes"]
     for kind in MIX:
         ok = outcomes.get(f"{kind} ok", 0)
         refused = outcomes.get(f"{kind} refused", 0)
+        closed = outcomes.get(f"{kind} closed", 0)
         lost = sum(v for k, v in outcomes.items() if k.startswith(f"{kind} lost:"))
-        lines.append(f"| {kind} | {tally_req.get(kind, 0)} | {ok} | {refused} | {lost} |")
+        lines.append(f"| {kind} | {tally_req.get(kind, 0)} | {ok} | {refused} | {closed} | "
+                     f"{lost} |")
     lines += ["", "Lost, by what went wrong: " + (", ".join(
         f"{loss} {sum(k.values())} ({', '.join(f'{kind} {n}' for kind, n in k.items())})"
         for loss, k in lost_by.items()) or "none")]
@@ -492,9 +540,12 @@ async def soak(s: Spillway, minutes: float, clients: int, max_requests: int, see
     timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
     async with aiohttp.ClientSession(timeout=timeout,
                                      connector=aiohttp.TCPConnector(limit=64)) as http:
+        uncut = await uncut_lengths(http, s.url)
+        print(f"uncut content events, by prompt: {uncut}", flush=True)
 
         def result(running: bool) -> dict[str, Any]:
             return {"running": running, "minutes": minutes, "clients": clients,
+                    "uncut_events": uncut,
                     "gpu_death_every_s": every_s,
                     "minutes_run": round((time.monotonic() - started) / 60, 2),
                     "requests": tally.count, "lost": len(tally.lost),
@@ -529,8 +580,8 @@ async def soak(s: Spillway, minutes: float, clients: int, max_requests: int, see
                 await asyncio.sleep(max(0.0, started + minute * 60 - time.monotonic()))
 
         watch = asyncio.create_task(sampler())
-        await asyncio.gather(*(client(n, http, s.url, tally, deadline, max_requests, seed)
-                               for n in range(clients)))
+        await asyncio.gather(*(client(n, http, s.url, tally, deadline, max_requests, seed,
+                                      uncut) for n in range(clients)))
         watch.cancel()
         rows.append(await sample(http, s.url, pid, len(rows), tally, deaths, last=True))
         rows[-1]["minute"] = round((time.monotonic() - started) / 60, 2)

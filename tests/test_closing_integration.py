@@ -1,10 +1,12 @@
 """The GPU child dies after a stream's last token and before its finish (issue 43): the client
 has the whole answer, so the stream ends with the finish llama-server would have sent, and
 [DONE] where the route has it, never an error event; a resumable stream's buffer ends the same
-way; the incident says `finished`. Real llama-server children (the embedded
-SmolLM2-135M-Instruct); the death is injected by tests/gpu_fault_injector.py right after the
-Kth event of the stream reached Spillway (K: the role delta and the 16 tokens of a limit of
-16, so the next events would have been the finish)."""
+way; the incident says `finished`, and what counted. Only when llama-server's own count or one
+event a token reached the limit (issue 47): a stream short of it is continued. Real
+llama-server children (the embedded SmolLM2-135M-Instruct, or the tests' tiny model); the death
+is injected by tests/gpu_fault_injector.py right after the Kth event of the stream reached
+Spillway (K: the role delta and the 16 tokens of a limit of 16, so the next events would have
+been the finish)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import aiohttp
 import pytest
 from harness import fake_config
 from test_continuation_integration import STORY, dying_gpu, smollm2
+from test_finish_integration import contents, cut_after, finishes, greedy, stream
 from test_resumable_integration import wait_done
 
 from conftest import SpillwayFactory
@@ -66,7 +69,7 @@ async def test_a_chat_stream_at_its_limit_when_the_gpu_dies_ends_with_its_finish
     [record] = s.wait_incidents(1)
     assert record["decision"] == "finished" and record["status"] == 200
     assert "token limit was reached before the child died" in record["reason"]
-    assert "16 of 16 tokens" in record["reason"]
+    assert "16 of 16 tokens, by its events (one a token)" in record["reason"]
     # The resumable stream's buffer has the finish too: a resume sees the answer end.
     wait_done(s, "conv-limit")
     async with aiohttp.ClientSession() as http:
@@ -94,15 +97,17 @@ async def test_a_completion_stream_at_its_limit_when_the_gpu_dies_ends_with_its_
     assert sum(1 for e in events if e.get("stop")) == 1 and b"[DONE]" not in raw
     [record] = s.wait_incidents(1)
     assert record["decision"] == "finished" and record["route"] == "/completion"
+    assert "16 of 16 tokens, by llama-server's own count (tokens_predicted)" in record["reason"]
 
 
 @pytest.mark.asyncio
-async def test_a_text_that_re_tokenizes_past_the_limit_is_closed_not_broken(
+async def test_a_text_that_re_tokenizes_past_the_limit_is_continued_not_closed(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
-    """The soak's "17 of 16": 15 events relayed of a limit of 16 (the events merge a few
-    tokens), and the other child's tokenizer counts 17 in the text. llama-server stops at its
-    limit, so the text was generated within 16: the count stops there, and the stream is
-    closed with its finish instead of the error event."""
+    """The soak's "17 of 16" (issue 47): 15 events relayed of a limit of 16, and the other
+    child's tokenizer would count 17 in the text. A recount says nothing of how many tokens
+    were sampled, and neither llama-server's own count nor the events reached the limit: the
+    stream is continued for the one token left, and ends with the other child's own finish
+    (before, it was closed with a made-up `length`)."""
     s = spillway(fake_config(fake_server, tiny_model,
                              gpu={"env": {"FAKE_ABORT_AFTER_EVENTS": "15", "FAKE_TOKENS": "32",
                                           "FAKE_CRASH_LINES": "terse"}},
@@ -112,8 +117,50 @@ async def test_a_text_that_re_tokenizes_past_the_limit_is_closed_not_broken(
     raw, _ = await post(f"{s.url}/v1/chat/completions", body)
     events = data_events(raw)
     assert not any("error" in e for e in events) and raw.endswith(b"data: [DONE]\n\n")
-    assert len(events) == 16 and events[-1]["choices"][0]["finish_reason"] == "length"
-    assert events[-1]["spillway_closed"]["tokens"] == 16
+    text = [c["delta"]["content"] for e in events for c in e["choices"]
+            if c["delta"].get("content")]
+    # 15 from the GPU child, then the CPU child's one (the fake answers what it is asked for,
+    # up to 8): the continuation asked for the one token left.
+    assert len(text) == 16 and text[-1] == "tok0 "
+    [final] = [e for e in events if e["choices"][0]["finish_reason"]]
+    assert final["choices"][0]["finish_reason"] == "length" and "spillway_closed" not in final
+    assert final["spillway_continuation"]["tokens_before"] == 15
     [record] = s.wait_incidents(1)
-    assert record["decision"] == "finished"
-    assert "16 of 16 tokens, as the cpu child counts the text" in record["reason"]
+    assert record["decision"] == "continued" and record["tokens_before"] == 15
+    assert "continued after 15 tokens, by its events (one a token)" in record["reason"]
+
+
+@pytest.mark.parametrize("own_count", [True, False])
+@pytest.mark.asyncio
+async def test_the_limit_is_reached_by_llama_servers_own_count_where_events_fall_short(
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path,
+        tmp_path: Path, own_count: bool) -> None:
+    """The tiny model's greedy answer to the story: its 80th text event carries tokens 80 and
+    81 (a UTF-8 character in two byte tokens). With a limit of 81, cut right after that event:
+    with `timings_per_token` llama-server's own count says 81 of 81, so the stream is closed
+    at its limit; without it the events say 80, so it is continued for one token (the one
+    left, as far as anything says) and ends with the other child's own finish."""
+    s = spillway(cut_after(llama_server, tiny_model, injector, tmp_path / "fired", 80, nth=2))
+    body = {**greedy(), "max_tokens": 81}
+    _, uncut = await stream(s.url, {**body, "timings_per_token": True})
+    said = [e["timings"]["predicted_n"] for e in contents(uncut)]
+    assert len(said) == 80 and said[-1] == 81 and said[-2] == 79  # (the model's own text)
+    raw, events = await stream(s.url, {**body, "timings_per_token": own_count})
+    assert (tmp_path / "fired").exists()
+    assert not any("error" in e for e in events) and raw.endswith(b"data: [DONE]\n\n")
+    [final] = finishes(events)
+    assert final["choices"][0]["finish_reason"] == "length"
+    [record] = s.wait_incidents(1)
+    if own_count:
+        assert len(contents(events)) == 80 and final["spillway_closed"]["tokens"] == 81
+        assert events[-1]["usage"]["completion_tokens"] == 81
+        assert record["decision"] == "finished"
+        assert "(81 of 81 tokens, by llama-server's own count (timings.predicted_n))" in \
+            record["reason"]
+        assert "after the last of 81 tokens, by llama-server's own count" in s.log_text()
+    else:
+        assert "spillway_closed" not in final
+        assert final["spillway_continuation"]["tokens_before"] == 80
+        own = events[-1]["timings"]["predicted_n"]
+        assert own == 1 and events[-1]["usage"]["completion_tokens"] == 80 + own
+        assert record["decision"] == "continued"

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from supervisor.policy import continuation as c
 from supervisor.proxy import sse
@@ -495,7 +497,9 @@ def test_everything_else_the_ui_sends_goes_to_the_continuation_as_it_was() -> No
                 "reasoning_control", "timings_per_token", "backend_sampling",
                 "chat_template_kwargs", "stream"):
         assert body[key] == UI_BODY[key], key
-    assert body["max_tokens"] == 97  # reasoning tokens are generated tokens too
+    # Reasoning tokens are generated tokens too; the content right after them may be the last
+    # reasoning token's (one partial result, two events): 2 known, not 3.
+    assert body["max_tokens"] == 98
 
 
 def test_relayed_reasoning_goes_back_as_the_final_messages_reasoning_content() -> None:
@@ -559,3 +563,178 @@ def test_the_continuations_own_tool_call_reaches_the_client() -> None:
     out = events_of(stream.rewrite(event(delta(other, **TOOL_CALL))))
     assert out[0]["id"] == "chatcmpl-A" and out[0]["choices"][0]["delta"] == TOOL_CALL
     assert stream.generated
+
+
+# --- issue 47: the limit as llama-server reads it, the tokens as it sampled them --------------
+
+KINDS = {"chat": "/v1/chat/completions", "oai_completion": "/v1/completions",
+         "native_completion": "/completion", "messages": "/v1/messages",
+         "responses": "/v1/responses"}
+
+
+@pytest.mark.parametrize(("kind", "limits", "read"), [
+    # llama-server's schema: n_predict, then its aliases max_completion_tokens and max_tokens;
+    # the first present and not null wins, on every route that passes the body on.
+    *[(k, {"max_tokens": 16, "n_predict": 256}, 256)
+      for k in ("chat", "oai_completion", "native_completion", "responses")],
+    *[(k, {"max_tokens": 16, "max_completion_tokens": 50}, 50)
+      for k in ("chat", "oai_completion", "native_completion", "responses")],
+    ("chat", {"max_completion_tokens": 50, "n_predict": 30, "max_tokens": 16}, 30),
+    ("native_completion", {"max_tokens": 16}, 16),
+    ("oai_completion", {"max_completion_tokens": 16}, 16),
+    ("chat", {"n_predict": None, "max_tokens": 16}, 16),  # null: as if absent
+    ("chat", {"n_predict": -1, "max_tokens": 16}, None),  # -1: no limit (the child's -n)
+    ("chat", {"max_tokens": -1}, None),
+    ("chat", {}, None),
+    ("chat", {"max_tokens": 16.9}, 16),  # nlohmann's get<int>: the fraction cut off
+    ("chat", {"max_tokens": True}, 1),  # ... and a boolean as 0 or 1
+    ("chat", {"max_tokens": 0}, 0),
+    # /v1/responses: max_output_tokens, when given, replaces max_tokens (server-chat.cpp).
+    ("responses", {"max_output_tokens": 16, "max_tokens": 99}, 16),
+    ("responses", {"max_output_tokens": None, "max_tokens": 99}, None),
+    ("responses", {"max_output_tokens": 16, "n_predict": 99}, 99),
+    ("responses", {"max_tokens": 99}, 99),
+    # /v1/messages: its max_tokens alone (the rest is not passed on), 4096 when absent.
+    ("messages", {"max_tokens": 16, "n_predict": 256}, 16),
+    ("messages", {"n_predict": 256}, 4096),
+    ("messages", {}, 4096),
+    ("messages", {"max_tokens": None}, None),
+])
+def test_the_token_limit_is_read_as_llama_server_reads_it(
+        kind: str, limits: dict[str, Any], read: int | None) -> None:
+    assert c.token_limit(kind, limits) == read
+
+
+def transcript_of(kind: str, pieces: int) -> c.Transcript:
+    """A stream of `kind` cut after `pieces` text events, as its route sends them."""
+    t = c.Transcript(kind)
+    opening = {"chat": [delta(role="assistant", content=None)],
+               "messages": [{"type": "message_start", "message": {"id": "msg_1"}},
+                            {"type": "content_block_start", "index": 0,
+                             "content_block": {"type": "text", "text": ""}}],
+               "responses": [{"type": "response.created", "response": {"id": "resp_1"}},
+                             {"type": "response.output_item.added",
+                              "item": {"type": "message", "id": "msg_1"}}]}.get(kind, [])
+    piece = {"chat": lambda: delta(content="x"),
+             "oai_completion": lambda: {"choices": [{"index": 0, "text": "x"}]},
+             "native_completion": lambda: {"content": "x", "stop": False},
+             "messages": lambda: {"type": "content_block_delta", "index": 0,
+                                  "delta": {"type": "text_delta", "text": "x"}},
+             "responses": lambda: {"type": "response.output_text.delta", "delta": "x"}}[kind]
+    for e in [*opening, *(piece() for _ in range(pieces))]:
+        t.take(e)
+    return t
+
+
+@pytest.mark.parametrize(("kind", "limits", "left"), [
+    (kind, limits, left) for kind in KINDS for limits, left in [
+        ({"max_tokens": 16, "n_predict": 256}, {"chat": 246, "oai_completion": 246,
+                                                "native_completion": 246, "messages": 6,
+                                                "responses": 246}[kind]),
+        ({"max_completion_tokens": 50, "max_tokens": 16}, {"messages": 6}.get(kind, 40)),
+        ({"n_predict": None, "max_tokens": 16}, 6),
+        ({"max_tokens": 10}, 1),  # 10 events of 10 would be closed: never under 1
+        ({"max_tokens": 0}, 1),
+        ({}, {"messages": 4086}.get(kind)),
+        ({"n_predict": -1, "max_tokens": 16}, {"messages": 6}.get(kind)),
+        ({"max_output_tokens": 30, "max_tokens": 16}, {"responses": 20, "messages": 6}.get(
+            kind, 6)),
+    ]])
+def test_the_continuation_asks_for_what_is_left_where_llama_server_reads_it(
+        kind: str, limits: dict[str, Any], left: int | None) -> None:
+    """Cut after 10 text events: the other child, reading the continuation's body as
+    llama-server reads a body, finds the limit less the 10 tokens (never under 1); no other
+    key in the body overrides it; a request without a limit of its own keeps none."""
+    prompt = {"prompt": "Once"} if "completion" in kind else \
+        {"input": "Once"} if kind == "responses" else {"messages": CHAT["messages"]}
+    payload = {**prompt, "stream": True, **limits}
+    t = transcript_of(kind, 10)
+    assert t.tokens == 10 and not t.finished
+    assert c.tokens_left(payload, t) == left
+    body = c.continuation_body(payload, t)
+    assert c.token_limit(kind, body) == left
+    if left is None:
+        assert {k: body.get(k) for k in limits} == limits  # nothing to lower
+
+
+@pytest.mark.parametrize(("limits", "events", "closing"), [
+    ({"max_tokens": 16, "n_predict": 256}, 16, False),  # llama-server stops at 256, not 16
+    ({"max_tokens": 256, "n_predict": 16}, 16, True),
+    ({"max_tokens": 0}, 0, False),  # n_predict 0 still samples one token
+    ({"max_tokens": 0}, 1, True),
+    ({"n_predict": -1, "max_tokens": 16}, 16, False),
+])
+def test_a_stream_is_closed_at_the_limit_llama_server_read(
+        limits: dict[str, Any], events: int, closing: bool) -> None:
+    t = transcript_of("chat", events)
+    d = c.decide({**CHAT, **limits}, t, False, None, 1.0, True)
+    assert d.closing == closing and d.allowed == (not closing)
+
+
+def test_a_close_and_a_continuation_say_what_counted() -> None:
+    by_events = c.decide({**CHAT, "max_tokens": 3}, transcript_of("chat", 3), False, None,
+                         1.0, True)
+    assert by_events.closing and "3 of 3 tokens, by its events (one a token)" in by_events.reason
+    own = c.Transcript("native_completion")
+    own.take({"content": "x", "tokens_predicted": 3, "stop": False})
+    by_own = c.decide({"prompt": "Once", "n_predict": 3}, own, False, None, 1.0, True)
+    assert by_own.closing
+    assert "3 of 3 tokens, by llama-server's own count (tokens_predicted)" in by_own.reason
+    going = c.decide({**CHAT, "max_tokens": 3}, transcript_of("chat", 2), False, None, 1.0,
+                     True)
+    assert going.allowed and going.reason == "continued after 2 tokens, by its events " \
+                                             "(one a token)"
+
+
+@pytest.mark.parametrize(("partials", "counted"), [
+    # Each inner list: the events one sampled token's partial result made (its diffs).
+    ([["reasoning", "content"]], 1),  # one token split by the parser: one
+    ([["reasoning"], ["content"]], 1),  # two tokens, but they cannot be told from the above
+    ([["reasoning"], ["reasoning"], ["content"], ["content"]], 3),
+    ([["content"], ["reasoning"]], 2),  # reasoning comes first in a partial result: a new one
+    ([["content"], [], [], ["content"]], 2),  # held tokens (UTF-8, a stop word) make no event
+])
+def test_the_chat_events_never_count_more_tokens_than_were_sampled(
+        partials: list[list[str]], counted: int) -> None:
+    t = followed(delta(role="assistant", content=None))
+    for diffs in partials:
+        for diff in diffs:
+            t.take(delta(**{"reasoning_content" if diff == "reasoning" else "content": "x"}))
+    assert t.tokens == counted and not t.counted
+
+
+# The events of one sampled token on a chat route, as the pinned server makes them: none (its
+# text held back), a reasoning diff, a content diff, or both, each its own event.
+PARTIAL = st.sampled_from([(), ("reasoning",), ("content",), ("reasoning", "content")])
+
+
+@given(st.lists(PARTIAL, max_size=60), st.booleans())
+def test_no_stream_of_partial_results_counts_more_than_were_sampled(
+        partials: list[tuple[str, ...]], timings: bool) -> None:
+    """Property: whatever the parser made of each sampled token, the transcript's count is at
+    most the tokens sampled (with `timings_per_token`, on the last event of a partial result:
+    llama-server's own count)."""
+    t = followed(delta(role="assistant", content=None))
+    for sampled, diffs in enumerate(partials, start=1):
+        events = [delta(**{"reasoning_content" if d == "reasoning" else "content": "x"})
+                  for d in diffs]
+        if timings and events:
+            events[-1]["timings"] = {"predicted_n": sampled}
+        for e in events:
+            t.take(e)
+            assert t.tokens <= sampled
+
+
+def test_a_continued_streams_usage_claims_no_more_than_was_sent() -> None:
+    """The tokens known before (the events: 2, whatever the text would re-tokenize to) and the
+    continuation's own; the prompt is the first child's when an event told it."""
+    before = chat_transcript("Onceupon", "atimethere")
+    stream = ContinuedStream(before, {})
+    final = {"choices": [], "usage": {"completion_tokens": 5, "prompt_tokens": 30,
+                                      "total_tokens": 35}}
+    assert events_of(stream.rewrite(event(final)))[0]["usage"] == {
+        "completion_tokens": 7, "prompt_tokens": 28, "total_tokens": 35}
+    before.prompt_tokens = 12  # (timings' prompt_n + cache_n, or prompt_progress' total)
+    stream = ContinuedStream(before, {})
+    assert events_of(stream.rewrite(event(final)))[0]["usage"] == {
+        "completion_tokens": 7, "prompt_tokens": 12, "total_tokens": 19}

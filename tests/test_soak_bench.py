@@ -1,5 +1,6 @@
-"""bench/soak.py's pure parts: the traffic mix, the loss classifier, the RSS verdict. The soak
-itself (real children, minutes of traffic) is run by hand, never by the suite."""
+"""bench/soak.py's pure parts: the traffic mix, the loss classifier (closes apart from answers,
+streams held to the same request uncut), the RSS verdict, the report. The soak itself (real
+children, minutes of traffic) is run by hand, never by the suite."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections import Counter
 
 import pytest
 
-from bench.soak import LOSSES, MIX, Observation, classify, draw_kinds, rss_verdict, \
+from bench.soak import LOSSES, MIX, Observation, classify, draw_kinds, report, rss_verdict, \
     second_half_types
 
 
@@ -73,6 +74,50 @@ def test_each_outcome_is_expected_or_lost_by_kind(kind: str, obs: Observation,
     assert classify(kind, obs) == verdict
     if verdict.startswith("lost:"):
         assert verdict[5:] in LOSSES
+
+
+def streamed(texts: int, **extra: bool) -> Observation:
+    return Observation(status=200, finished=True, done=True, texts=texts, **extra)
+
+
+@pytest.mark.parametrize(("kind", "obs", "uncut", "verdict"), [
+    ("chat_stream", streamed(199, continued=True), 199, "ok"),
+    ("chat_stream", streamed(190), 199, "ok"),  # a continuation's text is another: near
+    ("chat_stream", streamed(178), 199, "lost:short"),
+    # Issue 47: a stream closed with a finish after half its answer is a loss, whatever its
+    # finish says; one closed at its limit is counted apart from the answers.
+    ("chat_stream", streamed(90, closed=True), 199, "lost:short"),
+    ("chat_stream", streamed(200, closed=True), 199, "closed"),
+    ("chat_stream", streamed(200, closed=True), None, "closed"),
+    ("chat_stream", streamed(10), None, "ok"),  # its uncut length not known: not checked
+    ("chat_stream", Observation(status=200, done=True, texts=199), 199, "lost:no_finish"),
+    ("leave", Observation(status=200, left=True, texts=5), 199, "ok"),
+    ("resumable", Observation(status=200, left=True, texts=5, read_back=streamed(199)), 199,
+     "ok"),
+    ("resumable", Observation(status=200, left=True, texts=5, read_back=streamed(60)), 199,
+     "lost:short"),
+    ("resumable", Observation(status=200, left=True, texts=5,
+                              read_back=streamed(200, closed=True)), 199, "closed"),
+])
+def test_a_stream_is_held_to_the_same_request_uncut(kind: str, obs: Observation,
+                                                    uncut: int | None, verdict: str) -> None:
+    assert classify(kind, obs, uncut) == verdict
+    if verdict.startswith("lost:"):
+        assert verdict[5:] in LOSSES
+
+
+def test_the_report_counts_closes_apart_from_answers() -> None:
+    result = {"running": False, "minutes_run": 1.0, "clients": 1, "gpu_death_every_s": 45,
+              "requests": 4, "lost": 1, "gpu_deaths": 1, "incidents": 2,
+              "uncut_events": {"a": 199}, "requests_by_kind": {"chat_stream": 4},
+              "outcomes": {"chat_stream ok": 2, "chat_stream closed": 1,
+                           "chat_stream lost:short": 1},
+              "lost_by": {"short": {"chat_stream": 1}}, "lost_detail": [], "per_minute": [],
+              "rss": rss_verdict([])}
+    text = report(result)
+    assert "| chat_stream | 4 | 2 | 0 | 1 | 1 |" in text
+    assert "closed at its limit" in text and "short 1 (chat_stream 1)" in text
+    assert "uncut content events, by prompt: 199" in text
 
 
 def test_the_rss_verdict_tells_a_level_curve_from_a_growing_one() -> None:

@@ -22,15 +22,20 @@ be a think block's).
 Never when the grammar state would restart (grammar, json_schema, a JSON response_format: the
 constraint would apply to the rest as if it were the whole, as NVIDIA Dynamo's request
 migration notes), for n > 1, for a prompt that is not one string, when the client opted out,
-or when a finish was already sent. A stream whose relayed tokens already fill its limit is not
+or when a finish was already sent. A stream whose tokens already fill its limit is not
 continued but closed (`at_limit`): llama-server would have stopped there, so the client has the
-whole answer and only the finish is missing. Pure: no I/O, no clock.
+whole answer and only the finish is missing. "Fill" is as llama-server counts: its own count
+(`tokens_predicted`, `timings.predicted_n`) or one event a token, never a recount of the text
+(a text re-tokenizes to other tokens than were sampled: the tests' random model's 100 events
+to about 200), so a finish is never made up; the limit is read as llama-server reads it
+(`token_limit`). Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
 import copy
 import enum
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,12 +47,14 @@ RESPONSES_ROUTES = frozenset({"/v1/responses", "/responses"})  # OpenAI's Respon
 ROUTES = CHAT_ROUTES | OAI_COMPLETION_ROUTES | NATIVE_COMPLETION_ROUTES | MESSAGES_ROUTES | \
     RESPONSES_ROUTES
 
-# Token limits as each route names them (the first one present counts).
-_LIMIT_KEYS = {"chat": ("max_completion_tokens", "max_tokens", "n_predict"),
-               "oai_completion": ("max_tokens", "n_predict"),
-               "native_completion": ("n_predict", "max_tokens"),
-               "messages": ("max_tokens",),
-               "responses": ("max_output_tokens", "max_tokens")}
+# The keys llama-server reads a request's token limit from, in its order (server-schema.cpp:
+# `n_predict`, then its aliases `max_completion_tokens` and `max_tokens`; the first that is
+# present and not null wins), on every route that passes the body's keys on: chat, both
+# completions, and /v1/responses, whose `max_output_tokens`, when given, replaces `max_tokens`
+# (server-chat.cpp). /v1/messages passes on its `max_tokens` alone, 4096 when it is absent.
+_SCHEMA_KEYS = ("n_predict", "max_completion_tokens", "max_tokens")
+_RESPONSES_KEYS = ("n_predict", "max_completion_tokens", "max_output_tokens")
+MESSAGES_DEFAULT_LIMIT = 4096
 _CONSTRAINTS = ("grammar", "json_schema", "grammar_lazy", "grammar_triggers")
 
 
@@ -142,10 +149,11 @@ class Transcript:
     kind: str  # route_kind
     text: str = ""
     reasoning_text: str = ""  # chat: the `reasoning_content` relayed
-    tokens: int = 0  # generated tokens relayed: llama-server's own count when an event
-    # carries it (`counted`), else one per event with generated text (a few tokens merge, for
-    # UTF-8; one token never makes two events' worth)
+    tokens: int = 0  # generated tokens relayed, never more than were sampled: llama-server's
+    # own count when an event carries it (`counted`), else one per event with generated text
+    # (see `_count`)
     counted: bool = False  # `tokens` is llama-server's own figure (tokens_predicted, predicted_n)
+    own_count: str = ""  # the field that figure came from, for the records
     prompt_tokens: int | None = None  # the prompt's tokens, when an event said (closing usage)
     text_block: int | None = None  # /v1/messages: the index of the open text block
     id: str | None = None
@@ -157,13 +165,19 @@ class Transcript:
     reasoning: bool = False  # reasoning that cannot be continued (not `reasoning_text`)
     finished: bool = False
     item_id: str | None = None  # /v1/responses: the output message's id
-    _in_event: bool = field(default=False, repr=False)  # the current event counted a token
+    _last_piece: str = field(default="", repr=False)  # "reasoning" or "content" (see `_count`)
 
     def take(self, event: dict[str, Any]) -> None:
         """One event's JSON, as it was relayed."""
-        self._in_event = False  # (one generated token at most per event: see `_count`)
         self._take(event)
         self._own_count(event)
+
+    @property
+    def count_basis(self) -> str:
+        """What `tokens` rests on, as the incident and the log say it."""
+        if self.counted:
+            return f"llama-server's own count ({self.own_count})"
+        return "its events (one a token)"
 
     def _own_count(self, event: dict[str, Any]) -> None:
         """llama-server's own figures, where an event carries them: its running count of
@@ -172,9 +186,10 @@ class Transcript:
         tokens, for the usage of a stream Spillway closes itself."""
         timings = event.get("timings")
         timings = timings if isinstance(timings, dict) else {}
-        for own in (event.get("tokens_predicted"), timings.get("predicted_n")):
+        for name, own in (("tokens_predicted", event.get("tokens_predicted")),
+                          ("timings.predicted_n", timings.get("predicted_n"))):
             if isinstance(own, int) and _int(own):
-                self.tokens, self.counted = own, True
+                self.tokens, self.counted, self.own_count = own, True, name
         if _int(event.get("tokens_evaluated")):
             self.prompt_tokens = event["tokens_evaluated"]
         if _int(timings.get("prompt_n")):  # (it leaves out the cached part: cache_n adds it)
@@ -184,13 +199,18 @@ class Transcript:
         if isinstance(progress, dict) and _int(progress.get("total")):
             self.prompt_tokens = progress["total"]
 
-    def _count(self) -> None:
-        """One generated token for an event with generated text: llama-server sends each
-        sampled token's text in one partial result, which a chat parser may split into more
-        than one event (reasoning, then content); counting pieces would overcount."""
-        if not self._in_event:
-            self._in_event = True
+    def _count(self, piece: str) -> None:
+        """One sampled token for a piece of generated text (`piece`: "reasoning" or "content"),
+        but for content right after reasoning. llama-server sends each sampled token's text in
+        one partial result, or none while a UTF-8 character or a possible stop word is not
+        whole (the next one then carries both: fewer events than tokens); but on chat routes
+        its parser's diffs of one partial result go out as events of their own, reasoning
+        first, then content (server-task.cpp, `to_json_oaicompat_chat`). Content right after
+        reasoning may be the same token's, so it is not counted: at most one token too few
+        where an answer turns from reasoning to content, never one too many."""
+        if not (piece == "content" and self._last_piece == "reasoning"):
             self.tokens += 1
+        self._last_piece = piece
 
     def _take(self, event: dict[str, Any]) -> None:
         if self.id is None:
@@ -216,7 +236,7 @@ class Transcript:
     def _text(self, piece: Any) -> None:
         if isinstance(piece, str) and piece:
             self.text += piece
-            self._count()
+            self._count("content")
 
     def _reasoning(self, piece: Any) -> None:
         if not isinstance(piece, str) or not piece:
@@ -226,7 +246,7 @@ class Transcript:
             # put this reasoning before the content, which is not what the model saw.
             self.reasoning = True
         self.reasoning_text += piece
-        self._count()
+        self._count("reasoning")
 
     @property
     def generated(self) -> str:
@@ -331,16 +351,16 @@ CLOSED_AT_LIMIT = "its token limit was reached before the child died; closed as 
                   "would"
 
 
-def at_limit(payload: dict[str, Any], transcript: Transcript,
-             counted_by: str = "") -> Decision | None:
-    """When the relayed tokens fill the token limit: llama-server stops there with a finish
-    of its own ("length", `stop_type` "limit", "max_tokens"), so the stream is closed with it
-    where its closing events can be told from what was relayed; else it is spent (the error
-    event). None while tokens are left. `counted_by`: who counted, when not the events."""
+def at_limit(payload: dict[str, Any], transcript: Transcript) -> Decision | None:
+    """When the tokens known to be sampled (llama-server's own count, else one event a token:
+    never more than were sampled) fill the token limit: llama-server stopped there with a
+    finish of its own ("length", `stop_type` "limit", "max_tokens"), so the stream is closed
+    with it where its closing events can be told from what was relayed; else it is spent (the
+    error event). None while tokens are left: then nothing says the answer is whole."""
     limit = token_limit(transcript.kind, payload)
-    if limit is None or limit - transcript.tokens > 0:
+    if limit is None or transcript.tokens < _sampled_at_most(limit):
         return None
-    count = f"{transcript.tokens} of {limit} tokens{counted_by and ', ' + counted_by}"
+    count = f"{transcript.tokens} of {limit} tokens, by {transcript.count_basis}"
     spent = f"its token limit is used up ({count})"
     if transcript.tool_calls:
         # The last call's end (and llama-server's final parse of it) is not known.
@@ -385,29 +405,66 @@ def decide(payload: dict[str, Any], transcript: Transcript, continued_before: bo
     if transcript.kind == "messages" and not target_prefills:
         return Decision(False, "the other child runs with --no-prefill-assistant: it would "
                                "begin a new answer", Refusal.PROMPT)
-    return Decision(True, f"continued after {transcript.tokens} tokens")
+    return Decision(True, f"continued after {transcript.tokens} tokens, by "
+                          f"{transcript.count_basis}")
 
 
 def token_limit(kind: str, payload: dict[str, Any]) -> int | None:
-    for key in _LIMIT_KEYS[kind]:
+    """The request's token limit as llama-server reads it (`n_predict`); None when the request
+    sets none (absent, null, or -1: the child's own `-n` then, unknown here)."""
+    return _read_limit(kind, payload)[1]
+
+
+def tokens_left(payload: dict[str, Any], transcript: Transcript) -> int | None:
+    """The continuation's token limit: the request's, less the tokens known to be sampled
+    (never more than were, so never less than is truly left), and never under 1 (a stream is
+    continued only while its limit is not reached). None: no limit to lower."""
+    limit = token_limit(transcript.kind, payload)
+    return None if limit is None else max(limit - transcript.tokens, 1)
+
+
+def _read_limit(kind: str, payload: dict[str, Any]) -> tuple[str | None, int | None]:
+    """The body's key llama-server takes the limit from (None: its route's default), and the
+    limit. A value is read as nlohmann's `get<int>` reads it (a fraction cut off, true as 1);
+    one llama-server refuses (a string, under -1) never started a stream: None."""
+    if kind == "messages":
+        keys: tuple[str, ...] = ("max_tokens",)
+    elif kind == "responses" and "max_output_tokens" in payload:
+        keys = _RESPONSES_KEYS
+    else:
+        keys = _SCHEMA_KEYS
+    for key in keys:
         value = payload.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            return value
-    return None
+        if value is None:
+            continue  # absent or null: the next alias (server-schema.cpp, `has_value`)
+        if isinstance(value, float) and not math.isfinite(value):
+            return key, None
+        read = int(value) if isinstance(value, int | float) else None
+        return key, read if read is not None and read >= 0 else None
+    if kind == "messages" and "max_tokens" not in payload:
+        return None, MESSAGES_DEFAULT_LIMIT  # (a null max_tokens is no limit)
+    return None, None
+
+
+def _sampled_at_most(limit: int) -> int:
+    """The tokens llama-server samples under a limit: it checks the limit after each token,
+    so even `n_predict: 0` samples one (server-context.cpp, `has_budget`)."""
+    return max(limit, 1)
 
 
 def continuation_body(payload: dict[str, Any], transcript: Transcript) -> dict[str, Any]:
     """The request for the other child: the relayed text (and reasoning) as the answer's start,
-    the limit lowered by what was generated, everything else the client's own (its tools,
-    progress and ping options, template kwargs included)."""
+    the limit lowered to what is left (`tokens_left`), everything else the client's own (its
+    tools, progress and ping options, template kwargs included)."""
     body = copy.deepcopy(payload)
     body["stream"] = True
     kind = transcript.kind
-    for key in _LIMIT_KEYS[kind]:
-        value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-            body[key] = value - transcript.tokens
-            break
+    key, _ = _read_limit(kind, payload)
+    left = tokens_left(payload, transcript)
+    if left is not None:
+        # In the key llama-server read the limit from: any other it names comes after it in
+        # llama-server's order, so it cannot override it (/v1/messages' default: max_tokens).
+        body[key or "max_tokens"] = left
     if not transcript.text and not transcript.reasoning_text:
         # Nothing generated relayed yet (the role, prompt progress, pings): the same request,
         # once more.

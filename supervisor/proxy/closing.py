@@ -1,6 +1,7 @@
 """The closing events of a stream whose child died after its token limit was reached and
-before its finish (policy/continuation.py's `at_limit`): the client has the whole answer, so
-Spillway ends it as llama-server ends a stream stopped by its limit
+before its finish (policy/continuation.py's `at_limit`: llama-server's own count, or one event
+a token, reached the limit; a recount of the text never decides it): the client has the whole
+answer, so Spillway ends it as llama-server ends a stream stopped by its limit
 (tools/server/server-task.cpp, `server_task_result_cmpl_final`, streaming):
 
 - chat: a chunk with an empty delta and `finish_reason: "length"`; with
@@ -13,10 +14,10 @@ Spillway ends it as llama-server ends a stream stopped by its limit
 - /v1/responses: `output_text.done`, `content_part.done`, `output_item.done` with the whole
   text, then `response.completed` (llama-server says "completed" at its limit too).
 
-Only what the relayed events told can be given: completion tokens are the tokens relayed, the
-prompt's tokens only when an event said them (else left out, not guessed); llama-server's
-`timings`, `generation_settings` and `prompt` are left out. The final event says, in a
-`spillway_closed` field, that Spillway closed it and why. Pure: no I/O.
+Only what the relayed events told can be given: completion tokens are the tokens counted (the
+limit's worth), the prompt's tokens only when an event said them (else left out, not guessed);
+llama-server's `timings`, `generation_settings` and `prompt` are left out. The final event
+says, in a `spillway_closed` field, that Spillway closed it and why. Pure: no I/O.
 """
 
 from __future__ import annotations

@@ -142,15 +142,18 @@ class ContinuedStream:
 
     def _usage(self, usage: dict[str, Any], generated: str = "completion_tokens",
                prompt: str = "prompt_tokens") -> None:
-        """Summed: the tokens generated before count as generated; the continuation's prompt
-        held them, so they come off its prompt count. (/v1/responses names them output and
-        input tokens.)"""
+        """Summed: the tokens known to be sampled before (llama-server's own count, else one
+        event a token: never more than were) and the continuation's own; no more than were
+        sent. The prompt is the first child's, when an event told it; else the continuation's,
+        less the tokens before, which it held. (/v1/responses names them output and input
+        tokens.)"""
         n = self.before.tokens
         done, given = usage.get(generated), usage.get(prompt)
         if isinstance(done, int):
             usage[generated] = done + n
         if isinstance(given, int):
-            usage[prompt] = max(given - n, 0)
+            first = self.before.prompt_tokens
+            usage[prompt] = first if first is not None else max(given - n, 0)
         if isinstance(usage.get(generated), int) and isinstance(usage.get(prompt), int):
             usage["total_tokens"] = usage[generated] + usage[prompt]
 

@@ -567,32 +567,6 @@ class ProxyHandler:
         failure, so_far, lease = cut.failure, ctx.follow, nxt.lease
         assert so_far is not None and ctx.req.payload is not None
         other = lease.name
-        if so_far.generated and so_far.kind != "native_completion":  # (that counts its own)
-            # Stream events merge a few tokens (UTF-8 pieces): the other child's tokenizer
-            # says how many the relayed text (reasoning included) holds, for max_tokens and
-            # usage.
-            counted = await tokens.count_text(self.forwarder.session, lease.upstream,
-                                              so_far.generated, ctx.req.payload.get("model"))
-            if counted is not None and not so_far.counted:
-                # llama-server stops at its limit: a text that re-tokenizes to more tokens than
-                # that (its sampled tokens need not be the tokenizer's own split) was
-                # generated within it, so the count stops there too.
-                limit = continuation.token_limit(so_far.kind, ctx.req.payload)
-                so_far.tokens = max(so_far.tokens, counted if limit is None
-                                    else min(counted, limit))
-        limited = continuation.at_limit(ctx.req.payload, so_far,
-                                        f"as the {other} child counts the text")
-        if limited is not None:
-            # Counted by the tokenizer, the relayed text already fills the limit (events
-            # undercount, merging a few tokens): nothing is left to ask for.
-            lease.close(None, None)
-            if limited.closing:
-                return await self._close(ctx, cut, limited.reason, episodes)
-            self.metrics.continuations.labels("refused").inc()
-            episodes.append(_Episode(failure, "passed_on", f"the stream had started; not "
-                                                           f"continued: {limited.reason}"))
-            return await self.forwarder.end_broken(ctx, cut.response, failure, cut.anthropic,
-                                                   f"; not continued: {limited.reason}")
         kind = str(failure.verdict.kind)
         ctx.failover_kind = kind
         log.warning("rid=%s %s child failed mid-stream (%s: %s) after %d tokens; continuing "
@@ -628,9 +602,10 @@ class ProxyHandler:
         resumable stream's buffer too (the response is its tee)."""
         failure, so_far = cut.failure, ctx.follow
         assert so_far is not None and ctx.req.payload is not None
-        log.warning("rid=%s %s child failed mid-stream (%s: %s) after the last of %d tokens; "
-                    "closing the stream as llama-server would", ctx.req.request_id, failure.child,
-                    failure.verdict.kind, failure.verdict.evidence, so_far.tokens)
+        log.warning("rid=%s %s child failed mid-stream (%s: %s) after the last of %d tokens, "
+                    "by %s; closing the stream as llama-server would", ctx.req.request_id,
+                    failure.child, failure.verdict.kind, failure.verdict.evidence, so_far.tokens,
+                    so_far.count_basis)
         episodes.append(_Episode(failure, "finished", reason, tokens_before=so_far.tokens))
         note = {"from_child": failure.child, "kind": str(failure.verdict.kind),
                 "tokens": so_far.tokens, "reason": "length"}

@@ -130,18 +130,6 @@ async def _post(session: aiohttp.ClientSession, child: Upstream, route: str,
         return answer if isinstance(answer, dict) else None
 
 
-async def count_text(session: aiohttp.ClientSession, child: Upstream, text: str,
-                     model: Any = None, timeout_s: float = 10.0) -> int | None:
-    """The tokens of a piece of generated text as `child` tokenizes it (a continuation's
-    relayed text: its stream events merge a few tokens, this does not); None when unknown."""
-    try:
-        return await _tokenize(session, child, prompts.Piece(text, False, False), model,
-                               aiohttp.ClientTimeout(total=timeout_s))
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
-        log.info("could not count the text's tokens on the %s child: %s", child.name, e)
-        return None
-
-
 async def _tokenize(session: aiohttp.ClientSession, child: Upstream, piece: prompts.Piece,
                     model: Any, timeout: aiohttp.ClientTimeout) -> int | None:
     headers = {"Authorization": f"Bearer {child.api_key}", "Content-Type": "application/json"}
