@@ -755,9 +755,14 @@ class Daemon:
     # --- an upgrade in place (handover.py): the old daemon's side -----------------------------
 
     async def _on_control(self, request: dict[str, Any]) -> dict[str, Any]:
-        """A request on the control socket: `upgrade`, or `ping`."""
+        """A request on the control socket: `upgrade`, `status` or `ping`."""
         if request.get("op") == "ping":
             return {"ok": True, "pid": os.getpid()}
+        if request.get("op") == "status" and self.routes is not None:
+            # `spillway status` when the config file no longer loads (the address and key are
+            # in it): this socket is found by the file's path alone, and only its user or root
+            # may ask (handover.Control), as only they may read the key.
+            return {"ok": True, "status": self.routes.status()}
         if request.get("op") != "upgrade":
             return {"ok": False, "error": f"no such request: {request.get('op')!r}"}
         why = self._why_no_upgrade(request)
