@@ -230,3 +230,35 @@ def test_a_reload_that_drops_the_key_while_a_lan_address_is_served_is_refused(
     finally:
         s.stop()
         held.close()
+
+
+def test_an_upgrade_to_a_config_without_a_key_leaves_the_old_daemon_serving(
+        tmp_path: Path, fake_server: Path, tiny_model: Path) -> None:
+    """At an upgrade the new daemon is handed every socket the old one serves, systemd's on
+    0.0.0.0 among them: a file that no longer has a key is refused by the new daemon, which
+    tells the old one why (`spillway upgrade` says it); the old one serves on, with its key."""
+    held = socket.create_server(("0.0.0.0", 0), backlog=64)  # systemd's, in the test
+    lan = held.getsockname()[1]
+    cfg = fake_config(fake_server, tiny_model, server={"api_key": KEY})
+    s = Spillway(tmp_path / "spillway", cfg)  # and its own 127.0.0.1 address, bound
+    auth = {"Authorization": f"Bearer {KEY}"}
+    try:
+        start_activated(s, held)
+        s.wait_ready(headers=auth)
+        keyless = deep_merge(cfg, {})
+        del keyless["server"]["api_key"]
+        s.config_path.write_text(toml_dumps(keyless))
+        assert eventually(lambda: s.status(auth)["config"]["error"])  # its reload refused
+        upgraded = subprocess.run(
+            [sys.executable, "-m", "supervisor", "upgrade", "--config", str(s.config_path)],
+            env=s.env, capture_output=True, text=True, timeout=PATIENCE_S)
+        assert upgraded.returncode == 1, upgraded.stderr
+        assert (f"did not take over: 'server.api_key: no key, and Spillway serves "
+                f"0.0.0.0:{lan} (the socket the old daemon passed), not a loopback address"
+                in upgraded.stderr), upgraded.stderr
+        assert s.proc is not None and s.proc.poll() is None  # the old one serves on
+        assert s.status(auth)["daemon"]["pid"] == s.proc.pid
+        assert s.get("/v1/models")[0] == 401 and s.get("/v1/models", auth)[0] == 200
+    finally:
+        s.stop()
+        held.close()
