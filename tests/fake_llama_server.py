@@ -15,6 +15,8 @@ Switches come from environment variables (a child's `env` table in the Spillway 
   FAKE_CRASH_AFTER=N       abort (SIGABRT) during the Nth generation request, before answering
   FAKE_CRASH_LINES=terse|full|none  what to print before that abort (default: full CUDA lines)
   FAKE_HANG_AFTER=N        generation requests after the Nth never answer
+  FAKE_CRASH_ON_PATH=PATH  abort (SIGABRT, after the lines of FAKE_CRASH_LINES) on a request for
+                           PATH, whatever its route and method, before answering
   FAKE_STALL_AFTER_EVENTS=K  a stream stops after K events and never goes on (/health answers)
   FAKE_ABORT_AFTER_EVENTS=K  a chat stream's process aborts (SIGABRT, after the CUDA lines of
                            FAKE_CRASH_LINES) right after its Kth event
@@ -137,6 +139,11 @@ def dropped_on_reuse(request: web.Request) -> bool:
 @web.middleware
 async def gate(request: web.Request, handler: Any) -> web.StreamResponse:
     record(request)
+    if request.path == ENV.get("FAKE_CRASH_ON_PATH"):
+        for line in {"full": CUDA_FULL, "terse": CUDA_TERSE}.get(
+                ENV.get("FAKE_CRASH_LINES", "full"), []):
+            log(line)
+        os.abort()
     if dropped_on_reuse(request):
         return web.Response(status=500)  # never reaches the client: the connection is closed
     freeze = float(ENV.get("FAKE_FREEZE_AFTER_S", "0"))

@@ -4,12 +4,13 @@ refuse to misbehave."""
 
 from __future__ import annotations
 
-import gzip
 import json
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -179,10 +180,7 @@ def test_deep_json_and_a_body_that_is_not_its_encoding_get_an_openai_shaped_400(
             (b"[" * 1000 + b"]" * 1000, AUTH, 400, "nested more than 128 levels deep", None),
             (b'{"a": ' * 1000 + b"1" + b"}" * 1000, AUTH, 400, "nested more than", None),
             (json.dumps(CHAT).encode(), gzip_header, 400,
-             "not valid gzip data, as its Content-Encoding says", "Content-Encoding"),
-            # A small gzip bomb: the limit counts the decompressed bytes.
-            (gzip.compress(b'{"messages": [], "pad": "' + b" " * 2_000_000 + b'"}'),
-             gzip_header, 413, "once decompressed (Content-Encoding: gzip)", "body")):
+             "not valid gzip data, as its Content-Encoding says", "Content-Encoding")):
         response = raw(s, request("POST", chat, body, headers))
         head, _, payload = response.partition(b"\r\n\r\n")
         assert status_of(response) == status, response[:300]
@@ -198,6 +196,65 @@ def test_deep_json_and_a_body_that_is_not_its_encoding_get_an_openai_shaped_400(
     assert child_saw(state) == before
     text = s.log_text()
     assert "Traceback" not in text and "Error handling request" not in text
+    still_serving(s)
+
+
+def gzip_bomb(decompressed_mib: int) -> bytes:
+    """A valid gzip body of a chat request padded with `decompressed_mib` MiB of spaces, about
+    1 KB a MiB: each MiB is one deflate block after a full flush (the same bytes every time, so
+    it is made once and repeated), and the trailer's CRC and size are the whole text's."""
+    prefix, suffix, mib = b'{"messages": [], "pad": "', b'"}', b" " * (1 << 20)
+    deflate = zlib.compressobj(9, zlib.DEFLATED, -zlib.MAX_WBITS)
+    head = deflate.compress(prefix) + deflate.flush(zlib.Z_FULL_FLUSH)
+    block = deflate.compress(mib) + deflate.flush(zlib.Z_FULL_FLUSH)
+    tail = deflate.compress(suffix) + deflate.flush()
+    crc = zlib.crc32(prefix)
+    for _ in range(decompressed_mib):
+        crc = zlib.crc32(mib, crc)
+    size = len(prefix) + decompressed_mib * len(mib) + len(suffix)
+    return (b"\x1f\x8b\x08\x00\x00\x00\x00\x00\x02\xff" + head + block * decompressed_mib
+            + tail + struct.pack("<II", zlib.crc32(suffix, crc), size & 0xFFFFFFFF))
+
+
+def peak_rss_mib(pid: int) -> float:
+    """The process's peak resident memory (VmHWM: the kernel's high-water mark, kept whatever
+    the moment it is read)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no VmHWM in /proc/{pid}/status")
+
+
+# A bomb's growth of the daemon's peak RSS that the limit's read (2 MiB, in aiohttp's chunks)
+# stays far under, and one network read decompressed whole (64 KiB of this bomb: 64 MiB) breaks.
+BOMB_PEAK_GROWTH_MIB = 48
+
+
+def test_a_gzip_bomb_is_refused_at_the_limit_without_being_decompressed_whole(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
+    """1 MB on the wire, 1 GiB once decompressed, under a 2 MiB limit (the wire's bytes fit it:
+    only the decompressed ones tell). aiohttp 3.14.0 and before (3.13.2, 3.10) decompressed
+    each network read whole before the reader counted a byte: the peak grew by about 505 MiB,
+    against 4 MiB on 3.14.1 and later. The peak is the kernel's high-water mark, read before
+    and after: what it says does not depend on when it is read, so no timing is involved."""
+    s = spillway(fake_config(fake_server, tiny_model,
+                             server={"api_key": KEY, "max_body_mib": 2}), start=False)
+    s.start(wait_ready=False)
+    s.wait_ready(headers=AUTH)
+    assert s.proc is not None
+    bomb = gzip_bomb(1024)
+    assert len(bomb) < 2 * 1024 * 1024  # the wire's size is under the limit
+    still_serving(s)  # the daemon's usual peak (a request served) is in `before`
+    before = peak_rss_mib(s.proc.pid)
+    response = raw(s, request("POST", "/v1/chat/completions", bomb,
+                              {**AUTH, "Content-Encoding": "gzip"}))
+    after = peak_rss_mib(s.proc.pid)
+    head, _, payload = response.partition(b"\r\n\r\n")
+    assert status_of(response) == 413, response[:300]
+    error = json.loads(payload)["error"]
+    assert "more than that once decompressed (Content-Encoding: gzip)" in error["message"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", "body")
+    assert after - before < BOMB_PEAK_GROWTH_MIB, (before, after)
     still_serving(s)
 
 

@@ -48,6 +48,42 @@ def test_status_command_exits_3_when_the_daemon_does_not_answer() -> None:
     assert "no answer from Spillway" in result.stderr
 
 
+def test_status_finds_the_daemon_when_its_config_file_no_longer_loads(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
+    """Right after a refused reload the file cannot give the address or the key: the daemon is
+    found by the file's path (its control socket), its status shown (it serves on its last good
+    config), and the file's problem said; exit 0, since a daemon's status is shown."""
+    key = "operator-test-key"
+    s = spillway(fake_config(fake_server, tiny_model, server={"api_key": key}), start=False)
+    s.start(wait_ready=False)
+    auth = {"Authorization": f"Bearer {key}"}
+    s.wait_ready(headers=auth)
+    good = s.config_path.read_text()
+    s.config_path.write_text(good + "\n[idempotency\n")  # an edit cut short: not TOML
+    error = eventually(lambda: s.status(auth)["config"]["error"])
+    assert error and "not valid TOML" in error, error  # the reload was refused
+    shown = spillway_cli("status", "--config", str(s.config_path), env=s.env)
+    assert shown.returncode == 0, (shown.returncode, shown.stderr)
+    lines = shown.stdout.splitlines()
+    assert f"listening on 127.0.0.1:{s.port}" in lines[0]
+    assert any(line.split()[:2] == ["gpu", "READY"] for line in lines)
+    assert any(line.split()[:2] == ["cpu", "READY"] for line in lines)
+    assert "the last reload was refused" in shown.stdout  # the daemon's own word
+    said = [line for line in lines if line.startswith("config on disk:")]
+    assert len(said) == 1 and "does not load, so the daemon serves on the config it last " \
+        "loaded: not valid TOML" in said[0], shown.stdout
+    as_json = spillway_cli("status", "--config", str(s.config_path), "--json", env=s.env)
+    answer = json.loads(as_json.stdout)
+    assert as_json.returncode == 0 and answer["children"]["gpu"]["state"] == "READY"
+    assert answer["config_on_disk"]["path"] == str(s.config_path.resolve())
+    assert answer["config_on_disk"]["problems"]
+    # With no daemon for it, the file's problem is all there is to say: exit 2, as before.
+    other = s.folder / "other.toml"
+    other.write_text("[model\n")
+    alone = spillway_cli("status", "--config", str(other), env=s.env)
+    assert alone.returncode == 2 and "no spillway running" in alone.stderr, alone.stderr
+
+
 def test_incidents_command_lists_the_records(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
     s = spillway(fake_config(fake_server, tiny_model, gpu={"env": {"FAKE_CRASH_AFTER": "1"}}))

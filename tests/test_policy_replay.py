@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from supervisor.policy.evidence import FailureKind, Verdict
 from supervisor.policy.replay import Refusal, ReplayCase, decide, unavailable
-from supervisor.policy.routes import RouteClass
+from supervisor.policy.routes import READ_ROUTES, RouteClass, read_only
 
 SAFE = ReplayCase(
     verdict=Verdict(FailureKind.RUNTIME_OOM, "CUDA error: out of memory"),
@@ -100,3 +100,52 @@ def test_a_replay_always_means_all_six_hold(kind: FailureKind, body: bool, sent:
 def test_what_is_answered_unavailable(refusal: Refusal | None, safe_read: bool,
                                       answer: bool) -> None:
     assert unavailable(refusal, safe_read) is answer
+
+
+# llama-server's GET routes (server.cpp, server-http.cpp, the pinned source), each with what it
+# does: only those that change nothing are reads, and only they replay.
+LLAMA_SERVER_GETS = [
+    ("/health", True), ("/v1/health", True), ("/metrics", True), ("/props", True),
+    ("/models", True), ("/v1/models", True), ("/models/sse", True), ("/slots", True),
+    ("/lora-adapters", True),
+    ("/", True), ("/index.html", True),  # the web UI's page
+    ("/_app/immutable/entry/start.BQ1x2.js", True), ("/manifest.webmanifest", True),
+    ("/sw.js", True), ("/_app/version.json", True), ("/favicon.svg", True),
+    ("/cors-proxy", False),  # fetches the URL it is given: a replay fetches it twice
+    ("/tools", False),  # never replayed (the rule names /tools)
+    ("/v1/stream", False),  # Spillway answers it itself
+    # Not llama-server's GET routes at all: nothing is a read by default.
+    ("/v1/chat/completions", False), ("/slots/0", False), ("/models/load", False),
+    ("/spillway/status", False), ("/props/", False), ("/.well-known", False),
+    ("/unknown-route", False),
+]
+
+
+@pytest.mark.parametrize(("path", "reads"), LLAMA_SERVER_GETS)
+def test_reads_are_an_allowlist_of_llama_servers_routes_that_change_nothing(
+        path: str, reads: bool) -> None:
+    assert read_only("GET", path, "", has_body=False) is reads
+    assert read_only("HEAD", path, "", has_body=False) is reads
+
+
+def test_every_read_route_is_in_the_table() -> None:
+    assert {path for path, reads in LLAMA_SERVER_GETS if reads} >= READ_ROUTES
+
+
+@pytest.mark.parametrize(("method", "path", "query", "has_body", "reads"), [
+    ("GET", "/props", "model=qwen", False, True),  # which model's props: still a read
+    ("GET", "/slots", "fail_on_no_slot=1", False, True),
+    ("GET", "/v1/models", "autoload=false", False, False),  # named at all: not replayed
+    ("GET", "/models", "autoload=true", False, False),  # loads a model on a router
+    ("GET", "/props", "model=qwen&autoload=1", False, False),
+    ("GET", "/props", "model=qwen&auto%6coad=1", False, False),  # as llama-server decodes it
+    ("GET", "/models", "reload=1", False, False),  # reads the models' folder again
+    ("GET", "/sw.js", "autoload=true", False, False),
+    ("GET", "/props", "", True, False),  # a body: not a plain read
+    ("POST", "/props", "", False, False),  # sets the props
+    ("DELETE", "/models", "", False, False),
+    ("OPTIONS", "/props", "", False, False),
+])
+def test_a_read_carries_no_body_and_no_query_that_acts(
+        method: str, path: str, query: str, has_body: bool, reads: bool) -> None:
+    assert read_only(method, path, query, has_body) is reads

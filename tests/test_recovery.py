@@ -120,7 +120,14 @@ def test_what_is_mirrored() -> None:
     assert offers.busied == 8  # every ending is real work: a mirror waits for the next idle
 
 
-def test_safe_read_is_a_body_less_get_or_head() -> None:
-    assert safe_read(received(method="GET", body=b"", route=RouteClass.PASSTHROUGH))
-    assert not safe_read(received(method="GET", body=b"x", route=RouteClass.PASSTHROUGH))
+def test_safe_read_is_a_body_less_get_or_head_of_a_route_that_only_reads() -> None:
+    def get(path_qs: str, body: bytes = b"") -> Received:
+        return received(method="GET", path=path_qs.partition("?")[0], path_qs=path_qs,
+                        body=body, route=RouteClass.PASSTHROUGH)
+
+    assert safe_read(get("/props"))
+    assert not safe_read(get("/props", body=b"x"))
     assert not safe_read(received())
+    # The query is read from the request as it came (path_qs).
+    assert not safe_read(get("/v1/models?autoload=true"))
+    assert not safe_read(get("/cors-proxy?url=http://example.com/"))

@@ -109,22 +109,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     return _run_daemon(cfg)
 
 
-def _control_sockets(config_path: str) -> list[Path]:
-    """Where the daemon running `config_path` answers `spillway upgrade`: in this user's state
-    folder ($STATE_DIRECTORY under systemd), or the shipped unit's (/var/lib/spillway) for root
-    in a shell."""
-    from ..service.handover import control_path
-    from ..upstreams.owned import run_folder, state_id
-
-    folders = [run_folder(), Path("/var/lib/spillway/run")]
-    found = []
-    for folder in dict.fromkeys(folders):
-        path = control_path(state_id(config_path), folder)
-        if path not in found:
-            found.append(path)
-    return found
-
-
 def cmd_upgrade(args: argparse.Namespace) -> int:
     """Hand the running daemon's sockets and children to a new daemon running the code
     installed now: no model reload, no connection refused (service/handover.py)."""
@@ -136,7 +120,7 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
         _print_problems(e)
         return EXIT_CONFIG
     timeout = args.timeout or UPGRADE_TIMEOUT_S
-    candidates = _control_sockets(path)
+    candidates = client.control_sockets(path)
     sockets = [p for p in candidates if p.exists()]
     if not sockets:
         print(f"spillway upgrade: no spillway runs {path} here (no control socket at "
@@ -314,10 +298,16 @@ def _target(args: argparse.Namespace) -> client.Target:
 def _remote(args: argparse.Namespace, method: str, path: str) -> tuple[int, object]:
     """(exit code, answer); prints the reason when the daemon did not answer."""
     try:
-        return EXIT_OK, client.call(_target(args), method, path)
+        target = _target(args)
     except config.ConfigError as e:
         _print_problems(e)
         return EXIT_CONFIG, None
+    return _call(target, method, path)
+
+
+def _call(target: client.Target, method: str, path: str) -> tuple[int, object]:
+    try:
+        return EXIT_OK, client.call(target, method, path)
     except client.Unreachable as e:
         print(f"spillway: {e} (is the daemon running? `systemctl status spillway`)",
               file=sys.stderr)
@@ -501,10 +491,41 @@ def format_incidents(records: list[dict[str, Any]]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    code, answer = _remote(args, "GET", "/spillway/status")
+    try:
+        target = _target(args)
+    except config.ConfigError as e:
+        return _status_without_the_file(args, e)
+    code, answer = _call(target, "GET", "/spillway/status")
     if isinstance(answer, dict):
         print(json.dumps(answer, indent=1) if args.json else format_status(answer))
     return code
+
+
+def _status_without_the_file(args: argparse.Namespace, error: config.ConfigError) -> int:
+    """The config file does not load (say an edit the daemon refused at its reload): the daemon
+    that runs it is found by its path (its control socket), and its status shown with what is
+    wrong with the file. A daemon that answers is a status shown: exit 0, as when the daemon
+    itself reports a refused reload; with none, the file's problems and exit 2."""
+    try:
+        path = os.path.realpath(client.find_config(args.config))
+    except config.ConfigError:
+        _print_problems(error)
+        return EXIT_CONFIG
+    status = client.status_by_control(path)
+    if status is None:
+        _print_problems(error)
+        print(f"spillway: and no spillway running {path} answers here (no control socket at "
+              f"{' or '.join(map(str, client.control_sockets(path)))})", file=sys.stderr)
+        return EXIT_CONFIG
+    refused = [str(p) for p in error.problems]
+    if args.json:
+        status["config_on_disk"] = {"path": path, "problems": refused}
+        print(json.dumps(status, indent=1))
+    else:
+        print(format_status(status))
+        print(f"config on disk: {path} does not load, so the daemon serves on the config it "
+              f"last loaded: {'; '.join(refused)}")
+    return EXIT_OK
 
 
 def cmd_incidents(args: argparse.Namespace) -> int:

@@ -1,7 +1,10 @@
 """Talking to a running daemon from the command line (`spillway status`, `incidents`, `gpu`).
 
 The address and key come from the daemon's own config file (so `spillway status` on the server
-needs no flags), or from --url and --api-key / $SPILLWAY_API_KEY.
+needs no flags), or from --url and --api-key / $SPILLWAY_API_KEY. When the file no longer loads
+(an edit the daemon refused at its reload: it serves on the config it last loaded), the daemon
+is still found by the file's path alone: its control socket (service/handover.py), named for
+that path in its run folder, which answers its own user and root.
 """
 
 from __future__ import annotations
@@ -139,3 +142,35 @@ def call(target: Target, method: str, path: str, timeout: float = 10.0,
     except (urllib.error.URLError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
         raise Unreachable(f"no answer from Spillway at {target.url}: {reason}") from e
+
+
+def control_sockets(config_path: str) -> list[Path]:
+    """Where the daemon running `config_path` has its control socket: in this user's state
+    folder ($STATE_DIRECTORY under systemd), or the shipped unit's (/var/lib/spillway) for root
+    in a shell."""
+    from ..service.handover import control_path
+    from ..upstreams.owned import run_folder, state_id
+
+    found: list[Path] = []
+    for folder in dict.fromkeys([run_folder(), Path("/var/lib/spillway/run")]):
+        path = control_path(state_id(config_path), folder)
+        if path not in found:
+            found.append(path)
+    return found
+
+
+def status_by_control(config_path: str, timeout: float = 10.0) -> dict[str, Any] | None:
+    """The status of the daemon running `config_path`, asked on its control socket (no address
+    or key needed); None when none answers there."""
+    from ..service.handover import ask
+
+    for path in control_sockets(config_path):
+        if not path.exists():
+            continue
+        try:
+            answer = ask(path, {"op": "status"}, timeout)
+        except (OSError, ValueError):
+            continue
+        if answer.get("ok") and isinstance(answer.get("status"), dict):
+            return dict(answer["status"])
+    return None

@@ -22,7 +22,7 @@ import os
 import shutil
 import sys
 import typing
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -265,6 +265,10 @@ class ServerConfig:
     # Vertex AI's contract (AIP_MODE=PREDICTION in the environment; policy/vertex.py): its port
     # is every listen address's, and the app answers its predict and health routes.
     vertex: VertexContract | None = field(default=None, metadata=derived())
+
+    def unguarded(self, addresses: Iterable[ListenAddress]) -> ListenAddress | None:
+        """The first of `addresses` beyond loopback that this server's key does not guard."""
+        return unguarded(self.api_key, self.vertex, addresses)
 
 
 @dataclass(frozen=True)
@@ -823,14 +827,25 @@ def _api_key(s: Mapping[str, Any], environ: Mapping[str, str], listen: list[List
                                     "empty"))
     elif s["api_key"] is not None and not s["api_key"]:
         problems.append(Problem("server.api_key", "is empty; remove it to run without a key"))
-    if api_key is None and contract is None:
-        for addr in listen:
-            if not addr.is_loopback:
-                problems.append(Problem("server.listen", f"{addr} is not a loopback address; "
-                                                         "set server.api_key (or api_key_env) "
-                                                         "before listening beyond this machine"))
-                break
+    beyond = unguarded(api_key, contract, listen)
+    if beyond is not None:
+        problems.append(Problem("server.listen", f"{beyond} is not a loopback address; "
+                                                 f"{KEY_NEEDED}"))
     return api_key
+
+
+KEY_NEEDED = "set server.api_key (or api_key_env) before listening beyond this machine"
+
+
+def unguarded(api_key: str | None, contract: VertexContract | None,
+              addresses: Iterable[ListenAddress]) -> ListenAddress | None:
+    """The key rule: the first address beyond loopback that no key would guard. None with a
+    key, or under Vertex AI's contract (its front end authenticates the clients). Applied to
+    server.listen here, and by the daemon to every socket it serves (a socket systemd or the
+    last daemon passed it is served whatever server.listen says: service/listen_fds.py)."""
+    if api_key is not None or contract is not None:
+        return None
+    return next((addr for addr in addresses if not addr.is_loopback), None)
 
 
 def _check_child_args(
@@ -1101,7 +1116,8 @@ __all__ = [
     "IncidentsConfig", "QueueConfig",
     "IdempotencyConfig", "StreamsConfig", "ListenAddress", "load", "build",
     "known_keys", "parse_listen", "SCHEMA", "SECTIONS", "Key", "key", "derived",
-    "section_keys", "RESTART_KEYS", "suggest", "diff", "command_changed",
+    "section_keys", "RESTART_KEYS", "suggest", "diff", "command_changed", "unguarded",
+    "KEY_NEEDED",
 ]
 
 

@@ -6,8 +6,10 @@ A request may be replayed only when all six hold:
 3. the evidence says the child did not complete it (a 4xx or a complete answer never replays;
    nor does a read timeout, after which the child may still be working on it);
 4. the route only generates (never /tools, slot save/restore/erase, LoRA, /cors-proxy), or
-   the request only reads: a GET or HEAD without a body on llama-server's own routes (/props,
-   /v1/models, /slots, the web UI's files), which either child answers alike;
+   the request only reads: a GET or HEAD without a body on one of llama-server's routes that
+   change nothing (an allowlist, routes.read_only: /health, /props, /v1/models, /slots, the
+   web UI's files, ...; not /cors-proxy, nor a query that loads a model), which either child
+   answers alike;
 5. the client did not opt out (`X-Spillway-Replay: never`), and its deadline leaves room for
    the other child's expected time;
 6. it has not been replayed before.
@@ -67,8 +69,8 @@ class ReplayCase:
     deadline_left_s: float | None  # None: the client gave no deadline
     target_expected_s: float | None  # None: no estimate yet
     target_available: bool  # the other child is ready or can be started in time
-    # A GET or HEAD without a body on a passthrough route: it changes nothing, so it may go
-    # to the other child (the web UI's files and the routes it polls, caught in a GPU death).
+    # A read (routes.read_only) on a passthrough route: it changes nothing, so it may go to
+    # the other child (the web UI's files and the routes it polls, caught in a GPU death).
     safe_read: bool = False
 
 

@@ -1,8 +1,10 @@
-"""Which llama-server routes generate (admission and replay apply) and which never replay."""
+"""Which llama-server routes generate (admission and replay apply), which only read (replayed
+like a generation), and which never replay."""
 
 from __future__ import annotations
 
 import enum
+from urllib.parse import parse_qsl
 
 GENERATION_ROUTES = frozenset({
     "/completion", "/completions", "/v1/completions",
@@ -48,6 +50,44 @@ def classify_route(path: str) -> RouteClass:
     if path in GENERATION_ROUTES:
         return RouteClass.GENERATION
     return RouteClass.PASSTHROUGH
+
+
+# llama-server's GET routes that only read (server.cpp's table, the pinned source): each answers
+# from what the server holds and changes nothing, so one caught in a child's death may be asked
+# again of the other child. An allowlist: a route not named here is never replayed. Not among
+# them: /cors-proxy (fetches the URL it is given, outside: a replay fetches it twice), /tools
+# (the replay rule keeps every /tools request on the child it went to), /v1/stream (Spillway
+# answers it itself).
+READ_ROUTES = frozenset({
+    "/health", "/v1/health", "/metrics", "/props", "/slots", "/lora-adapters",
+    "/models", "/v1/models", "/models/sse",
+})
+# The web UI's page; its other files are told by their name (read_only).
+UI_PAGES = frozenset({"/", "/index.html"})
+# Query parameters with which a GET acts (server-models.cpp): `autoload=true` has a router load
+# the model the request names (on any route it proxies, `/props?model=X` too), `reload` has
+# `GET /models` read the models' folder again. A read that carries one is not replayed.
+ACTING_PARAMS = frozenset({"autoload", "reload"})
+
+
+def _ui_file(path: str) -> bool:
+    """A file of the web UI (its hashed assets, the manifest, sw.js) or of `--path`: none of
+    llama-server's API routes has a dot in its last segment, its static files all do."""
+    name = path.rsplit("/", 1)[-1]
+    stem, dot, _ = name.rpartition(".")
+    return bool(dot and stem)
+
+
+def read_only(method: str, path: str, query: str, has_body: bool) -> bool:
+    """A request that only reads: a GET or HEAD without a body, to one of llama-server's read
+    routes or the web UI's files, with no query parameter that acts (`query` as it came, without
+    its `?`). The replay rule replays it like a generation (policy/replay.py, rule 4)."""
+    if method not in ("GET", "HEAD") or has_body:
+        return False
+    if path not in READ_ROUTES and path not in UI_PAGES and not _ui_file(path):
+        return False
+    return not any(name in ACTING_PARAMS
+                   for name, _ in parse_qsl(query, keep_blank_values=True))
 
 
 # Routes named in the metrics beyond those above (a path under one counts as it).

@@ -12,8 +12,11 @@ raises near a thousand levels, nor one raised later by code that walks or re-enc
 the decompressed one, and it is what admission parses, what a replay sends again and what the
 child gets, without the header (headers.py drops it): the pinned llama-server is built without
 zlib and answers 415 to any compressed body. The size limit counts the decompressed bytes (a
-small gzip bomb is refused at the limit, and aiohttp decompresses no further than the reader
-asks), and a body that is not what its `Content-Encoding` says is a 400.
+gzip bomb is refused at the limit, and aiohttp, from 3.14.1 on, decompresses no further than
+the reader asks: before, each network read was decompressed whole, hundreds of MiB for a bomb),
+and a body that is not what its `Content-Encoding` says is a 400. Nothing here reads more than
+the limit before counting: the fast path takes only a body that is already whole in aiohttp's
+buffer, which a bomb never is (its decompression waits for the reader).
 """
 
 from __future__ import annotations

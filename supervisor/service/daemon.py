@@ -625,6 +625,12 @@ class Daemon:
         if self.handover is not None:
             source = "the old daemon"
             passed = listen_fds.from_fds([fd for fd, _ in self.handover.listen], source)
+        # Every passed socket is served, whatever server.listen says: the key rule holds for
+        # each, before anything starts.
+        unguarded = listen_fds.unguarded(self.config.server, [
+            listen_fds.Listener(sock, listen_fds.address_of(sock), source) for sock in passed])
+        if unguarded is not None:
+            return self._refuse_to_start(unguarded)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.request_stop, sig.name)
@@ -741,7 +747,8 @@ class Daemon:
         self._roll_out_adopted()
         if self.config.path is not None and self.reloader is None:
             self.reloader = Reloader(self.config.path, lambda: self.config, self.apply_config,
-                                     self._reload_result, self._reload_started)
+                                     self._reload_result, self._reload_started,
+                                     check=self._check_served)
             self.reloader.watch()
         if self.ownership.file is not None and self.control is None:
             self.control = Control(control_path(self.ownership.state_id), self._on_control)
@@ -750,9 +757,14 @@ class Daemon:
     # --- an upgrade in place (handover.py): the old daemon's side -----------------------------
 
     async def _on_control(self, request: dict[str, Any]) -> dict[str, Any]:
-        """A request on the control socket: `upgrade`, or `ping`."""
+        """A request on the control socket: `upgrade`, `status` or `ping`."""
         if request.get("op") == "ping":
             return {"ok": True, "pid": os.getpid()}
+        if request.get("op") == "status" and self.routes is not None:
+            # `spillway status` when the config file no longer loads (the address and key are
+            # in it): this socket is found by the file's path alone, and only its user or root
+            # may ask (handover.Control), as only they may read the key.
+            return {"ok": True, "status": self.routes.status()}
         if request.get("op") != "upgrade":
             return {"ok": False, "error": f"no such request: {request.get('op')!r}"}
         why = self._why_no_upgrade(request)
@@ -888,6 +900,20 @@ class Daemon:
                 "upgrade": self.upgraded_from, "handing_over_to": self.handed_to,
                 "control_socket": str(self.control.path) if self.control else None,
                 **self.ownership.to_json()}
+
+    def _refuse_to_start(self, problem: config_module.Problem) -> int:
+        """A passed socket this config cannot serve: said, and nothing started (at an upgrade
+        the old daemon is told why, and serves on)."""
+        log.error("not started: %s", problem)
+        if self.handover is not None:
+            tell_old(self.handover, {"serving": False, "error": str(problem)})
+        return 1
+
+    def _check_served(self, new: Config) -> list[config_module.Problem]:
+        """A reload's new config, against the sockets served now: it may not leave one beyond
+        loopback without a key (server.listen itself changes only at a restart)."""
+        problem = listen_fds.unguarded(new.server, self.listeners)
+        return [problem] if problem is not None else []
 
     async def _listen(self, passed: list[socket.socket], source: str) -> bool:
         """Serve on every listen address: on the socket passed for it (systemd's, or the old

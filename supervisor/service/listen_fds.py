@@ -13,6 +13,11 @@ address with none is bound here, as before socket activation, and the log says w
 A passed socket that matches no listen address is served too (it was passed to be served), with
 a warning: `server.listen` should name it, for the Host checks and the commands that find the
 daemon by its config.
+
+The key rule holds for what is served, not only for what `server.listen` says: a socket passed
+on an address beyond loopback, with no key in the config, is refused (`unguarded`): the daemon
+does not start (at an upgrade the old one serves on), and a reload that would drop the key
+while such an address is served is refused.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import socket
 from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass
 
-from ..config.schema import ListenAddress
+from ..config.schema import KEY_NEEDED, ListenAddress, Problem, ServerConfig
 
 log = logging.getLogger("spillway")
 
@@ -88,6 +93,29 @@ def address_of(sock: socket.socket) -> str:
     if sock.family == socket.AF_INET:
         return f"{name[0]}:{name[1]}"
     return str(name)
+
+
+def listen_address(sock: socket.socket) -> ListenAddress | None:
+    """Where an IP socket listens, as server.listen would say it; None for a Unix socket
+    (reached through the file system, on this machine only)."""
+    if sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return None
+    host, port = sock.getsockname()[:2]
+    return ListenAddress(str(host).split("%", 1)[0], int(port))
+
+
+def unguarded(server: ServerConfig, listeners: Sequence[Listener]) -> Problem | None:
+    """The key rule (config/schema.py's `unguarded`) on the addresses served: a socket on an
+    address beyond loopback that `server`'s key does not guard, said with where it came from."""
+    for listener in listeners:
+        addr = listen_address(listener.sock)
+        if addr is None or server.unguarded([addr]) is None:
+            continue
+        came = (f"the socket {listener.how} passed" if listener.how != "bound" else
+                "bound at start: server.listen changes when spillway restarts")
+        return Problem("server.api_key", f"no key, and Spillway serves {listener.address} "
+                                         f"({came}), not a loopback address: {KEY_NEEDED}")
+    return None
 
 
 def _hosts(host: str) -> set[str]:

@@ -1,9 +1,10 @@
 """Reloading the configuration: SIGHUP and a file watcher share one path.
 
-Read and validate; an invalid file keeps the running config (each problem is logged with its
-key path and shown in status and metrics); a valid one is handed to the daemon as a diff to
-apply. The watcher watches the file's folder, not the file, because editors replace files
-(write a new one, rename it over the old) and a watch on the old inode would go quiet.
+Read and validate (the file, then what the running daemon checks it against: the sockets it
+serves); an invalid file keeps the running config (each problem is logged with its key path and
+shown in status and metrics); a valid one is handed to the daemon as a diff to apply. The
+watcher watches the file's folder, not the file, because editors replace files (write a new
+one, rename it over the old) and a watch on the old inode would go quiet.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ log = logging.getLogger("spillway.reload")
 DEBOUNCE_S = 0.3  # an editor's save is several events; act once they settle
 
 Apply = Callable[[config.Config, list[str]], Awaitable[None]]
+Check = Callable[[config.Config], list[config.Problem]]
 
 
 class _Handler(FileSystemEventHandler):
@@ -46,12 +48,14 @@ class _Handler(FileSystemEventHandler):
 class Reloader:
     def __init__(self, path: str, current: Callable[[], config.Config], apply: Apply,
                  on_result: Callable[[str, list[config.Problem]], None],
-                 on_start: Callable[[], None] | None = None) -> None:
+                 on_start: Callable[[], None] | None = None,
+                 check: Check | None = None) -> None:
         self.path = path
         self.current = current
         self.apply = apply
         self.on_result = on_result  # (result, problems): applied | invalid | unchanged
         self.on_start = on_start
+        self.check = check  # the problems of a valid file that the running daemon cannot take
         self._lock = asyncio.Lock()
         self._observer: Observer | None = None  # type: ignore[valid-type]
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -65,6 +69,9 @@ class Reloader:
                 self.on_start()
             try:
                 new = await asyncio.to_thread(config.load, self.path)
+                problems = self.check(new) if self.check is not None else []
+                if problems:
+                    raise config.ConfigError(self.path, problems)
             except config.ConfigError as e:
                 for p in e.problems:
                     log.error("reload refused, keeping the running config: %s", p)

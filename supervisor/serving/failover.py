@@ -43,7 +43,7 @@ class Failed:
     work: Work  # what the request asks (the other upstream's expected time)
     smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
     prompt_tokens: int = 0  # as admission counted it (or its bound): does it fit a slot there
-    safe_read: bool = False  # a GET or HEAD without a body (policy/replay.py's rule 4)
+    safe_read: bool = False  # it only reads (policy/routes.read_only; replay rule 4)
     media: frozenset[Modality] = frozenset()  # its images, audio, video (policy/media.py)
 
 

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from ..policy import admission, continuation, estimate, prompts
+from ..policy import admission, continuation, estimate, prompts, routes
 from ..policy import mirror as mirror_rules
 from ..policy.estimate import Work
 from ..vocabulary import Attempt, AttemptFailure, Received
@@ -139,5 +139,5 @@ class Recovery:
 
 
 def safe_read(req: Received) -> bool:
-    """A GET or HEAD without a body (policy/replay.py's rule 4): it changes nothing."""
-    return req.method in ("GET", "HEAD") and not req.body
+    """A request that changes nothing (policy/routes.read_only; policy/replay.py's rule 4)."""
+    return routes.read_only(req.method, req.path, req.path_qs.partition("?")[2], bool(req.body))
