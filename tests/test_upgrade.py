@@ -25,6 +25,7 @@ import pytest
 from harness import Spillway, eventually, fake_config, pid_alive, real_config, wait_gone
 
 from conftest import SpillwayFactory
+from supervisor.upstreams.owned import state_id
 
 pytestmark = pytest.mark.integration
 
@@ -310,3 +311,39 @@ def test_a_new_daemon_stopped_while_the_old_one_drains_stops_the_children(
     running.join(60)
     after = s.log_text().rsplit("SIGTERM: stopping", 1)[1]
     assert "[gpu] READY -> STOPPING: daemon shutting down" in after  # the new one stopped it
+
+
+def test_children_the_new_daemon_does_not_adopt_are_ended_by_the_old_one(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path,
+        new_daemons: list[int]) -> None:
+    """Issue 47: an upgrade in which the new daemon did not adopt the children (here: the
+    state file names another owner mark than theirs, so the new daemon leaves them alone) is
+    not completed by letting go of them. The old daemon ends them once its requests are done,
+    and the new one starts its own once the old one has exited: nothing runs unowned."""
+    s = spillway(fake_config(fake_server, tiny_model))
+    assert s.proc is not None
+    children = {n: s.child(n)["pid"] for n in ("gpu", "cpu")}
+    path = s.folder / "state" / "run" / f"{state_id(str(s.config_path))}.json"
+    doc = json.loads(path.read_text())
+    for record in doc["children"]:
+        record["owner"] += "-not-theirs"
+    path.write_text(json.dumps(doc))
+
+    done = upgrade(s)
+    assert done.returncode == 0, (done.stderr, s.log_tail())
+    new_pid = s.status()["daemon"]["pid"]
+    new_daemons.append(new_pid)
+    assert "kept no child" in done.stdout, done.stdout
+    assert s.proc.wait(60) == 0
+    assert wait_gone(set(children.values()), 30) == set(), s.log_tail()
+    assert f"ends gpu (pid {children['gpu']}), cpu (pid {children['cpu']})" in done.stdout
+    assert f"did not adopt gpu (pid {children['gpu']})" in s.log_text()
+    # The new daemon has its own children, and only those.
+    assert eventually(lambda: all(c["state"] == "READY" and c["pid"] not in children.values()
+                                  for c in s.status()["children"].values()))
+    daemon = s.status()["daemon"]
+    assert {e["pid"] for e in daemon["left_alone"]} == set(children.values())
+    assert daemon["adopted"] == {}
+    own = {c["pid"] for c in s.status()["children"].values()}
+    os.kill(new_pid, signal.SIGTERM)
+    assert wait_gone({new_pid, *own}, 60) == set()
