@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -23,6 +24,19 @@ def llama_server() -> Path:
     """A real llama-server: $LLAMA_SERVER, or the cached build (built now if missing: about
     five minutes on two cores, once per machine)."""
     return bootstrap.ensure_llama_server()
+
+
+@pytest.fixture(scope="session")
+def wrapped_llama_server(llama_server: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real llama-server behind a wrapper script that execs it, as distribution packages,
+    Nix and scripts that set LD_LIBRARY_PATH ship it: the process keeps the script's pid, start
+    time and environment, and runs another command line than the one Spillway started (the
+    real binary's path, and a flag of the package's own after the caller's arguments, as Nix's
+    makeWrapper --append-flags writes it)."""
+    wrapper = tmp_path_factory.mktemp("wrapped") / "llama-server"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(str(llama_server))} "$@" --log-colors off\n')
+    wrapper.chmod(0o755)
+    return wrapper
 
 
 @pytest.fixture(scope="session")

@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from supervisor.upstreams.owned import state_id
+
 REPO = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
 
@@ -373,6 +375,26 @@ def wait_gone(pids: set[int], timeout: float = 15.0) -> set[int]:
         alive = {p for p in alive if pid_alive(p)}
         time.sleep(0.05)
     return alive
+
+
+def llama_servers_left(s: Spillway, binary: Path, model: Path) -> set[int]:
+    """The processes still running that are `s`'s children, by the kernel's word: those whose
+    environment carries this config's SPILLWAY_OWNER, and those running `binary` on `model`
+    (the binary is shared with other tests and other users; the model is this session's)."""
+    mark = f"SPILLWAY_OWNER={state_id(str(s.config_path))}:".encode()
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or not pid_alive(int(entry.name)):
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            runs = os.path.realpath(entry / "exe") == os.path.realpath(binary) and \
+                str(model).encode() in (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue  # gone meanwhile, or another user's
+        if runs or any(v.startswith(mark) for v in environ):
+            found.add(int(entry.name))
+    return found
 
 
 def router_config(llama_server: Path, models_dir: Path,

@@ -88,7 +88,7 @@ def test_a_sigkilled_spillways_children_are_adopted_by_the_next_start(
 
 def _fake_record(proc: subprocess.Popen[bytes], like: dict[str, Any]) -> dict[str, Any]:
     """A record naming a process that is not Spillway's (its start time is right: only the
-    command and the missing owner mark tell)."""
+    missing owner mark tells)."""
     ticks = adopted.start_ticks(proc.pid)
     assert ticks is not None
     return {**like, "name": "small", "pid": proc.pid, "start_ticks": ticks,
@@ -137,28 +137,3 @@ def test_a_changed_command_is_restarted_an_unplaced_child_ended_and_a_stranger_u
     finally:
         stranger.send_signal(signal.SIGKILL)
         stranger.wait()
-
-
-def test_identity_needs_the_start_time_the_command_and_the_owner_mark(tmp_path: Path) -> None:
-    proc = subprocess.Popen(["sleep", "300"], env={"SPILLWAY_OWNER": "abc:gpu:1"})
-    try:
-        ticks = adopted.start_ticks(proc.pid)
-        assert ticks is not None
-        from supervisor.upstreams.owned import ChildRecord
-        record = ChildRecord(name="gpu", pid=proc.pid, start_ticks=ticks,
-                             boot_id=adopted.boot_id(), argv=("sleep", "300"), port=1,
-                             api_key="k", owner="abc:gpu:1", media_marker="", fingerprint="",
-                             started=time.time(), daemon_pid=1)
-        assert adopted.identify(record).ours
-        import dataclasses
-        for change, why in [({"start_ticks": ticks + 1}, "started at another time"),
-                            ({"argv": ("sleep", "301")}, "runs another command"),
-                            ({"owner": "abc:gpu:2"}, "does not carry"),
-                            ({"boot_id": "another"}, "before the machine restarted")]:
-            found = adopted.identify(dataclasses.replace(record, **change))
-            assert not found.ours and why in found.why, found
-    finally:
-        proc.kill()
-        proc.wait()
-    found = adopted.identify(record)
-    assert not found.ours and found.gone

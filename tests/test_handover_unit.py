@@ -1,21 +1,29 @@
 """The pieces of an upgrade in place (issue 40) on their own: the control socket (mode 0600, one
-JSON line each way, its own user only), the handover's description in SPILLWAY_HANDOVER, and
-the state file's records."""
+JSON line each way, its own user only), the handover's description in SPILLWAY_HANDOVER, the
+state file's records, and a child's identity (issue 47): the kernel's, checked again right
+before a signal."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
+import signal
 import socket
 import stat
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import eventually
 
 from supervisor.service import handover
-from supervisor.upstreams.owned import ChildRecord, State, StateFile, state_id
+from supervisor.upstreams import adopted
+from supervisor.upstreams.owned import OWNER_ENV, ChildRecord, State, StateFile, state_id
 
 
 @pytest.mark.asyncio
@@ -77,3 +85,60 @@ def test_the_state_file_is_private_and_keeps_each_record_whole(tmp_path: Path) -
     assert not file.path.exists() and file.read() is None
     file.path.write_text('{"version": 99, "children": []}')
     assert file.read() is None  # not understood: nothing acted on
+
+
+@pytest.fixture
+def wrapped_sleep(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], ChildRecord]]:
+    """A process started as Spillway starts a child (its own session, an owner mark), through a
+    wrapper script that execs another program with another command line (`sleep 300 1`, not
+    the recorded `llama-server 300`), and its record as the daemon writes it."""
+    wrapper = tmp_path / "llama-server"
+    wrapper.write_text('#!/bin/sh\nexec sleep "$@" 1\n')
+    wrapper.chmod(0o755)
+    proc = subprocess.Popen([str(wrapper), "300"], start_new_session=True,
+                            env={"PATH": os.environ["PATH"], OWNER_ENV: "abc:gpu:1"})
+    try:
+        ticks = adopted.start_ticks(proc.pid)
+        assert ticks is not None
+        assert eventually(lambda: Path(f"/proc/{proc.pid}/cmdline").read_bytes().startswith(
+            b"sleep\0"), timeout=10)  # exec'd
+        yield proc, ChildRecord(
+            name="gpu", pid=proc.pid, start_ticks=ticks, boot_id=adopted.boot_id(),
+            argv=(str(wrapper), "300"), port=1, api_key="k", owner="abc:gpu:1",
+            media_marker="", fingerprint="", started=time.time(), daemon_pid=1)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_identity_is_the_kernels_pid_start_time_boot_and_owner_mark_not_the_command_line(
+        wrapped_sleep: tuple[subprocess.Popen[bytes], ChildRecord]) -> None:
+    proc, record = wrapped_sleep
+    assert adopted.identify(record).ours  # an exec'd wrapper is the same process
+    for change, why in [({"start_ticks": record.start_ticks + 1}, "started at another time"),
+                        ({"owner": "abc:gpu:2"}, "does not carry"),
+                        ({"boot_id": "another"}, "before the machine restarted")]:
+        found = adopted.identify(dataclasses.replace(record, **change))
+        assert not found.ours and why in found.why, found
+    proc.kill()
+    proc.wait()
+    found = adopted.identify(record)
+    assert not found.ours and found.gone
+
+
+@pytest.mark.asyncio
+async def test_a_pid_whose_start_time_changed_is_not_signalled(
+        wrapped_sleep: tuple[subprocess.Popen[bytes], ChildRecord]) -> None:
+    """An end queued at an upgrade's start is carried out after the old daemon's drain: the
+    identity is checked again then, and a process that is not the recorded one (here: the
+    record's start time is not the process's, as when its pid went to another process) is
+    not signalled."""
+    proc, record = wrapped_sleep
+    another = dataclasses.replace(record, start_ticks=record.start_ticks + 1)
+    assert await adopted.end(another, 1.0, "no child takes it") is False
+    assert proc.poll() is None  # not signalled
+    with pytest.raises(adopted.NotTheRecorded, match="started at another time"):
+        await adopted.take(another)  # nor adopted
+    # The recorded one is ended: SIGTERM to its group, through the pidfd held.
+    assert await adopted.end(record, 5.0, "no child takes it") is True
+    assert proc.wait(5) == -signal.SIGTERM

@@ -10,7 +10,8 @@ from pathlib import Path
 import aiohttp
 import openai
 import pytest
-from harness import Spillway, eventually, eventually_async, real_config, wait_gone
+from harness import Spillway, eventually, eventually_async, llama_servers_left, \
+    real_config, wait_gone
 from test_children_functional import transitions
 
 from conftest import SpillwayFactory
@@ -146,11 +147,16 @@ def test_sigterm_stops_both_children_and_leaves_none(
     assert "[gpu] STOPPING -> STOPPED" in log and "[cpu] STOPPING -> STOPPED" in log
 
 
+@pytest.mark.parametrize("binary", ["llama_server", "wrapped_llama_server"])
 def test_a_daemon_killed_with_sigkill_orphans_no_llama_server(
-        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path) -> None:
+        spillway: SpillwayFactory, request: pytest.FixtureRequest, llama_server: Path,
+        tiny_model: Path, binary: str) -> None:
     """Issue 40: its llama-servers outlive it by design, and the next start adopts them (the
-    same pids, no model reload); that one's stop ends them (tests/test_adoption.py has more)."""
-    s = spillway(real_config(llama_server, tiny_model))
+    same pids, no model reload); that one's stop ends them (tests/test_adoption.py has more).
+    Issue 47: the same with a llama-server that is a wrapper script exec'ing the real binary
+    (its command line is not the one Spillway started), and after the stop no process of this
+    config's runs, by its owner mark or its binary."""
+    s = spillway(real_config(request.getfixturevalue(binary), tiny_model))
     pids = {s.child(n)["pid"] for n in ("gpu", "cpu")}
     s.signal(signal.SIGKILL)
     assert s.proc is not None and s.proc.wait(10) == -signal.SIGKILL
@@ -158,8 +164,11 @@ def test_a_daemon_killed_with_sigkill_orphans_no_llama_server(
     assert wait_gone(pids, 1) == pids
     s.start()
     assert {s.child(n)["pid"] for n in ("gpu", "cpu")} == pids
+    assert s.status()["daemon"]["left_alone"] == []
+    assert llama_servers_left(s, llama_server, tiny_model) == pids  # none started beside them
     assert s.stop() == 0
     assert wait_gone(pids, 10) == set()
+    assert llama_servers_left(s, llama_server, tiny_model) == set()
 
 
 def test_with_a_key_a_request_without_it_never_reaches_a_child(

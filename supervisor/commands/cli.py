@@ -138,9 +138,12 @@ def cmd_upgrade(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return EXIT_FAIL
     kept = answer.get("adopted") or {}
+    ended = answer.get("ended") or {}
     print(f"spillway upgraded: pid {answer.get('old_pid')} -> pid {answer.get('pid')}, "
           f"serving; kept {', '.join(f'{n} (pid {p})' for n, p in kept.items()) or 'no child'}"
-          f"; pid {answer.get('old_pid')} finishes its requests in flight and exits")
+          f"; pid {answer.get('old_pid')} finishes its requests in flight"
+          + (f", ends {', '.join(f'{n} (pid {p})' for n, p in ended.items())} (not adopted: "
+             "the new daemon starts its own)" if ended else "") + " and exits")
     return EXIT_OK
 
 

@@ -197,6 +197,9 @@ class Daemon:
         self._probation = self.handover is not None
         self.upgraded_from: dict[str, Any] | None = None
         self.handed_to: int | None = None
+        # In the old daemon: the child processes the new one adopted (name: pid), let go of
+        # at the handover; the others it ends once its own requests are done.
+        self.adopted_by_new: dict[str, int] = {}
         self._upgrading = False
         self._holds: dict[str, Callable[[], str | None] | None] = {}
         self._held: set[str] = set()  # children kept paused until the handover is done
@@ -791,9 +794,12 @@ class Daemon:
         finally:
             self._upgrading = False
         log.info("upgrade: %d stored answer(s) (Idempotency-Key) handed over", saved)
-        asyncio.get_running_loop().call_soon(self._hand_over, int(answer["pid"]))
-        return {"ok": True, "old_pid": os.getpid(), "pid": answer["pid"],
-                "adopted": answer.get("adopted", {}), "listening": answer.get("listening")}
+        adopted = {str(n): int(p) for n, p in (answer.get("adopted") or {}).items()}
+        asyncio.get_running_loop().call_soon(self._hand_over, int(answer["pid"]), adopted)
+        return {"ok": True, "old_pid": os.getpid(), "pid": answer["pid"], "adopted": adopted,
+                "ended": {n: c.pid for n, c in self.children.items()
+                          if c.pid is not None and adopted.get(n) != c.pid},
+                "listening": answer.get("listening")}
 
     def _why_no_upgrade(self, request: dict[str, Any]) -> str | None:
         if self.stopping or self.handed_to is not None:
@@ -810,14 +816,16 @@ class Daemon:
             return f"this spillway runs {own}, not {asked}"
         return None
 
-    def _hand_over(self, new_pid: int) -> None:
-        """The new daemon serves: this one says no more to systemd, lets go of its children,
-        stops accepting, finishes its requests and exits (`_shutdown`)."""
+    def _hand_over(self, new_pid: int, adopted: dict[str, int]) -> None:
+        """The new daemon serves: this one says no more to systemd, lets go of the children
+        it adopted, stops accepting, finishes its requests, ends the children it did not adopt
+        and exits (`_shutdown`)."""
         self.handed_to = new_pid
+        self.adopted_by_new = adopted
         self.notifier.silence()
-        log.warning("upgrade: spillway pid %d serves now; this one (pid %d) lets go of its "
-                    "children, stops accepting and finishes its %d request(s) in flight (up to "
-                    "%.0f s)", new_pid, os.getpid(),
+        log.warning("upgrade: spillway pid %d serves now; this one (pid %d) lets go of the "
+                    "children it adopted, stops accepting and finishes its %d request(s) in "
+                    "flight (up to %.0f s)", new_pid, os.getpid(),
                     self.proxy.open_requests if self.proxy else 0,
                     self.config.server.drain_timeout_s)
         self._stop.set()
@@ -843,8 +851,10 @@ class Daemon:
 
     async def _take_handover(self, handover: Handover, adopted: list[str]) -> None:
         """Serving: tell systemd and the old daemon, wait for the old one's exit, then own
-        everything."""
-        kept = {n: self.children[n].pid for n in adopted if self.children[n].is_ready}
+        everything. The old daemon lets go of exactly the processes named here (by pid: the
+        ones this daemon holds now) and ends the others."""
+        kept = {n: pid for n in adopted
+                if (pid := self.children[n].pid) is not None and pid == self.ownership.adopted[n]}
         self.notifier.main_pid(self.status_line())
         self._told_old = True
         tell_old(handover, {"serving": True, "pid": os.getpid(), "adopted": kept,
@@ -1017,19 +1027,22 @@ class Daemon:
                         "it can see, as llama-server alone) or list the cards", wanted, device,
                         len(given))
 
-    async def _close_children(self, grace: float | None) -> None:
-        """Every child stopped for good, at once; one that fails to close is said, not
-        hidden (the state file would keep naming it)."""
-        ended = await asyncio.gather(*(c.close(grace) for c in self.children.values()),
+    async def _close_children(self, grace: float | None,
+                              names: list[str] | None = None) -> None:
+        """Every child (or those `names`) stopped for good, at once; one that fails to close
+        is said, not hidden (the state file would keep naming it)."""
+        closing = [n for n in self.children if names is None or n in names]
+        ended = await asyncio.gather(*(self.children[n].close(grace) for n in closing),
                                      return_exceptions=True)
-        for name, outcome in zip(self.children, ended, strict=True):
+        for name, outcome in zip(closing, ended, strict=True):
             if isinstance(outcome, BaseException):
                 log.error("[%s] did not close cleanly: %r", name, outcome)
 
     async def _shutdown(self) -> None:
         # At an upgrade (this daemon handed over, or a new one stopped before it answered the
-        # old one) the children are let go of, not stopped: the other daemon has them. A new
-        # one that answered is theirs (the old one has let go): it stops them, as any stop.
+        # old one) the children the other daemon has are let go of, not stopped. A new one
+        # that answered has those it adopted (the old one has let go of them and ends the
+        # others): it stops them, as any stop.
         letting_go = self.handed_to is not None or (self._probation and not self._told_old)
         if letting_go:
             await self._let_go()
@@ -1052,6 +1065,8 @@ class Daemon:
         if not letting_go:
             await self._close_children(grace)
             await self.ownership.close()  # no child left: the state file goes
+        else:
+            await self._close_children(grace, self._not_handed_over())
         if self.control is not None:
             await self.control.close(unlink=not letting_go)
         if self._upstream is not None:
@@ -1092,15 +1107,32 @@ class Daemon:
             log.info("upgrade: %d stored answer(s) (Idempotency-Key) handed over after the "
                      "drain", saved)
 
+    def _not_handed_over(self) -> list[str]:
+        """The children whose process the other daemon does not have: after a handover, those
+        the new daemon did not adopt (by pid: a process this one started since is not the one
+        it adopted); before the new daemon answered, none (this one, the old, has them all)."""
+        if self.handed_to is None:
+            return []
+        return [n for n, c in self.children.items()
+                if c.pid is None or self.adopted_by_new.get(n) != c.pid]
+
     async def _let_go(self) -> None:
-        """Let go of every child without a signal; the state file is the other daemon's."""
+        """Let go, without a signal, of every child whose process the other daemon has; the
+        state file is the other daemon's. The others are this daemon's still: ended after its
+        drain (`_shutdown`), never left running unowned."""
         if self.rollout is not None:
             await self.rollout.close()
         await self.ownership.close(keep=True)
-        await asyncio.gather(*(c.release() for c in self.children.values()),
-                             return_exceptions=True)
+        keeping = self._not_handed_over()
+        letting = {n: c for n, c in self.children.items() if n not in keeping}
         log.info("let go of the children: %s", ", ".join(
-            f"{n} (pid {c.pid})" for n, c in self.children.items() if c.pid) or "none running")
+            f"{n} (pid {c.pid})" for n, c in letting.items() if c.pid) or "none running")
+        await asyncio.gather(*(c.release() for c in letting.values()), return_exceptions=True)
+        running = [f"{n} (pid {self.children[n].pid})" for n in keeping if self.children[n].pid]
+        if running:
+            log.warning("upgrade: spillway pid %s did not adopt %s: this daemon ends them once "
+                        "its requests in flight are done (the new one starts its own then)",
+                        self.handed_to, ", ".join(running))
 
     async def _second_signal(self) -> None:
         while self._stop_signals < 2:

@@ -4,12 +4,13 @@ The children outlive the daemon by design (upstreams/owned.py: the state file;
 upstreams/adopted.py: recognising a process). This module is the daemon's side of it:
 
 - at a start (after a crash, a SIGKILL at systemd's TimeoutStopSec, or an upgrade's handover),
-  each process the state file records is checked (`adopted.identify`). One that is not this
-  config's child (gone, another start time, another command, no owner mark, another user's) is
-  never touched. One that is: adopted by its child when the config still has it (READY at its
-  first /health, its model and cache kept; a command the config has changed since is taken
-  afterwards, as a reload takes it: `changed`), else ended (SIGTERM, grace, SIGKILL) before any
-  child starts;
+  each process the state file records is checked (`adopted.identify`: pid, start time, boot,
+  owner mark; not its command line, which a wrapper script that execs llama-server changes).
+  One that is not this config's child (gone, another start time, no owner mark, another
+  user's) is never touched. One that is: adopted by its child when the config still has it
+  (READY at its first /health, its model and cache kept; a command the config has changed
+  since, by the fingerprint recorded, is taken afterwards, as a reload takes it: `changed`),
+  else ended (SIGTERM, grace, SIGKILL) before any child starts;
 - while it runs, each child's process is written to the state file as it starts and ends (in a
   worker thread, the newest state last);
 - at a stop, the children stopped, the file is removed; at an upgrade's handover the new daemon
@@ -123,7 +124,9 @@ class Ownership:
         return [name for name in config.order if name in self.adopted]
 
     async def end_deferred(self) -> None:
-        """End the processes no child takes (SIGTERM, grace, SIGKILL), all at once."""
+        """End the processes no child takes (SIGTERM, grace, SIGKILL), all at once, each only
+        if its identity still holds (`adopted.end` checks it again: at an upgrade they were
+        checked before the old daemon's drain)."""
         ending, self._to_end = self._to_end, []
         await asyncio.gather(*(adopted.end(record, grace, why) for record, grace, why in ending))
 

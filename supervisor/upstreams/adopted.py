@@ -1,19 +1,26 @@
 """A child process another Spillway started: recognised, adopted, or ended.
 
-A process is taken for one of this config's children only when everything in its record
-(owned.py) holds, read from /proc (the same user's processes only):
+A process is Spillway's by its identity as the kernel shows it, read from /proc (the same
+user's processes only):
 
 - the pid is alive (not a zombie), on the same boot, with the same start time (clock ticks
   after boot: a pid reused since has another);
-- its command line is the one recorded (or ends with its arguments: a script such as the tests'
-  fake llama-server runs under its interpreter);
 - its environment holds `SPILLWAY_OWNER` with the recorded value: a random value per process,
   readable only by its own user, so no other program carries it by chance.
 
-A process that fails any of these is not Spillway's: it is never signalled. One that passes is
-adopted (`adopt`: the launcher's `WatchedProcess`, its end seen and its signals sent through a
+Its command line is no part of it: a `llama-server` that is a wrapper script (`exec
+llama-server.real "$@"`, as distribution packages, Nix and scripts that set LD_LIBRARY_PATH
+ship it) runs another command line in the same process, with the same pid, start time and
+environment. What a command line would say (that the config still asks for this child) the
+record's fingerprint of the config says (owned.py; ownership.py compares it).
+
+A process that fails any check is not Spillway's: it is never signalled. One that passes is
+adopted (`take`: the launcher's `WatchedProcess`, its end seen and its signals sent through a
 pidfd, its output read from its stdout pipe, opened again through /proc/PID/fd/1), or ended
-(`end`: SIGTERM, a grace period, SIGKILL) when the config no longer has a place for it.
+(`end`: SIGTERM, a grace period, SIGKILL) when the config no longer has a place for it. Both
+check the identity again once the pidfd is open, however long ago it was checked first (an
+upgrade's ends wait for the old daemon's drain): the pidfd then holds that very process, and a
+signal through it cannot reach a process that took its pid later.
 
 Not the daemon's child, its exit status cannot be had (only its parent may wait for it): an
 adopted process's end is recorded as "exit status unknown" (policy/evidence.EXIT_UNKNOWN) and
@@ -61,11 +68,6 @@ def start_ticks(pid: int) -> int | None:
     return int(after[19])
 
 
-def _cmdline(pid: int) -> tuple[str, ...]:
-    raw = (PROC / str(pid) / "cmdline").read_bytes()
-    return tuple(a.decode(errors="surrogateescape") for a in raw.split(b"\0")[:-1])
-
-
 def _carries(pid: int, owner: str) -> bool:
     wanted = f"{OWNER_ENV}={owner}".encode()
     return wanted in (PROC / str(pid) / "environ").read_bytes().split(b"\0")
@@ -95,15 +97,11 @@ def identify(record: ChildRecord) -> Identity:
         return Identity(False, False, f"pid {pid} started at another time: another process "
                                       "has that pid now")
     try:
-        cmdline = _cmdline(pid)
         carries = _carries(pid, record.owner)
     except PermissionError:
         return Identity(False, False, f"pid {pid} is another user's")
     except OSError as e:
         return Identity(False, True, f"pid {pid}: {e}")
-    args = record.argv[1:]
-    if cmdline != record.argv and not (args and cmdline[-len(args):] == args):
-        return Identity(False, False, f"pid {pid} runs another command")
     if not carries:
         return Identity(False, False, f"pid {pid} does not carry this Spillway's {OWNER_ENV}")
     return Identity(True, False, f"pid {pid} is the {record.name} child started by spillway "
@@ -120,17 +118,59 @@ def _open_output(pid: int) -> int | None:
         return None
 
 
-async def adopt(pid: int) -> WatchedProcess:
-    """Watch a process whose identity was checked (identify), as the launcher's `Process`;
-    OSError when it is gone meanwhile."""
-    return await WatchedProcess.watch(pid, _open_output(pid))
+def _lives(pidfd: int) -> bool:
+    try:
+        signal.pidfd_send_signal(pidfd, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+class NotTheRecorded(OSError):
+    """The process a record names is not there to take now: gone, or not Spillway's (its
+    identity, with why)."""
+
+    def __init__(self, found: Identity) -> None:
+        super().__init__(found.why)
+        self.found = found
+
+
+async def take(record: ChildRecord) -> WatchedProcess:
+    """The process `record` names, watched as the launcher's `Process`, once its identity holds
+    again right now: its pidfd opened first, then every check (identify), so that the pidfd
+    holds the very process checked and every later signal goes to it alone. NotTheRecorded
+    when a check fails; OSError when it is gone meanwhile."""
+    try:
+        pidfd = os.pidfd_open(record.pid)
+    except OSError:
+        raise NotTheRecorded(Identity(False, True, f"pid {record.pid} is gone")) from None
+    found = identify(record)
+    output = None
+    if found.ours:
+        output = _open_output(record.pid)
+        # Its stdout was opened by pid: the pidfd says whether that was still the process.
+        if not _lives(pidfd):
+            found = Identity(False, True, f"pid {record.pid} is gone")
+    if not found.ours:
+        for fd in (pidfd, output):
+            if fd is not None:
+                os.close(fd)
+        raise NotTheRecorded(found)
+    return await WatchedProcess.watch(record.pid, output, pidfd=pidfd)
 
 
 async def end(record: ChildRecord, grace_s: float, why: str) -> bool:
-    """End a process whose identity was checked (identify) and that no child takes: SIGTERM
-    to its group, `grace_s`, then SIGKILL. True once it is gone."""
+    """End the process `record` names, which no child takes: SIGTERM to its group, `grace_s`,
+    then SIGKILL, only once its identity holds again (`take`: checked long ago, at an
+    upgrade's start, it may have ended and its pid gone to another process since). True once
+    it is gone; False when it is not this Spillway's to end (left alone) or outlived SIGKILL."""
     try:
-        proc = await adopt(record.pid)
+        proc = await take(record)
+    except NotTheRecorded as e:
+        if not e.found.gone:
+            log.warning("[%s] pid %d is not ended: %s (left alone)", record.name, record.pid,
+                        e.found.why)
+        return e.found.gone
     except OSError:
         return True  # gone already
     log.warning("[%s] ending pid %d, left running by spillway pid %d: %s", record.name,

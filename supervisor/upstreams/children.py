@@ -609,8 +609,9 @@ class Child(LifeReader):
 
     async def _take_over(self, record: ChildRecord, changed: bool) -> Process:
         """The adopted process as this child's: its port, key and command; OSError when it
-        ended meanwhile (a failed start: the child starts a process of its own)."""
-        proc = await _adopted.adopt(record.pid)
+        ended meanwhile or is not the recorded one now (its identity is checked again as its
+        pidfd is opened: a failed start, the child starts a process of its own)."""
+        proc = await _adopted.take(record)
         self.port, self.api_key, self._argv = record.port, record.api_key, record.argv
         reserve_port(record.port)
         # A changed command runs the old one: a copy of the config stands for it, so that the

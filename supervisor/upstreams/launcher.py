@@ -15,7 +15,10 @@ real one, and `WatchedProcess` its process (and an adopted one's: adopted.py):
   the next one (owned.py, adopted.py). It inherits SIGPIPE ignored (as llama-server sets it
   itself), so that a line written while no daemon reads its output is lost, not its life;
 - stdout and stderr are one pipe, read a line at a time (a line over 1 MiB is cut there);
-- a signal goes to the whole group once, falling back to the process itself;
+- a signal goes through the pidfd held since the start (or the adoption), so that it never
+  reaches a process that took the pid later: to the whole group once while the process still
+  leads it (`PIDFD_SIGNAL_PROCESS_GROUP`, Linux 6.9; before, `killpg` right after the pidfd
+  says it lives), else to the process alone;
 - healthy means `GET /health` on the loopback port answers 200 (503 `Loading model` is "still
   starting"; a refused connection or a timeout is "not healthy").
 """
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import os
 import signal
 import socket
@@ -38,6 +42,7 @@ from ..policy.evidence import EXIT_UNKNOWN
 from ..records.caches import figures
 
 LINE_LIMIT = 1 << 20  # the longest output line read as one; a longer one is cut
+PIDFD_SIGNAL_PROCESS_GROUP = 1 << 2  # linux/pidfd.h (6.9): the pidfd's process group
 
 
 class Process(Protocol):
@@ -135,15 +140,18 @@ class WatchedProcess:
 
     @classmethod
     async def watch(cls, pid: int, output_fd: int | None,
-                    popen: subprocess.Popen[bytes] | None = None) -> WatchedProcess:
+                    popen: subprocess.Popen[bytes] | None = None,
+                    pidfd: int | None = None) -> WatchedProcess:
         """Watch `pid` (OSError when it is gone), reading its output from `output_fd` (a pipe's
-        read end, taken over; None: not read)."""
-        try:
-            pidfd = os.pidfd_open(pid)
-        except OSError:
-            if output_fd is not None:
-                os.close(output_fd)
-            raise
+        read end, taken over; None: not read), through `pidfd` (taken over) when one was
+        opened already."""
+        if pidfd is None:
+            try:
+                pidfd = os.pidfd_open(pid)
+            except OSError:
+                if output_fd is not None:
+                    os.close(output_fd)
+                raise
         reader: asyncio.StreamReader | None = None
         transport: asyncio.BaseTransport | None = None
         if output_fd is not None:
@@ -190,20 +198,41 @@ class WatchedProcess:
         return await asyncio.shield(self._exited)
 
     def signal_group(self, sig: int) -> None:
-        # Once: llama-server reads a second SIGTERM as "terminate immediately". Only while the
-        # pidfd says it lives: once it is gone, its pid may be another process's.
+        # Once: llama-server reads a second SIGTERM as "terminate immediately". Only through
+        # the pidfd: once the process is gone, its pid may be another process's (an adopted
+        # process is reaped by init at once), and so may its group's id.
         fd = self._pidfd
         if fd is None:
             return
         try:
             signal.pidfd_send_signal(fd, 0)
+            # Its group is the one it was started in only while it leads it (a process that
+            # made a group of its own elsewhere is signalled alone). Read by pid after the
+            # pidfd said it lives: a pid reused since fails the group signal below (ESRCH).
+            leads = os.getpgid(self._pid) == self._pid
         except ProcessLookupError:
             return
+        with contextlib.suppress(ProcessLookupError):
+            if leads and self._signal_group_by_pidfd(fd, sig):
+                return
+            signal.pidfd_send_signal(fd, sig)
+
+    def _signal_group_by_pidfd(self, fd: int, sig: int) -> bool:
+        """`sig` to the pidfd's process group; False when only the process itself can be
+        signalled (a member of another user's; ProcessLookupError when it is gone)."""
         try:
+            signal.pidfd_send_signal(fd, sig, None, PIDFD_SIGNAL_PROCESS_GROUP)
+            return True
+        except PermissionError:
+            return False
+        except OSError as e:
+            if e.errno != errno.EINVAL:  # EINVAL: a kernel before 6.9, without the flag
+                raise
+        try:  # the pidfd said just now that it lives (a child of ours is not reaped yet)
             os.killpg(self._pid, sig)
-        except (ProcessLookupError, PermissionError):
-            with contextlib.suppress(ProcessLookupError):
-                signal.pidfd_send_signal(fd, sig)
+            return True
+        except PermissionError:
+            return False
 
     async def readline(self) -> bytes:
         if self._output is None:

@@ -71,7 +71,9 @@ class ChildRecord:
     pid: int
     start_ticks: int  # /proc/PID/stat's starttime: clock ticks after boot
     boot_id: str  # /proc/sys/kernel/random/boot_id
-    argv: tuple[str, ...]  # as started (the key is in its environment, not here)
+    # As started (the key is in its environment, not here): what the log and a refusal's
+    # reading show, not its identity (a wrapper script that execs llama-server changes it).
+    argv: tuple[str, ...]
     port: int
     api_key: str
     owner: str  # its SPILLWAY_OWNER value
