@@ -93,9 +93,9 @@ class Offers:
     def busy(self) -> None:
         self.busied += 1
 
-    def offer(self, payload: Any, answer: str | None, prompt_tokens: int,
+    def offer(self, body: bytes, answer: str | None, prompt_tokens: int,
               prefills: bool = True) -> None:
-        self.offered.append((payload, answer, prompt_tokens, prefills))
+        self.offered.append((body, answer, prompt_tokens, prefills))
 
 
 def test_what_is_mirrored() -> None:
@@ -104,20 +104,22 @@ def test_what_is_mirrored() -> None:
                         offers)  # type: ignore[arg-type]
     on_gpu = Attempt("gpu", 1, answer_text="hello")
     recovery.served(received(), [on_gpu], 200, False, None, 40)
-    assert offers.offered == [(CHAT, "hello", 40, True)]
+    assert offers.offered == [(received().body, "hello", 40, True)]  # its body, as received
     recovery.served(received(), [Attempt("gpu", 1)], 200, False, "streamed", 40)
     assert offers.offered[-1][1] == "streamed"
-    # Not mirrored: an error, a replay, a continuation, another child, an image, no chat.
+    # Not mirrored: an error, a replay, a continuation, another child, an image, no chat, and
+    # X-Spillway-Replay: never (a mirror runs it again on another child).
     for args in ((received(), [on_gpu], 500, False), (received(), [on_gpu, Attempt("cpu", 2)],
                                                       200, False),
                  (received(), [on_gpu], 200, True), (received(), [Attempt("cpu", 1)], 200, False),
-                 (received(path="/completion"), [on_gpu], 200, False)):
+                 (received(path="/completion"), [on_gpu], 200, False),
+                 (received(own=OwnHeaders(replay=False)), [on_gpu], 200, False)):
         recovery.served(*args, None, 40)  # type: ignore[arg-type]
     image = {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
     recovery.served(received(image), [on_gpu], 200, False, None, 40)
     assert len(offers.offered) == 2
-    assert offers.busied == 8  # every ending is real work: a mirror waits for the next idle
+    assert offers.busied == 9  # every ending is real work: a mirror waits for the next idle
 
 
 def test_safe_read_is_a_body_less_get_or_head() -> None:

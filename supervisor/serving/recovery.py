@@ -124,19 +124,19 @@ class Recovery:
                streamed_text: str | None, prompt_tokens: int) -> None:
         """A request ended: real work just ran (a mirror waits for the next idle spell), and a
         chat conversation the first upstream (the GPU child) answered whole, on its first
-        attempt, may be mirrored to the warm CPU child."""
+        attempt, may be mirrored to the warm CPU child (policy/mirror.offered)."""
         if self.mirror is None:
             return
         self.mirror.busy()
         last = attempts[-1] if attempts else None
-        if status != 200 or last is None or req.payload is None or req.media or continued or \
-                req.path not in prompts.CHAT_ROUTES or last.child != self.pool.roles[0] or \
-                len(attempts) != 1:
+        if last is None or not mirror_rules.offered(
+                status=status, chat=req.payload is not None and req.path in prompts.CHAT_ROUTES,
+                media=bool(req.media), continued=continued, attempts=len(attempts),
+                first_child=last.child == self.pool.roles[0], opted_out=not req.own.replay):
             return
         answer = last.answer_text if last.answer_text is not None else streamed_text
-        self.mirror.offer(req.payload, answer, prompt_tokens,
+        self.mirror.offer(req.body, answer, prompt_tokens,
                           prefills=last.child not in self.settings.no_prefill)
-
 
 def safe_read(req: Received) -> bool:
     """A GET or HEAD without a body (policy/replay.py's rule 4): it changes nothing."""
