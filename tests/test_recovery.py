@@ -50,6 +50,23 @@ def test_the_request_as_received_is_frozen() -> None:
         raise AssertionError("a received request was written")
 
 
+def test_a_light_request_keeps_its_bytes_alone_and_is_parsed_again_whole() -> None:
+    """A held body's parsed JSON is let go once admission has read it (proxy/handler.py): the
+    request is still a JSON one (replayable, mirrorable), and a continuation reads its JSON
+    again from its bytes."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}'
+    req = received(payload={"messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 32}, body=body)
+    light = req.light()
+    assert light.payload is None and light.is_json and light.body is req.body
+    assert light.whole().payload == req.payload and not light.whole().payload_let_go
+    not_json = dataclasses.replace(req, payload=None)
+    assert req.whole() is req and not_json.light() is not_json and not not_json.is_json
+    # Its work is read before: a light request's would not know its max_tokens.
+    recovery = Recovery(pool(), RecoverySettings())
+    assert recovery.work(req).max_tokens == 32
+
+
 async def test_its_work_and_its_place() -> None:
     recovery = Recovery(pool(), RecoverySettings())
     req = received()
