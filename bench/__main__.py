@@ -164,11 +164,12 @@ class Stack:
             raise RuntimeError(f"{argv(port)[0]} did not answer {health} on port {port}")
         return port
 
-    def spillway(self, name: str, config: dict[str, Any],
-                 code: Path | None = None) -> Spillway:
+    def spillway(self, name: str, config: dict[str, Any], code: Path | None = None,
+                 env: dict[str, str] | None = None) -> Spillway:
         """A daemon pinned, with its children, to the server core; `code`: a folder holding
-        another `supervisor` package to run instead of this tree's."""
-        s = Spillway(self.tmp / name, config, command_prefix=pin(SERVER_CORE))
+        another `supervisor` package to run instead of this tree's; `env`: added to its
+        environment."""
+        s = Spillway(self.tmp / name, config, env=env, command_prefix=pin(SERVER_CORE))
         if code is not None:
             s.env["PYTHONPATH"] = str(code)
         s.start()

@@ -8,9 +8,10 @@ router can all speak of upstreams without importing each other.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from multidict import CIMultiDictProxy
@@ -216,8 +217,8 @@ class Received:
     path: str
     path_qs: str
     route: RouteClass
-    body: bytes
-    payload: dict[str, Any] | None
+    body: bytes  # as received: what every attempt sends, unless a step rewrites it
+    payload: dict[str, Any] | None  # its JSON object (None: not one, or let go: see `light`)
     stream: bool
     client_headers: CIMultiDictProxy[str]
     received: float = field(default_factory=time.monotonic)
@@ -228,3 +229,24 @@ class Received:
     smaller_ok: bool = False  # it accepts a smaller model's answer (X-Spillway-Fallback)
     # A resumable stream's X-Conversation-Id (read once, checked).
     conversation: str | None = None
+    payload_let_go: bool = False  # its body is a JSON object whose parse was let go (`light`)
+
+    @property
+    def is_json(self) -> bool:
+        """Its body is a JSON object: its payload is kept, or was let go."""
+        return self.payload is not None or self.payload_let_go
+
+    def light(self) -> Received:
+        """The request without its parsed JSON. A large body (an image's base64) parsed is as
+        large again as its bytes: once admission has read what it needs of it, a body held for
+        its replay keeps its bytes alone while it waits and runs (each attempt sends them as
+        received)."""
+        return self if self.payload is None else replace(self, payload=None,
+                                                         payload_let_go=True)
+
+    def whole(self) -> Received:
+        """The request with its parsed JSON, its bytes parsed again if it was let go: for the
+        rare step that reads it after admission (a continuation, a smaller model's name)."""
+        if not self.payload_let_go:
+            return self
+        return replace(self, payload=json.loads(self.body), payload_let_go=False)

@@ -10,9 +10,12 @@ from typing import Any
 
 import pytest
 
+from supervisor.proxy import connections
 from supervisor.proxy.connections import (
     ConnectionUse, UpstreamClient, UpstreamClosed, UpstreamConnectError,
 )
+
+MIB = 1024 * 1024
 
 class Server:
     """Answers each request on a connection with the script's bytes; records the requests."""
@@ -24,6 +27,7 @@ class Server:
         self.server: asyncio.Server | None = None
         self.port = 0
         self.writers: list[asyncio.StreamWriter] = []
+        self.gate: asyncio.Event | None = None  # set: a request's body is read once it is set
 
     async def __aenter__(self) -> Server:
         self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
@@ -47,6 +51,8 @@ class Server:
                 for line in head.split(b"\r\n"):
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
+                if self.gate is not None:
+                    await self.gate.wait()
                 body = await reader.readexactly(length)
                 self.requests.append(head + body)
                 n += 1
@@ -100,6 +106,36 @@ async def test_a_whole_answer_comes_back_and_its_connection_is_reused(
         sent = srv.requests[0]
         assert sent.startswith(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:")
         assert b"\r\nContent-Length: 7\r\n" in sent and sent.endswith(b'\r\n\r\n{"a":1}')
+
+
+async def test_a_large_body_goes_out_whole_never_all_of_it_in_the_transports_buffer(
+        client: UpstreamClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An image's base64 is sent apart from its head, in slices as the child takes them: held
+    back by a child that reads nothing yet, the transport's buffer holds about a slice of it,
+    not the rest of the body (a copy of it, before Python 3.12)."""
+    buffered: list[int] = []  # the transport's buffer each time it asked the sender to wait
+    pause = connections._Connection.pause_writing
+
+    def recorded(self: connections._Connection) -> None:
+        assert self.transport is not None
+        buffered.append(self.transport.get_write_buffer_size())
+        pause(self)
+
+    monkeypatch.setattr(connections._Connection, "pause_writing", recorded)
+    body = b'{"image": "' + b"A" * (32 * MIB) + b'"}'  # more than the kernel's buffers take
+    async with Server(lambda n, req: ok(b"{}")) as srv:
+        srv.gate = asyncio.Event()
+        task = asyncio.get_running_loop().create_task(get(client, srv.port, body=body))
+        deadline = asyncio.get_running_loop().time() + 30
+        while not buffered:  # until the sender must wait: the child has taken nothing
+            assert asyncio.get_running_loop().time() < deadline and not task.done()
+            await asyncio.sleep(0.01)
+        srv.gate.set()
+        assert (await task)[:2] == (200, b"{}")
+    assert srv.requests[0].endswith(b"\r\n\r\n" + body)
+    assert b"\r\nContent-Length: %d\r\n" % len(body) in srv.requests[0]
+    # About a slice (256 KiB) over the transport's high-water mark (64 KiB), at most.
+    assert max(buffered) <= 512 * 1024, max(buffered)
 
 
 async def test_chunked_and_until_close_bodies(client: UpstreamClient) -> None:

@@ -1,17 +1,24 @@
 """The warm CPU child's rules (policy/mirror.py) and its task (serving/mirror.py) against a
 slow stand-in for the CPU child (an aiohttp server streaming a mirror's answer slowly): which
-conversation goes next, the budget, the body; a mirror starts only after an idle spell, real
-work cancels it at once (the stream is closed), and it is tried again once idle."""
+request is offered, which conversation goes next, the queue's bounds, the budget, the body; a
+mirror starts only after an idle spell, real work cancels it at once (the stream is closed),
+and it is tried again once idle. Then through a daemon with fake children: a request sent with
+`X-Spillway-Replay: never` is never mirrored, and the queue is in the status's caches."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
+
+from conftest import SpillwayFactory
+from harness import eventually, fake_config
 
 from supervisor.config.schema import build
 from supervisor.policy import mirror as rules
@@ -49,11 +56,76 @@ def test_the_body_is_the_conversation_with_its_answer_prefilled() -> None:
 
 
 def test_the_newest_then_the_longest_goes_first_within_the_bound() -> None:
-    offers = [rules.Offer({}, None, True, 500, at=1.0), rules.Offer({}, None, True, 900, at=5.0),
-              rules.Offer({}, None, True, 2000, at=5.02),
-              rules.Offer({}, None, True, 99999, at=9.0)]
+    offers = [rules.Offer(b"{}", None, True, 500, at=1.0),
+              rules.Offer(b"{}", None, True, 900, at=5.0),
+              rules.Offer(b"{}", None, True, 2000, at=5.02),
+              rules.Offer(b"{}", None, True, 99999, at=9.0)]
     assert rules.choose(offers, max_prompt_tokens=4096) == 2  # d too long; b and c at 5.0
     assert rules.choose(offers[:1], max_prompt_tokens=100) is None
+
+
+PLAIN_END = {"status": 200, "chat": True, "media": False, "continued": False, "attempts": 1,
+             "first_child": True, "opted_out": False}
+
+
+@pytest.mark.parametrize("change", [{}, {"opted_out": True}, {"status": 500}, {"chat": False},
+                                    {"media": True}, {"continued": True}, {"attempts": 2},
+                                    {"first_child": False}])
+def test_only_a_plain_chat_the_gpu_child_answered_whole_is_offered(change: dict[str, Any],
+                                                                   ) -> None:
+    # X-Spillway-Replay: never (opted_out): its client would rather not have it run twice.
+    assert rules.offered(**{**PLAIN_END, **change}) is (change == {})
+
+
+def offer_of(size: int, at: float, tokens: int = 100, answer: str | None = None) -> rules.Offer:
+    return rules.Offer(b"x" * size, answer, True, tokens, at)
+
+
+def test_the_queue_keeps_the_newest_offers_within_its_entries_and_bytes() -> None:
+    bounds = rules.Bounds(max_entries=3, max_bytes=1000, max_prompt_tokens=500)
+    queued = [offer_of(400, 1.0), offer_of(290, 2.0, answer="0123456789")]
+    assert queued[1].size == 300  # its body and its answer
+    assert rules.admit(queued, offer_of(300, 3.0), bounds) == 0  # 1000 bytes, 3 offers
+    assert rules.admit(queued, offer_of(400, 3.0), bounds) == 1  # 1100: the oldest goes
+    assert rules.admit(queued, offer_of(1000, 3.0), bounds) == 2  # alone it fills the bound
+    assert rules.admit([*queued, offer_of(10, 2.5)], offer_of(10, 3.0), bounds) == 1
+    # Not queued: larger alone than the bound, or too long to be ever chosen.
+    assert rules.admit(queued, offer_of(1001, 3.0), bounds) is None
+    assert rules.admit(queued, offer_of(10, 3.0, tokens=501), bounds) is None
+    # A reload that lowers a bound: the oldest go until the rest fit.
+    assert rules.over(queued, rules.Bounds(3, 350, 500)) == 1
+    assert rules.over(queued, rules.Bounds(1, 1000, 500)) == 1
+    assert rules.over(queued, bounds) == 0
+
+
+def chat_body(i: int, words: int = 100) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": f"turn {i} " + "w " * words}],
+                       "max_tokens": 4}).encode()
+
+
+def test_the_mirrors_queue_holds_its_newest_offers_within_its_bytes_and_reports_them() -> None:
+    cpu = StandIn("http://unused")
+    mirror = Mirror(lambda: None, cpu, [cpu],  # type: ignore[arg-type,list-item,return-value]
+                    MirrorSettings(max_queued_bytes=1000))
+    size = len(chat_body(0)) + len("an answer")
+    for i in range(6):
+        mirror.offer(chat_body(i), "an answer", prompt_tokens=50)
+    kept = 1000 // size
+    assert 1 <= kept < 6
+    assert mirror.cache_figures()["mirror_queue"] == {
+        "entries": kept, "bytes": kept * size, "max_entries": rules.DEFAULT_MAX_QUEUED,
+        "max_bytes": 1000, "max_age_s": None}
+    assert [o.body for o in mirror.queue] == [chat_body(i) for i in range(6 - kept, 6)]
+    assert mirror.counts["skipped"] == 6 - kept and mirror.to_json()["queued_bytes"] == kept * size
+    # Larger than the whole bound: not queued, nothing dropped for it.
+    mirror.offer(chat_body(9, words=600), None, prompt_tokens=50)
+    assert len(mirror.queue) == kept and mirror.counts["skipped"] == 7 - kept
+    # A reload that lowers the bound drops the oldest at once.
+    mirror.configure(MirrorSettings(max_queued_bytes=size))
+    assert mirror.cache_figures()["mirror_queue"]["bytes"] == size
+    assert [o.body for o in mirror.queue] == [chat_body(5)]
+    assert mirror.cache_figures()["mirror_warm"] == {
+        "entries": 0, "bytes": None, "max_entries": 64, "max_bytes": None, "max_age_s": None}
 
 
 def test_the_budget_is_a_share_of_a_sliding_minute() -> None:
@@ -105,7 +177,7 @@ async def test_a_mirror_waits_for_idle_yields_to_real_work_and_is_tried_again() 
             task = asyncio.get_running_loop().create_task(mirror.run())
             try:
                 gpu.load.take(generation=True)  # the GPU child busy: nothing starts
-                mirror.offer(CHAT, "hi there", prompt_tokens=1500)
+                mirror.offer(json.dumps(CHAT).encode(), "hi there", prompt_tokens=1500)
                 await asyncio.sleep(0.3)
                 assert not seen and mirror.to_json()["queued"] == 1
                 gpu.load.give_back(generation=True)
@@ -146,3 +218,36 @@ def test_a_key_does_not_depend_on_the_order_of_fields() -> None:
 def test_off_for_an_on_demand_cpu_child(mode: str, enabled: bool) -> None:
     cfg = build({"model": {"path": "/m.gguf"}, "cpu": {"mode": mode}}, check_paths=False)
     assert _mirror_settings(cfg).enabled is enabled
+
+
+def test_a_request_sent_with_replay_never_is_not_mirrored_and_the_queue_is_in_the_caches(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path, tmp_path: Path) -> None:
+    """Two conversations the GPU child answered: the one sent with X-Spillway-Replay: never
+    never reaches the CPU child (a mirror is its request run again, on another child); the
+    other is mirrored. The queue shows its bound in the status's caches."""
+    seen = tmp_path / "cpu-requests.jsonl"
+    s = spillway(fake_config(fake_server, tiny_model,
+                             cpu={"env": {"FAKE_STATE_FILE": str(seen)},
+                                  "mirror_max_queued_mib": 2}))
+    chat = "/v1/chat/completions"
+    code, _ = s.post(chat, {"messages": [{"role": "user", "content": "run me once"}],
+                            "max_tokens": 4}, headers={"X-Spillway-Replay": "never"})
+    assert code == 200
+    code, _ = s.post(chat, {"messages": [{"role": "user", "content": "hello"}],
+                            "max_tokens": 4})
+    assert code == 200
+
+    def done() -> dict[str, Any] | None:
+        m = s.status()["mirror"]
+        return m if m["mirrored"] >= 1 and m["queued"] == 0 and not m["running"] else None
+
+    mirror = eventually(done)
+    assert mirror, s.status()["mirror"]
+    assert (mirror["mirrored"], mirror["warm_prefixes"], mirror["failed"]) == (1, 1, 0)
+    mirrors = [line for line in seen.read_text().splitlines()
+               if json.loads(line)["headers"].get("X-Spillway-Mirror") == "1"]
+    assert len(mirrors) == 1, mirrors
+    caches = s.status()["caches"]
+    assert caches["mirror_queue"] == {"entries": 0, "bytes": 0, "max_entries": 8,
+                                      "max_bytes": 2 * 1024 * 1024, "max_age_s": None}
+    assert caches["mirror_warm"]["entries"] == 1

@@ -50,6 +50,23 @@ def test_the_request_as_received_is_frozen() -> None:
         raise AssertionError("a received request was written")
 
 
+def test_a_light_request_keeps_its_bytes_alone_and_is_parsed_again_whole() -> None:
+    """A held body's parsed JSON is let go once admission has read it (proxy/handler.py): the
+    request is still a JSON one (replayable, mirrorable), and a continuation reads its JSON
+    again from its bytes."""
+    body = b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 32}'
+    req = received(payload={"messages": [{"role": "user", "content": "hi"}],
+                            "max_tokens": 32}, body=body)
+    light = req.light()
+    assert light.payload is None and light.is_json and light.body is req.body
+    assert light.whole().payload == req.payload and not light.whole().payload_let_go
+    not_json = dataclasses.replace(req, payload=None)
+    assert req.whole() is req and not_json.light() is not_json and not not_json.is_json
+    # Its work is read before: a light request's would not know its max_tokens.
+    recovery = Recovery(pool(), RecoverySettings())
+    assert recovery.work(req).max_tokens == 32
+
+
 async def test_its_work_and_its_place() -> None:
     recovery = Recovery(pool(), RecoverySettings())
     req = received()
@@ -93,9 +110,9 @@ class Offers:
     def busy(self) -> None:
         self.busied += 1
 
-    def offer(self, payload: Any, answer: str | None, prompt_tokens: int,
+    def offer(self, body: bytes, answer: str | None, prompt_tokens: int,
               prefills: bool = True) -> None:
-        self.offered.append((payload, answer, prompt_tokens, prefills))
+        self.offered.append((body, answer, prompt_tokens, prefills))
 
 
 def test_what_is_mirrored() -> None:
@@ -104,20 +121,22 @@ def test_what_is_mirrored() -> None:
                         offers)  # type: ignore[arg-type]
     on_gpu = Attempt("gpu", 1, answer_text="hello")
     recovery.served(received(), [on_gpu], 200, False, None, 40)
-    assert offers.offered == [(CHAT, "hello", 40, True)]
+    assert offers.offered == [(received().body, "hello", 40, True)]  # its body, as received
     recovery.served(received(), [Attempt("gpu", 1)], 200, False, "streamed", 40)
     assert offers.offered[-1][1] == "streamed"
-    # Not mirrored: an error, a replay, a continuation, another child, an image, no chat.
+    # Not mirrored: an error, a replay, a continuation, another child, an image, no chat, and
+    # X-Spillway-Replay: never (a mirror runs it again on another child).
     for args in ((received(), [on_gpu], 500, False), (received(), [on_gpu, Attempt("cpu", 2)],
                                                       200, False),
                  (received(), [on_gpu], 200, True), (received(), [Attempt("cpu", 1)], 200, False),
-                 (received(path="/completion"), [on_gpu], 200, False)):
+                 (received(path="/completion"), [on_gpu], 200, False),
+                 (received(own=OwnHeaders(replay=False)), [on_gpu], 200, False)):
         recovery.served(*args, None, 40)  # type: ignore[arg-type]
     image = {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
     recovery.served(received(image), [on_gpu], 200, False, None, 40)
     assert len(offers.offered) == 2
-    assert offers.busied == 8  # every ending is real work: a mirror waits for the next idle
+    assert offers.busied == 9  # every ending is real work: a mirror waits for the next idle
 
 
 def test_safe_read_is_a_body_less_get_or_head_of_a_route_that_only_reads() -> None:

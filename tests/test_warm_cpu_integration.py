@@ -69,6 +69,10 @@ def test_a_failed_over_turn_finds_its_prefix_in_the_warm_cpu_childs_cache(
     mirror = s.status()["mirror"]
     assert mirror["warm_prefixes"] == 1 and mirror["warm_tokens"] >= prefix
     assert mirror["budget_used_s"] > 0
+    caches = s.status()["caches"]  # the queue (emptied) and what the CPU child holds
+    assert caches["mirror_queue"]["entries"] == 0 and caches["mirror_queue"]["bytes"] == 0
+    assert caches["mirror_queue"]["max_bytes"] == 8 * 1024 * 1024
+    assert caches["mirror_warm"]["entries"] == 1
     code, text = s.get("/spillway/metrics")
     assert code == 200
     found = {(m.name, tuple(sorted(sample.labels.items()))): sample.value

@@ -319,12 +319,16 @@ class ChildConfig:
     # The warm CPU child (serving/mirror.py): the conversations the GPU child served are sent
     # to it in its idle time, so a failed-over turn finds its prefix cached. Off for an
     # on-demand CPU child (it is stopped when idle). mirror_share: at most this share of a
-    # sliding minute of its time; a conversation over mirror_max_prompt_tokens is not sent.
+    # sliding minute of its time; a conversation over mirror_max_prompt_tokens is not sent;
+    # the conversations waiting hold at most mirror_max_queued_mib of bodies (the oldest go).
     mirror: bool = field(default=True, metadata=key("bool", True, only=CPU_CHILD))
     mirror_share: float = field(default=0.5, metadata=key("number", 0.5, check=_share,
                                                           only=CPU_CHILD))
     mirror_max_prompt_tokens: int = field(default=32768, metadata=key(
         "int", 32768, check=_positive, only=CPU_CHILD))
+    mirror_max_queued_bytes: int = field(default=8 * 1024 * 1024, metadata=key(
+        "number", 8, name="mirror_max_queued_mib", check=_positive, convert=_from_mib,
+        only=CPU_CHILD))
     # small only
     requests: str = field(default="opt-in", metadata=key(
         "str", "opt-in", check=_one_of(*SMALL_REQUESTS), only=SMALL_CHILD))

@@ -168,9 +168,11 @@ def _item(modality: Modality, url: Any) -> MediaItem:
 # FLAC. Everything else is decoded as an image.
 def sniff(data: str) -> Modality:
     """The modality of a base64 blob from its first bytes."""
-    head = data.split(",", 1)[1] if data.startswith("data:") and "," in data else data
+    # Its first characters after a data URI's comma (a slice: not a copy of the whole blob).
+    start = data.find(",") + 1 if data.startswith("data:") else 0
+    head = data[start:start + 24]
     try:
-        raw = base64.b64decode(head[:24] + "=" * (-len(head[:24]) % 4), validate=False)
+        raw = base64.b64decode(head + "=" * (-len(head) % 4), validate=False)
     except (binascii.Error, ValueError):
         return Modality.VISION
     if raw[:4] == b"RIFF" and raw[8:12] == b"WAVE":

@@ -10,9 +10,11 @@ same prefix is restored. Measured against the other way, a KV "lifeboat" (the GP
 saved to a file after each turn, restored on the CPU child at a failover): see
 docs/failover.md, "A warm CPU child".
 
-Pure: which offer goes next (the newest, then the longest), the budget (the CPU child's time
-spent mirroring, a share of a sliding minute), the mirror's body, and the keys that tell a
-later request's prefix. serving/mirror.py carries it out.
+Pure: which request is offered (never one whose client opted out of being run twice), which
+offers the queue keeps within its bounds (entries and bytes: the oldest go first), which goes
+next (the newest, then the longest), the budget (the CPU child's time spent mirroring, a share
+of a sliding minute), the mirror's body, and the keys that tell a later request's prefix.
+serving/mirror.py carries it out.
 """
 
 from __future__ import annotations
@@ -26,6 +28,9 @@ from typing import Any
 WINDOW_S = 60.0  # the budget's sliding window
 DEFAULT_SHARE = 0.5  # at most this share of the window is spent mirroring
 DEFAULT_MAX_QUEUED = 8  # offers waiting (the newest kept)
+# Their bytes (bodies and answers) together: room for the queue full of the longest
+# conversations mirrored (32,768 tokens, some 128 KiB of text, a few times that with tools).
+DEFAULT_MAX_QUEUED_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_PROMPT_TOKENS = 32768  # a longer conversation is not mirrored (its prefill alone
 # could take the whole budget on a small CPU)
 KEYS_BACK = 4  # a later request's prefixes looked up: its messages less the last 1..4
@@ -40,14 +45,65 @@ _DROPPED = ("max_tokens", "max_completion_tokens", "n_predict", "stream_options"
 
 @dataclass(frozen=True)
 class Offer:
-    """A conversation the GPU child served, offered for mirroring: kept as it came (its body
-    and key are made only when it is mirrored: an offer costs the request nothing)."""
+    """A conversation the GPU child served, offered for mirroring: kept as it came, the
+    request's body as its bytes (one copy, and its size known; it is parsed, and the mirror's
+    body and key made, only when it is mirrored: an offer costs the request nothing)."""
 
-    payload: Mapping[str, Any]  # the request's
+    body: bytes  # the request's, as received
     answer: str | None  # the GPU child's answer's text, when it is text alone
     prefills: bool  # the CPU child prefills a final assistant message
     prompt_tokens: int  # as counted or bounded: orders offers, bounds the work
     at: float  # when it was offered (monotonic)
+
+    @property
+    def size(self) -> int:
+        """The bytes it holds (the answer's characters, near enough)."""
+        return len(self.body) + len(self.answer or "")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What the queue of offers may hold."""
+
+    max_entries: int = DEFAULT_MAX_QUEUED
+    max_bytes: int = DEFAULT_MAX_QUEUED_BYTES
+    max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
+
+
+def offered(*, status: int, chat: bool, media: bool, continued: bool, attempts: int,
+            first_child: bool, opted_out: bool) -> bool:
+    """Whether a request that ended is offered: a chat request with a JSON body and no media
+    that the first child (the GPU child) answered whole (200, not continued) on its first
+    attempt. Never one sent with `X-Spillway-Replay: never`: its client would rather have an
+    error than have it run twice, and a mirror is the request run again, on another child."""
+    return (status == 200 and chat and not media and not continued and attempts == 1
+            and first_child and not opted_out)
+
+
+def admit(queued: Sequence[Offer], offer: Offer, bounds: Bounds) -> int | None:
+    """How many of the oldest queued offers (`queued` oldest first) go so that `offer` is
+    queued within the bounds; None when it is not queued: over max_prompt_tokens (it would
+    never be chosen), or larger alone than the byte bound.
+
+    Past a bound the oldest go, not the new offer: the newest is what `choose` mirrors first
+    (its conversation the likeliest to go on), and a conversation's next turn holds its earlier
+    turn's whole prefix, which makes that older offer worth nothing once the newer is
+    mirrored."""
+    if offer.prompt_tokens > bounds.max_prompt_tokens or offer.size > bounds.max_bytes:
+        return None
+    return over([*queued, offer], bounds)
+
+
+def over(queued: Sequence[Offer], bounds: Bounds) -> int:
+    """How many of the oldest queued offers go for the rest to be within the bounds (after a
+    reload lowered them, or a cancelled mirror's offer came back as the oldest)."""
+    total = sum(o.size for o in queued)
+    dropped = 0
+    while dropped < len(queued) and (len(queued) - dropped > bounds.max_entries or
+                                     total > bounds.max_bytes):
+        total -= queued[dropped].size
+        dropped += 1
+    return dropped
 
 
 @dataclass(frozen=True)

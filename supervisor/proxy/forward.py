@@ -136,9 +136,12 @@ _READ_ERRORS = (ConnectionError, OSError)
 def _naming(ctx: RequestCtx, model: str | None) -> bytes | None:
     """The request's body naming `model` (a larger model's request sent to its smaller model,
     which the router finds by that name); None: as the client sent it."""
-    if model is None or ctx.req.payload is None or ctx.req.payload.get("model") == model:
+    if model is None or not ctx.req.is_json:
         return None
-    return json.dumps({**ctx.req.payload, "model": model}).encode()
+    payload = ctx.req.whole().payload  # (parsed again when a held body's was let go)
+    if payload is None or payload.get("model") == model:
+        return None
+    return json.dumps({**payload, "model": model}).encode()
 
 
 def _is_sse(resp: UpstreamResponse) -> bool:

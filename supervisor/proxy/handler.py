@@ -10,6 +10,7 @@ metrics, its access log line.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -191,7 +192,7 @@ class ProxyHandler:
                 return self._early(None, request, rid, "bad_request",
                                    errors.invalid_request(400, problem, rid))
         found = media.find(request.path, payload, body)
-        held = len(body) if found or len(body) >= LARGE_BODY_BYTES else 0
+        held = _held_bytes(body, found)
         if route is RouteClass.GENERATION and not self._hold(request, held):
             return self._held_refusal(request, rid, held)
         stream = bool(payload.get("stream")) if payload else False
@@ -217,6 +218,9 @@ class ProxyHandler:
             return self._early(ctx, request, rid, "bad_request",
                                errors.invalid_request(400, fatal, rid, param="prompt"))
         ctx.follow = self._followed(ctx.req)
+        # From here the JSON is ctx.req's alone, so that a held body's can be let go
+        # (`_let_go`) while this frame awaits the answer.
+        del payload
         idem_key = request.headers.get("Idempotency-Key")
         if idem_key is not None and request.method == "POST":
             return await self._with_idempotency(request, ctx, idem_key)
@@ -395,10 +399,12 @@ class ProxyHandler:
                 got = pool.passthrough(pin)
         else:
             # Generation: 3 to 7 of the admission order, asked of the recovery coordinator.
+            recovery = self._recovery(ctx)
+            asked = recovery.work(ctx.req)  # (read from its JSON before it may be let go)
             count = await self._prompt_count(ctx)
             ctx.prompt_tokens = count.largest
-            recovery = self._recovery(ctx)
-            ctx.work = recovery.work(ctx.req, count.largest, ctx.counted)
+            ctx.work = dataclasses.replace(asked, prompt_tokens=count.largest) \
+                if ctx.counted else asked
             got = await recovery.admit(ctx.req, ctx.work, count.largest, count.exact)
         if isinstance(got, admission.Decision):
             loading = admission.loading(pool.states(), pin)
@@ -429,7 +435,7 @@ class ProxyHandler:
     async def _prompt_count(self, ctx: RequestCtx) -> tokens.Count:
         """The prompt's tokens, as the child counts them, when they may matter (over the
         smallest context of a slot), else the cheap bound (or 0: unknown, which fits
-        anywhere)."""
+        anywhere). A held body's JSON is let go before the count is awaited."""
         bound = prompts.upper_bound(len(ctx.req.body), ctx.req.payload)
         pool = self._pool(ctx)
         # The children that may take it: a smaller model's only for a request that accepts one
@@ -441,17 +447,30 @@ class ProxyHandler:
         # So is every prompt during an outage (the GPU child not ready), where the earliest
         # expected finish weighs it; the GPU's fast path never pays for a count.
         outage = not pool.upstreams[pool.roles[0]].is_ready
-        if ctx.req.payload is None or (not ctx.req.media and not outage and
-                                   (limit is None or bound < limit)):
+        payload = ctx.req.payload
+        if payload is None or (not ctx.req.media and not outage and
+                               (limit is None or bound < limit)):
+            self._let_go(ctx)
             return tokens.Count((bound if limit is not None else 0,), exact=True)
-        modalities = ctx.req.media.modalities
-        counter = pool.first_ready(modalities)
-        counted = None if counter is None else await tokens.count(
-            self.forwarder.session, counter, ctx.req.path, ctx.req.payload, limit or 0,
-            marker=self.settings.media_marker, body=ctx.req.body)
+        counter = pool.first_ready(ctx.req.media.modalities)
+        plan = prompts.plan(ctx.req.path, payload, self.settings.media_marker)
+        model = payload.get("model")
+        del payload
+        self._let_go(ctx)
+        counted = None if counter is None or plan is None else await tokens.count(
+            self.forwarder.session, self.forwarder.client, counter, plan, model, ctx.req.body,
+            limit or 0)
         if counted is not None:
             ctx.counted = True
         return counted if counted is not None else tokens.Count((0,), exact=True)
+
+    def _let_go(self, ctx: RequestCtx) -> None:
+        """A body held for its replay (serving/held.py: images, audio, over 1 MiB) keeps its
+        bytes alone from here, while it is counted, waits in line and runs: its parsed JSON
+        (as large again) is let go, and parsed again only by a step that reads it later (a
+        continuation). A flood of image requests costs each body's bytes once, not twice."""
+        if ctx.req.payload is not None and _held_bytes(ctx.req.body, ctx.req.media):
+            ctx.req = ctx.req.light()
 
     def _refusal(self, ctx: RequestCtx, decision: admission.Decision,
                  count: tokens.Count | None, loading: bool) -> web.Response:
@@ -546,6 +565,7 @@ class ProxyHandler:
         upstream that takes over (policy/continuation.py), or the stream ends with the error
         event."""
         failure, so_far = cut.failure, ctx.follow
+        ctx.req = ctx.req.whole()  # (a held body's JSON, let go, is read again)
         assert so_far is not None and ctx.req.payload is not None
         # (A client that asked for pings hears them while the other child is found.)
         nxt = await pinging(cut.response, self.forwarder.ping_interval(ctx, failure.child),
@@ -790,6 +810,12 @@ def _outcome(ctx: RequestCtx, status: int, broken: bool) -> str:
     if not ctx.attempts:
         return "rejected"
     return "client_error" if status < 500 else "failed"
+
+
+def _held_bytes(body: bytes, found: media.Media) -> int:
+    """The bytes a request's body holds among the large bodies held for their replays (0: it
+    is not one of them): any body with media, or over LARGE_BODY_BYTES."""
+    return len(body) if found or len(body) >= LARGE_BODY_BYTES else 0
 
 
 def _opted_out(req: Received) -> bool:

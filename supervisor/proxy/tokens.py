@@ -18,6 +18,7 @@ import aiohttp
 
 from ..policy import media, prompts
 from ..vocabulary import Upstream
+from .connections import ConnectionUse, UpstreamClient
 
 log = logging.getLogger("spillway.tokens")
 
@@ -38,30 +39,26 @@ class Count:
         return next((n for n in self.tasks if n >= n_ctx), self.largest)
 
 
-async def count(session: aiohttp.ClientSession, child: Upstream, path: str,
-                payload: dict[str, Any], limit: int = 0,
-                timeout_s: float = 30.0, marker: str | None = None,
-                body: bytes | None = None) -> Count | None:
-    """The prompt's tokens as `child` counts them; None when they cannot be told. A prompt
-    that its bytes show to be under `limit` is not counted: its bound stands. `marker`: the
-    children's media marker (a prompt object's `multimodal_data`). `body`: the request's own
-    bytes (the JSON of `payload`), sent as they are to a counting route, which takes the
-    request's body: an image's base64 is not written out again, twice (as text, then bytes),
-    for each request that carries one."""
-    plan = prompts.plan(path, payload, marker)
-    if plan is None:
-        return None
+async def count(session: aiohttp.ClientSession, client: UpstreamClient, child: Upstream,
+                plan: prompts.Plan, model: Any, body: bytes, limit: int = 0,
+                timeout_s: float = 30.0) -> Count | None:
+    """The prompt's tokens as `child` counts them (`plan`: prompts.plan's for the request;
+    `model`: the one it names); None when they cannot be told. A prompt that its bytes show to
+    be under `limit` is not counted: its bound stands. `body`: the request's own bytes, sent as
+    they are to a counting route, which takes the request's body: an image's base64 is not
+    written out again, twice (as text, then bytes), for each request that carries one. They go
+    by the proxy's own connections (`client`), as an attempt sends them: in slices, never
+    joined to the head (aiohttp's client joins them, and Python before 3.12 copies what the
+    socket did not take at once)."""
     timeout = aiohttp.ClientTimeout(total=timeout_s)
-    model = payload.get("model")
     try:
         if plan.count_route is not None:
-            counted = await _post(session, child, plan.count_route,
-                                  payload if body is None else body, timeout)
+            counted = await _post_body(client, child, plan.count_route, body, timeout_s)
             n = counted.get("input_tokens") if counted is not None else None
             return Count((n,), plan.exact) if isinstance(n, int) else None
         figures = await asyncio.gather(*(_task(session, child, task, model, limit, timeout)
                                          for task in plan.tasks))
-    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+    except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as e:
         log.info("could not count the prompt's tokens on the %s child: %s", child.name, e)
         return None
     if any(n is None for n in figures):
@@ -117,13 +114,32 @@ def _bound(piece: prompts.Piece) -> int:
     return sum(len(p.encode()) if isinstance(p, str) else 1 for p in parts) + 2
 
 
+async def _post_body(client: UpstreamClient, child: Upstream, route: str, body: bytes,
+                     timeout_s: float) -> dict[str, Any] | None:
+    """The request's own bytes to a counting route; its JSON answer (None: not a 200). On a
+    new connection: a pooled one the child just closed would lose the count."""
+    headers = (("Authorization", f"Bearer {child.api_key}"),
+               ("Content-Type", "application/json"))
+    async with asyncio.timeout(timeout_s):
+        r = await client.request(child.host, child.port or 0, "POST", route, headers, body,
+                                 ConnectionUse(), connect_timeout=timeout_s,
+                                 read_timeout=timeout_s, fresh=True)
+        try:
+            answer = await r.read()
+        finally:
+            r.close()
+    if r.status != 200:
+        return None  # the child's own words on the request come when it is forwarded
+    parsed = json.loads(answer)
+    return parsed if isinstance(parsed, dict) else None
+
+
 async def _post(session: aiohttp.ClientSession, child: Upstream, route: str,
-                payload: dict[str, Any] | bytes,
+                payload: dict[str, Any],
                 timeout: aiohttp.ClientTimeout) -> dict[str, Any] | None:
     headers = {"Authorization": f"Bearer {child.api_key}", "Content-Type": "application/json"}
-    data = payload if isinstance(payload, bytes) else json.dumps(payload)
     async with session.post(f"{child.base_url}{route}", headers=headers,
-                            data=data, timeout=timeout) as r:
+                            data=json.dumps(payload), timeout=timeout) as r:
         if r.status != 200:
             return None  # the child's own words on the request come when it is forwarded
         answer = await r.json()

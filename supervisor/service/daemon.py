@@ -104,7 +104,8 @@ def media_marker() -> str:
 def _mirror_settings(config: Config) -> MirrorSettings:
     cpu = config.child(config.cpu_child)
     return MirrorSettings(enabled=cpu.mirror and not cpu.on_demand, share=cpu.mirror_share,
-                          max_prompt_tokens=cpu.mirror_max_prompt_tokens)
+                          max_prompt_tokens=cpu.mirror_max_prompt_tokens,
+                          max_queued_bytes=cpu.mirror_max_queued_bytes)
 
 
 def _proxy_settings(config: Config, media_marker: str | None = None,
@@ -308,6 +309,8 @@ class Daemon:
         if self.proxy is not None:
             held = self.proxy.held
             out["held_bodies"] = figures(held.holders, size=held.held, max_bytes=held.limit)
+        if self.mirror is not None:
+            out.update(self.mirror.cache_figures())
         for name, child in self.children.items():
             out[f"child_output_{name}"] = child.cache_figures()
         if self._upstream is not None:

@@ -8,6 +8,11 @@ runs, the first request admitted anywhere cancels it: the mirror's stream is clo
 llama-server drops the task within one batch. The CPU child's time spent mirroring is held to a
 share of a sliding minute. A mirror is not a lease: admission never waits for one.
 
+The offers wait in a queue bounded in entries and in bytes (`cpu.mirror_max_queued_mib`; past
+a bound the oldest go: policy/mirror.admit says why), each the request's body as it came, and
+the status's caches show it (`mirror_queue`), with the prefixes the CPU child holds
+(`mirror_warm`).
+
 What the CPU child then holds is kept (the mirrored prefixes and their tokens, the newest 64),
 forgotten when it restarts, and read by the expected time of a request whose earlier turns were
 mirrored (serving/resources.py), the status (`mirror`), and the metrics.
@@ -29,6 +34,7 @@ import aiohttp
 
 from ..policy import mirror as rules
 from ..policy.lifecycle import ChildState
+from ..records.caches import figures
 from ..vocabulary import Upstream
 
 log = logging.getLogger("spillway.mirror")
@@ -42,7 +48,12 @@ class MirrorSettings:
     share: float = rules.DEFAULT_SHARE  # of a sliding minute of the CPU child's time
     idle_s: float = 1.0  # every upstream idle this long before a mirror starts
     max_queued: int = rules.DEFAULT_MAX_QUEUED
+    max_queued_bytes: int = rules.DEFAULT_MAX_QUEUED_BYTES
     max_prompt_tokens: int = rules.DEFAULT_MAX_PROMPT_TOKENS
+
+    @property
+    def bounds(self) -> rules.Bounds:
+        return rules.Bounds(self.max_queued, self.max_queued_bytes, self.max_prompt_tokens)
 
 
 class Mirror:
@@ -54,7 +65,8 @@ class Mirror:
         self.upstreams = list(upstreams)
         self.settings = settings
         self.clock = clock
-        self.queue: deque[rules.Offer] = deque(maxlen=settings.max_queued)
+        self.queue: deque[rules.Offer] = deque()  # oldest first
+        self.queued_bytes = 0
         self.warm: OrderedDict[str, int] = OrderedDict()  # prefix key -> tokens held
         self.budget = rules.Budget()
         self.counts = {"mirrored": 0, "cancelled": 0, "failed": 0, "skipped": 0}
@@ -68,12 +80,20 @@ class Mirror:
 
     # --- what the proxy tells it, and asks it ------------------------------------------------
 
-    def offer(self, payload: Mapping[str, Any], answer: str | None, prompt_tokens: int,
+    def offer(self, body: bytes, answer: str | None, prompt_tokens: int,
               prefills: bool = True) -> None:
-        """A chat request the GPU child answered: its conversation may be mirrored."""
+        """A chat request the GPU child answered (its body as received): its conversation may
+        be mirrored."""
         if not self.settings.enabled:
             return
-        self.queue.append(rules.Offer(payload, answer, prefills, prompt_tokens, self.clock()))
+        offer = rules.Offer(body, answer, prefills, prompt_tokens, self.clock())
+        dropped = rules.admit(self.queue, offer, self.settings.bounds)
+        if dropped is None:
+            self.counts["skipped"] += 1
+            return
+        self._drop_oldest(dropped)
+        self.queue.append(offer)
+        self.queued_bytes += offer.size
         self._wake.set()
 
     def warm_tokens(self, keys: Sequence[str]) -> int:
@@ -86,11 +106,31 @@ class Mirror:
 
     def configure(self, settings: MirrorSettings) -> None:
         self.settings = settings
-        self.queue = deque(self.queue, maxlen=settings.max_queued)
+        self._drop_oldest(rules.over(self.queue, settings.bounds))
+
+    def _drop_oldest(self, n: int) -> None:
+        for _ in range(n):
+            self.queued_bytes -= self.queue.popleft().size
+            self.counts["skipped"] += 1
+
+    def _take(self, i: int) -> rules.Offer:
+        offer = self.queue[i]
+        del self.queue[i]
+        self.queued_bytes -= offer.size
+        return offer
+
+    def cache_figures(self) -> dict[str, dict[str, Any]]:
+        """For the status's caches: the offers waiting (their bodies), and the prefixes the
+        CPU child is known to hold."""
+        return {"mirror_queue": figures(len(self.queue), max_entries=self.settings.max_queued,
+                                        size=self.queued_bytes,
+                                        max_bytes=self.settings.max_queued_bytes),
+                "mirror_warm": figures(len(self.warm), max_entries=WARM_KEPT)}
 
     def to_json(self) -> dict[str, Any]:
         now = self.clock()
         return {"enabled": self.settings.enabled, "queued": len(self.queue),
+                "queued_bytes": self.queued_bytes,
                 "warm_prefixes": len(self.warm), "warm_tokens": sum(self.warm.values()),
                 "budget_used_s": round(self.budget.used_s(now), 3),
                 "budget_s": self.settings.share * rules.WINDOW_S,
@@ -111,12 +151,10 @@ class Mirror:
                 continue
             chosen = rules.choose(self.queue, self.settings.max_prompt_tokens)
             if chosen is None:
-                self.counts["skipped"] += len(self.queue)
-                self.queue.clear()
+                self._drop_oldest(len(self.queue))
                 continue
-            offer = self.queue[chosen]
-            del self.queue[chosen]
-            made = rules.offer_body(offer.payload, offer.answer, offer.prefills)
+            offer = self._take(chosen)
+            made = _body(offer)
             if made is None:
                 self.counts["skipped"] += 1
             elif made[0] not in self.warm:  # (held already: nothing to do)
@@ -149,7 +187,11 @@ class Mirror:
                 if not task.done() and not self._idle():
                     task.cancel()  # real work first: the stream closes, the child drops it
                     self.counts["cancelled"] += 1
-                    self.queue.appendleft(offer)  # tried again in the next idle spell
+                    # Tried again in the next idle spell, as the oldest (the first to go
+                    # should newer offers fill the queue meanwhile).
+                    self.queue.appendleft(offer)
+                    self.queued_bytes += offer.size
+                    self._drop_oldest(rules.over(self.queue, self.settings.bounds))
                     self._last_busy = self.clock()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
@@ -198,3 +240,15 @@ class Mirror:
     def _cpu_changed(self, member: Any, old: ChildState, new: ChildState, reason: str) -> None:
         if new is ChildState.STARTING:
             self.warm.clear()  # a new process: its cache is empty
+
+
+def _body(offer: rules.Offer) -> tuple[str, dict[str, Any]] | None:
+    """The mirror's key and body, from the offer's request parsed again (the proxy parsed it
+    once already: it is a JSON object)."""
+    try:
+        payload = json.loads(offer.body)
+    except ValueError:
+        return None
+    if not isinstance(payload, dict):
+        return None
+    return rules.offer_body(payload, offer.answer, offer.prefills)

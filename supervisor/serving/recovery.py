@@ -67,9 +67,10 @@ class Recovery:
         deadline = req.own.deadline_s
         return None if deadline is None else deadline - (self.clock() - req.received)
 
-    def work(self, req: Received, prompt_tokens: int, counted: bool) -> Work:
+    def work(self, req: Received, prompt_tokens: int = 0, counted: bool = False) -> Work:
         """What the request asks of a child, for its expected time: the counted prompt, else
-        a bound from the bytes of its text (its media's base64 is no text)."""
+        a bound from the bytes of its text (its media's base64 is no text). Read from its
+        JSON: asked before a held body's is let go (its count then replaces the bound)."""
         text_bytes = max(0, len(req.body) - req.media.inline_bytes)
         return Work(prompt_tokens if counted else estimate.prompt_tokens_bound(text_bytes),
                     estimate.requested_tokens(req.payload), req.media, self._prefix_keys(req))
@@ -98,7 +99,7 @@ class Recovery:
         the controlled error's reason."""
         return await Failover(self.pool).after_failure(Failed(
             failure=failure, route=req.route,
-            body_replayable=(self.settings.replay and req.payload is not None
+            body_replayable=(self.settings.replay and req.is_json
                              and len(req.body) <= self.settings.max_replay_body_bytes),
             opted_out=not req.own.replay, attempts=attempts,
             deadline_left_s=self.deadline_left(req), work=work, smaller_ok=req.smaller_ok,
@@ -124,19 +125,19 @@ class Recovery:
                streamed_text: str | None, prompt_tokens: int) -> None:
         """A request ended: real work just ran (a mirror waits for the next idle spell), and a
         chat conversation the first upstream (the GPU child) answered whole, on its first
-        attempt, may be mirrored to the warm CPU child."""
+        attempt, may be mirrored to the warm CPU child (policy/mirror.offered)."""
         if self.mirror is None:
             return
         self.mirror.busy()
         last = attempts[-1] if attempts else None
-        if status != 200 or last is None or req.payload is None or req.media or continued or \
-                req.path not in prompts.CHAT_ROUTES or last.child != self.pool.roles[0] or \
-                len(attempts) != 1:
+        if last is None or not mirror_rules.offered(
+                status=status, chat=req.is_json and req.path in prompts.CHAT_ROUTES,
+                media=bool(req.media), continued=continued, attempts=len(attempts),
+                first_child=last.child == self.pool.roles[0], opted_out=not req.own.replay):
             return
         answer = last.answer_text if last.answer_text is not None else streamed_text
-        self.mirror.offer(req.payload, answer, prompt_tokens,
+        self.mirror.offer(req.body, answer, prompt_tokens,
                           prefills=last.child not in self.settings.no_prefill)
-
 
 def safe_read(req: Received) -> bool:
     """A request that changes nothing (policy/routes.read_only; policy/replay.py's rule 4)."""
