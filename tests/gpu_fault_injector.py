@@ -24,6 +24,8 @@ lines are written and the process dies with SIGABRT, taking the real server with
   FAULT_WHEN=tokens:K   abort after the Kth event that carries generated text (a chat delta's
                         `content` or `reasoning_content`, a completion's `content` or `text`),
                         whatever progress events and pings came before
+  FAULT_WHEN=finish:1   abort right after the event with the answer's finish (a chunk's
+                        finish_reason, /completion's `stop`): before the usage chunk and [DONE]
   FAULT_BODIES_FILE=PATH  append one JSON line (path, headers, body) per generation request,
                         fault or not: what Spillway sent the child
   FAULT_MODE=abort      CUDA lines, then SIGABRT (default)
@@ -170,8 +172,8 @@ def record_body(request: web.Request, body: bytes) -> None:
 
 
 def counts(part: bytes, unit: str) -> bool:
-    """Whether one SSE event counts toward FAULT_WHEN's K: any data event (`events`), or one
-    that carries generated text (`tokens`)."""
+    """Whether one SSE event counts toward FAULT_WHEN's K: any data event (`events`), one
+    that carries generated text (`tokens`), or one with the answer's finish (`finish`)."""
     data = b"\n".join(line[5:].strip() for line in part.split(b"\n")
                       if line.startswith(b"data:"))
     if not data:
@@ -184,6 +186,9 @@ def counts(part: bytes, unit: str) -> bool:
         return False
     if not isinstance(event, dict):
         return False
+    if unit == "finish":
+        return event.get("stop") is True or any(
+            isinstance(ch, dict) and ch.get("finish_reason") for ch in event.get("choices") or [])
     pieces = [event.get("content"), event.get("text")]
     for choice in event.get("choices") or []:
         delta = choice.get("delta") or {}
@@ -241,7 +246,8 @@ async def proxy(request: web.Request) -> web.StreamResponse:
             await resp.prepare(request)
             events = 0
             unit, _, k = when.partition(":")
-            limit = int(k) if fire and unit in ("events", "tokens") else None
+            limit = int(k) if fire and unit in ("events", "tokens", "finish") \
+                else None
             pending = b""
             async for chunk in upstream.content.iter_any():
                 if limit is not None:

@@ -15,7 +15,7 @@ import pytest
 
 from supervisor.policy import continuation as c
 from supervisor.proxy import sse
-from supervisor.proxy.closing import closing_events
+from supervisor.proxy.closing import closing_events, rest_events
 
 LIMIT = Path(__file__).parent / "fixtures" / "llama-server" / "limit"
 STORY = [{"role": "user", "content": "Tell me a story about a cat."}]
@@ -117,7 +117,7 @@ def chat_at(n: int, **extra: Any) -> c.Transcript:
     (chat_at(16), {"max_tokens": 16}, True, c.Refusal.SPENT),
     (chat_at(16, reasoning=True), {"max_tokens": 16}, True, c.Refusal.SPENT),  # finish alike
     (chat_at(16, tool_calls=True), {"max_tokens": 16}, False, c.Refusal.SPENT),
-    (chat_at(16, finished=True), {"max_tokens": 16}, False, c.Refusal.FINISHED),
+    (chat_at(16, finished=True), {"max_tokens": 16}, True, c.Refusal.FINISHED),
     (chat_at(16), {"max_tokens": 40, "max_completion_tokens": 16}, True, c.Refusal.SPENT),
     (chat_at(99), {}, False, None),  # no limit: never spent
     (c.Transcript("messages", tokens=16, text_block=0), {"max_tokens": 16}, True,
@@ -136,7 +136,8 @@ def test_a_stream_at_its_limit_is_closed_where_its_finish_can_be_told(
     d = c.decide({"messages": STORY, **payload}, transcript, False, None, 1.0, True)
     assert (d.closing, d.refusal) == (closing, refusal)
     if closing:
-        assert d.reason.startswith(c.CLOSED_AT_LIMIT)
+        assert d.reason.startswith(c.CLOSED_AFTER_FINISH if transcript.finished
+                                   else c.CLOSED_AT_LIMIT)
     # Closing needs no other child: the answer is whole.
     assert c.decide({"messages": STORY, **payload}, transcript, False, None, 1.0,
                     target_available=False).closing == closing
@@ -194,3 +195,77 @@ def test_the_usage_says_the_prompt_only_when_an_event_told_it() -> None:
     assert t.prompt_tokens is None
     assert events(closing_events(t, payload, NOTE))[-1]["usage"] == {"completion_tokens": 16}
     assert finals[-1]["usage"]["completion_tokens"] == 16
+
+
+def cut_after(name: str, kind: str, relayed: int) -> tuple[c.Transcript, list[dict[str, Any]],
+                                                           bytes]:
+    """The capture cut after `relayed` of its final events (the finish and what follows it)."""
+    raw = (LIMIT / name).read_bytes()
+    every = events(raw)
+    first_final = next(i for i, e in enumerate(every) if is_final(kind, e))
+    t = c.Transcript(kind)
+    for event in every[:first_final + relayed]:
+        t.take(event)
+    return t, every[first_final + relayed:], raw
+
+
+def finals_of(name: str, kind: str) -> int:
+    every = events((LIMIT / name).read_bytes())
+    return len(every) - next(i for i, e in enumerate(every) if is_final(kind, e))
+
+
+# Every cut from just after the finish to just after the last event.
+AFTER_FINISH = [(name, kind, payload, relayed) for name, kind, payload in CAPTURES
+                for relayed in range(1, finals_of(name, kind) + 1)]
+
+
+@pytest.mark.parametrize(("name", "kind", "payload", "relayed"), AFTER_FINISH)
+def test_a_death_after_the_finish_sends_the_rest_of_llama_servers_end(
+        name: str, kind: str, payload: dict[str, Any], relayed: int) -> None:
+    """Cut after each of llama-server's final events in turn (the GPU child died between its
+    finish and its [DONE], say): the client had the whole answer, so it gets the rest of the
+    end, llama-server's own events (but what no relayed event told), and no error event."""
+    t, missed, raw = cut_after(name, kind, relayed)
+    assert t.finished and t.ends
+    d = c.decide(payload, t, False, None, 1.0, target_available=False)
+    assert d.closing and d.refusal is c.Refusal.FINISHED and d.reason == c.CLOSED_AFTER_FINISH
+    rest = rest_events(t, payload, NOTE)
+    ours = events(rest)
+    for e in ours:
+        e.pop("spillway_closed", None)
+    theirs = [known(e) for e in missed]
+    if kind in ("native_completion", "responses"):
+        for e in theirs:
+            e.pop("model", None)
+            e.get("response", {}).pop("model", None)
+    assert [known(e) for e in ours] == theirs
+    assert rest.endswith(b"data: [DONE]\n\n") == raw.rstrip().endswith(b"data: [DONE]")
+    assert not any("error" in e for e in ours)
+
+
+def test_a_chat_finish_without_its_usage_chunk_gets_it_when_asked() -> None:
+    """include_usage: the usage chunk, with the tokens relayed, then [DONE]; without it, only
+    [DONE]."""
+    t, missed, _ = cut_after("chat-max16-usage.sse", "chat", 1)
+    assert t.ends == ["finish"]
+    payload = {"max_tokens": 16, "stream_options": {"include_usage": True}}
+    ours = events(rest_events(t, payload, NOTE))
+    assert ours[-1]["choices"] == [] and ours[-1]["usage"] == {"completion_tokens": 16}
+    assert ours[-1]["spillway_closed"] == NOTE
+    assert rest_events(t, {"max_tokens": 16}, NOTE) == b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize(("ends", "extra", "payload", "closing"), [
+    # Only the text block's end went out: the stop reason is known at the limit alone.
+    (["content_block_stop"], {}, {"max_tokens": 16}, True),
+    (["content_block_stop"], {}, {"max_tokens": 40}, False),
+    (["content_block_stop", "message_delta"], {}, {"max_tokens": 40}, True),
+    (["content_block_stop"], {"tool_calls": True}, {"max_tokens": 16}, False),
+    (["content_block_stop", "message_delta", "message_stop"], {"tool_calls": True},
+     {"max_tokens": 40}, True),  # the whole end went out: nothing to send but the stream's end
+])
+def test_a_messages_end_is_sent_only_where_its_stop_reason_was_told(
+        ends: list[str], extra: dict[str, Any], payload: dict[str, Any], closing: bool) -> None:
+    t = c.Transcript("messages", tokens=16, text_block=0, finished=True, ends=ends, **extra)
+    d = c.decide({"messages": STORY, **payload}, t, False, None, 1.0, True)
+    assert (d.closing, d.refusal) == (closing, c.Refusal.FINISHED)

@@ -94,3 +94,33 @@ async def test_a_greedy_stream_cut_by_a_gpu_death_ends_as_long_as_uncut_with_its
     [record] = s.wait_incidents(1)
     assert record["decision"] == "continued" and record["tokens_before"] == cut
     assert f"continued after {cut} tokens, by its events (one a token)" in record["reason"]
+
+
+@pytest.mark.asyncio
+async def test_a_gpu_death_after_the_finish_ends_the_stream_as_llama_server_would(
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path, injector: Path,
+        tmp_path: Path) -> None:
+    """The GPU child dies right after the chunk with its finish, before its usage chunk and
+    [DONE]: the client had the whole answer, so it gets the usage chunk and [DONE] (what
+    llama-server sends after its finish), not an error event; nothing is continued."""
+    cfg = dying_gpu(llama_server, tiny_model, injector, tmp_path / "fired", events=0, nth=2)
+    cfg["gpu"]["env"]["FAULT_WHEN"] = "finish:1"
+    s = spillway(cfg)
+    body = greedy(max_tokens=12)
+    raw_uncut, uncut = await stream(s.url, body)
+    raw, events = await stream(s.url, body)  # the GPU child dies after its finish
+    assert (tmp_path / "fired").exists()
+    assert not any("error" in e for e in events) and raw.endswith(b"data: [DONE]\n\n")
+    assert [e["choices"][0]["delta"].get("content") for e in contents(events)] == \
+        [e["choices"][0]["delta"].get("content") for e in contents(uncut)]
+    [final] = finishes(events)
+    assert final["choices"][0]["finish_reason"] == "length"
+    # The usage chunk llama-server would have sent next: the tokens the events tell (no more
+    # than were sent), and the note that Spillway sent it.
+    usage = events[-1]
+    assert usage["choices"] == [] and usage["id"] == final["id"]
+    assert usage["usage"]["completion_tokens"] == len(contents(events)) <= \
+        uncut[-1]["usage"]["completion_tokens"]
+    assert usage["spillway_closed"]["reason"] == "finished"
+    [record] = s.wait_incidents(1)
+    assert record["decision"] == "finished" and "its finish was sent" in record["reason"]

@@ -22,7 +22,8 @@ be a think block's).
 Never when the grammar state would restart (grammar, json_schema, a JSON response_format: the
 constraint would apply to the rest as if it were the whole, as NVIDIA Dynamo's request
 migration notes), for n > 1, for a prompt that is not one string, when the client opted out,
-or when a finish was already sent. A stream whose tokens already fill its limit is not
+or when a finish was already sent (then only the rest of its end is sent, as llama-server
+would: `after_finish`). A stream whose tokens already fill its limit is not
 continued but closed (`at_limit`): llama-server would have stopped there, so the client has the
 whole answer and only the finish is missing. "Fill" is as llama-server counts: its own count
 (`tokens_predicted`, `timings.predicted_n`) or one event a token, never a recount of the text
@@ -164,6 +165,11 @@ class Transcript:
     tool_calls: bool = False
     reasoning: bool = False  # reasoning that cannot be continued (not `reasoning_text`)
     finished: bool = False
+    # The events llama-server sends only as the answer ends, as far as they were relayed, in
+    # order: "finish" (a chunk with its finish_reason), "usage" (chat's usage chunk), "stop"
+    # (/completion's last event), or the event's type (/v1/messages, /v1/responses). What is
+    # left of the end after a death past the finish (`after_finish`).
+    ends: list[str] = field(default_factory=list)
     item_id: str | None = None  # /v1/responses: the output message's id
     _last_piece: str = field(default="", repr=False)  # "reasoning" or "content" (see `_count`)
 
@@ -229,9 +235,14 @@ class Transcript:
         if self.kind == "responses":
             self._response_event(event)
             return
+        finishes = False
         for choice in event.get("choices") or []:
             if isinstance(choice, dict):
-                self._choice(choice)
+                finishes = self._choice(choice) or finishes
+        if finishes:
+            self.ends.append("finish")
+        elif isinstance(event.get("usage"), dict):
+            self.ends.append("usage")
 
     def _text(self, piece: Any) -> None:
         if isinstance(piece, str) and piece:
@@ -257,6 +268,7 @@ class Transcript:
         self._text(event.get("content"))  # (its `tokens_predicted`: see `_own_count`)
         if event.get("stop") is True:
             self.finished = True
+            self.ends.append("stop")
 
     def _message_event(self, event: dict[str, Any]) -> None:
         """/v1/messages: message_start, then content blocks (start, deltas, stop), then
@@ -285,6 +297,7 @@ class Transcript:
             # llama-server closes the text block only as the answer ends: the rest is only
             # its stop reason, which the other child cannot know.
             self.finished = True
+            self.ends.append(kind)
 
     def _response_event(self, event: dict[str, Any]) -> None:
         """/v1/responses: response.created, an output message item and its text part, the
@@ -304,6 +317,7 @@ class Transcript:
         elif kind.endswith(".done") or kind in ("response.completed", "response.incomplete",
                                                 "response.failed"):
             self.finished = True  # the text was closed: only its end was left to send
+            self.ends.append(kind)
         self.reasoning = self.reasoning or kind.startswith("response.reasoning")
         self.tool_calls = self.tool_calls or kind.startswith("response.function_call")
 
@@ -314,18 +328,20 @@ class Transcript:
         self.tool_calls = self.tool_calls or item_type == "function_call"
         self.reasoning = self.reasoning or item_type == "reasoning"
 
-    def _choice(self, choice: dict[str, Any]) -> None:
-        if choice.get("finish_reason"):
-            self.finished = True
+    def _choice(self, choice: dict[str, Any]) -> bool:
+        """Takes one choice; whether it carries the finish."""
+        finishes = bool(choice.get("finish_reason"))
+        self.finished = self.finished or finishes
         delta = choice.get("delta")
         if not isinstance(delta, dict):
             self._text(choice.get("text") if self.kind == "oai_completion" else None)
-            return
+            return finishes
         self.role_sent = self.role_sent or bool(delta.get("role"))
         self.tool_calls = self.tool_calls or bool(delta.get("tool_calls") or
                                                   delta.get("function_call"))
         self._reasoning(delta.get("reasoning_content"))
         self._text(delta.get("content"))
+        return finishes
 
 
 def _str(value: Any) -> str | None:
@@ -349,6 +365,37 @@ class Decision:
 
 CLOSED_AT_LIMIT = "its token limit was reached before the child died; closed as llama-server " \
                   "would"
+CLOSED_AFTER_FINISH = "its finish was sent before the child died; the rest of its end sent as " \
+                      "llama-server would"
+
+# The events each route sends after its finish, in order (closing.py builds them): what a
+# death after the finish can have left unsent. Chat's usage chunk only with include_usage.
+ENDS = {"chat": ("finish", "usage", "[DONE]"), "oai_completion": ("finish", "[DONE]"),
+        "native_completion": ("stop",),
+        "messages": ("content_block_stop", "message_delta", "message_stop"),
+        "responses": ("response.output_text.done", "response.content_part.done",
+                      "response.output_item.done", "response.completed")}
+
+
+def after_finish(payload: dict[str, Any], transcript: Transcript) -> Decision:
+    """A stream whose child died after its finish was relayed: the client has the whole
+    answer, so what llama-server sends after its finish (the usage chunk, `[DONE]`,
+    `message_stop`, `response.completed`) is sent as it would be, never an error event after a
+    whole answer. Where the rest says what was not relayed (a stop reason after only the
+    text block's end, an end with reasoning or tool calls in it), it is the error event."""
+    last = transcript.ends[-1] if transcript.ends else None
+    unknown = Decision(False, "its finish was already sent, and the rest of its end cannot be "
+                              "told from what was relayed", Refusal.FINISHED)
+    if transcript.kind in ("messages", "responses"):
+        told = last in ("message_delta", "message_stop", "response.completed")
+        if not told and (transcript.tool_calls or transcript.reasoning or
+                         last not in ENDS[transcript.kind]):
+            return unknown
+        if last == "content_block_stop" and at_limit(payload, transcript) is None:
+            return unknown  # end_turn, stop_sequence or max_tokens: not known
+        if transcript.kind == "responses" and not told and transcript.item_id is None:
+            return unknown
+    return Decision(False, CLOSED_AFTER_FINISH, Refusal.FINISHED, closing=True)
 
 
 def at_limit(payload: dict[str, Any], transcript: Transcript) -> Decision | None:
@@ -381,7 +428,7 @@ def decide(payload: dict[str, Any], transcript: Transcript, continued_before: bo
     if continued_before:
         return Decision(False, "a stream is continued at most once", Refusal.ALREADY)
     if transcript.finished:
-        return Decision(False, "its finish was already sent", Refusal.FINISHED)
+        return after_finish(payload, transcript)
     if (limited := at_limit(payload, transcript)) is not None:
         # Before the other refusals: the answer is whole whatever a continuation could carry.
         return limited

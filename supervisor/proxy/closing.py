@@ -14,6 +14,12 @@ answer, so Spillway ends it as llama-server ends a stream stopped by its limit
 - /v1/responses: `output_text.done`, `content_part.done`, `output_item.done` with the whole
   text, then `response.completed` (llama-server says "completed" at its limit too).
 
+A stream whose child died after its finish was relayed (`after_finish`) gets only the rest of
+that end (`rest_events`): chat's usage chunk when asked for and `[DONE]`, `[DONE]` after a
+completion's finish, `message_stop`, or the /v1/responses events after the last one relayed;
+nothing after /completion's last event. llama-server sends them in one go after the finish, so a
+death between them is rare, but it must not turn a whole answer into an error.
+
 Only what the relayed events told can be given: completion tokens are the tokens counted (the
 limit's worth), the prompt's tokens only when an event said them (else left out, not guessed);
 llama-server's `timings`, `generation_settings` and `prompt` are left out. The final event
@@ -42,6 +48,36 @@ def closing_events(before: Transcript, payload: dict[str, Any],
     return _openai(before, payload, note)
 
 
+def rest_events(before: Transcript, payload: dict[str, Any], note: dict[str, Any]) -> bytes:
+    """What llama-server sends after the finish `before` ends with and the client did not get
+    (policy/continuation.py's `after_finish` says it can be told); `note` goes on the first
+    event left that carries a body, when one is."""
+    kind, last = before.kind, before.ends[-1] if before.ends else None
+    if kind == "native_completion":
+        return b""  # its final event is its end: nothing follows it
+    if kind in ("chat", "oai_completion"):
+        options = payload.get("stream_options")
+        events: list[dict[str, Any]] = []
+        if kind == "chat" and last == "finish" and isinstance(options, dict) and \
+                options.get("include_usage") is True:
+            events.append({"choices": [], **_head(before), "usage": _usage(before),
+                           "spillway_closed": note})
+        return b"".join(encode_event(e) for e in events) + b"data: [DONE]\n\n"
+    whole = _messages_events(before, note) if kind == "messages" else \
+        _responses_events(before, note)
+    sent = [e["type"] for e in whole].index(last) + 1 if last is not None else 0
+    return b"".join(encode_event(e, named=True) for e in whole[sent:])
+
+
+def _head(before: Transcript) -> dict[str, Any]:
+    """The chunk fields llama-server stamps on every chat chunk, as the relayed ones said."""
+    head = {k: v for k, v in (("created", before.created), ("id", before.id),
+                              ("model", before.model),
+                              ("system_fingerprint", before.system_fingerprint)) if v is not None}
+    head["object"] = "chat.completion.chunk" if before.kind == "chat" else "text_completion"
+    return head
+
+
 def _usage(before: Transcript, generated: str = "completion_tokens",
            prompt: str = "prompt_tokens") -> dict[str, Any]:
     usage: dict[str, Any] = {generated: before.tokens}
@@ -53,10 +89,7 @@ def _usage(before: Transcript, generated: str = "completion_tokens",
 
 def _openai(before: Transcript, payload: dict[str, Any], note: dict[str, Any]) -> bytes:
     chat = before.kind == "chat"
-    head = {k: v for k, v in (("created", before.created), ("id", before.id),
-                              ("model", before.model),
-                              ("system_fingerprint", before.system_fingerprint)) if v is not None}
-    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    head = _head(before)
     choice: dict[str, Any] = {"finish_reason": "length", "index": 0}
     if chat:
         choice["delta"] = {}
@@ -84,15 +117,23 @@ def _native(before: Transcript, note: dict[str, Any]) -> bytes:
 
 
 def _messages(before: Transcript, note: dict[str, Any]) -> bytes:
-    events: list[dict[str, Any]] = [{"type": "content_block_stop", "index": before.text_block},
-              {"type": "message_delta",
-               "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
-               "usage": {"output_tokens": before.tokens}, "spillway_closed": note},
-              {"type": "message_stop"}]
-    return b"".join(encode_event(e, named=True) for e in events)
+    return b"".join(encode_event(e, named=True) for e in _messages_events(before, note))
+
+
+def _messages_events(before: Transcript, note: dict[str, Any]) -> list[dict[str, Any]]:
+    """The end of a /v1/messages stream stopped by its limit (the only stop reason that can be
+    told: `after_finish` refuses the others)."""
+    return [{"type": "content_block_stop", "index": before.text_block},
+            {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+             "usage": {"output_tokens": before.tokens}, "spillway_closed": note},
+            {"type": "message_stop"}]
 
 
 def _responses(before: Transcript, note: dict[str, Any]) -> bytes:
+    return b"".join(encode_event(e, named=True) for e in _responses_events(before, note))
+
+
+def _responses_events(before: Transcript, note: dict[str, Any]) -> list[dict[str, Any]]:
     part = {"type": "output_text", "annotations": [], "logprobs": [], "text": before.text}
     item = {"type": "message", "status": "completed", "id": before.item_id, "content": [part],
             "role": "assistant"}
@@ -105,4 +146,4 @@ def _responses(before: Transcript, note: dict[str, Any]) -> bytes:
               {"type": "response.content_part.done", "item_id": before.item_id, "part": part},
               {"type": "response.output_item.done", "item": item},
               {"type": "response.completed", "response": response, "spillway_closed": note}]
-    return b"".join(encode_event(e, named=True) for e in events)
+    return events

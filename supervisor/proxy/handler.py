@@ -617,20 +617,21 @@ class ProxyHandler:
 
     async def _close(self, ctx: RequestCtx, cut: Interrupted, reason: str,
                      episodes: list[_Episode]) -> Answered | Broken:
-        """The token limit was reached before the child died: the client has the whole answer,
-        and gets the finish llama-server would have sent (proxy/closing.py), into the
-        resumable stream's buffer too (the response is its tee)."""
+        """The token limit was reached, or the finish relayed, before the child died: the client
+        has the whole answer, and gets the end llama-server would have sent (proxy/closing.py),
+        into the resumable stream's buffer too (the response is its tee)."""
         failure, so_far = cut.failure, ctx.follow
         assert so_far is not None and ctx.req.payload is not None
-        log.warning("rid=%s %s child failed mid-stream (%s: %s) after the last of %d tokens, "
-                    "by %s; closing the stream as llama-server would", ctx.req.request_id,
-                    failure.child, failure.verdict.kind, failure.verdict.evidence, so_far.tokens,
+        where = "after its finish" if so_far.finished else "after the last of its tokens"
+        log.warning("rid=%s %s child failed mid-stream (%s: %s) %s (%d, by %s); closing the "
+                    "stream as llama-server would", ctx.req.request_id, failure.child,
+                    failure.verdict.kind, failure.verdict.evidence, where, so_far.tokens,
                     so_far.count_basis)
         episodes.append(_Episode(failure, "finished", reason, tokens_before=so_far.tokens))
         note = {"from_child": failure.child, "kind": str(failure.verdict.kind),
-                "tokens": so_far.tokens, "reason": "length"}
-        return await self.forwarder.end_closed(
-            cut.response, closing.closing_events(so_far, ctx.req.payload, note))
+                "tokens": so_far.tokens, "reason": "finished" if so_far.finished else "length"}
+        events = closing.rest_events if so_far.finished else closing.closing_events
+        return await self.forwarder.end_closed(cut.response, events(so_far, ctx.req.payload, note))
 
     def _controlled_error(self, ctx: RequestCtx, failure: AttemptFailure,
                           gave_up: GiveUp) -> web.Response:

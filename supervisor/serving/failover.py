@@ -159,13 +159,8 @@ class Failover:
         event)."""
         pool, name = self.pool, cut.failure.child
         target = pool.takeover(name, after_bytes=True)  # never onto, or from, another model
-        if target is not None and cut.media and pool.takes(name, cut.media) and \
-                not pool.takes(target, cut.media):
-            return GiveUp(f"the {target} child's projector does not take its "
-                          f"{' and '.join(sorted(cut.media))}", None, pool.retry_after_s(name))
-        limit = continuation.token_limit(cut.so_far.kind, cut.payload)
-        remaining = (max(limit - cut.so_far.tokens, 0) if limit is not None
-                     else cut.work.max_tokens)
+        left = continuation.tokens_left(cut.payload, cut.so_far)  # (what the continuation asks)
+        remaining = left if left is not None else cut.work.max_tokens
         decision = continuation.decide(
             cut.payload, cut.so_far, cut.continued_before, cut.deadline_left_s,
             target_expected_s=(pool.expected_seconds(target, cut.work.with_max_tokens(remaining))
@@ -174,6 +169,10 @@ class Failover:
             target_prefills=target not in cut.no_prefill)
         if decision.closing:  # (whichever child might have gone on: none is needed)
             return Close(decision.reason)
+        if target is not None and cut.media and pool.takes(name, cut.media) and \
+                not pool.takes(target, cut.media):
+            return GiveUp(f"the {target} child's projector does not take its "
+                          f"{' and '.join(sorted(cut.media))}", None, pool.retry_after_s(name))
         if target is None and name in pool.smaller:
             return GiveUp("a stream from the smaller model is not continued on another model",
                           None, pool.retry_after_s(name))
