@@ -297,7 +297,7 @@ async def test_the_drill_arm_fires_on_the_task_or_on_a_neighbour_load() -> None:
     await loaded(upstream)
     for when_neighbour in (False, True):
         proc = await asyncio.create_subprocess_exec("sleep", "30")
-        upstream.pid = proc.pid
+        upstream.heard_pid(proc.pid)
         upstream.arm(signal.SIGABRT, on_neighbour_load=when_neighbour)
         upstream.heard_instance_line("slot launch_slot_: id  1 | task 3 | processing task")
         if when_neighbour:
@@ -305,6 +305,26 @@ async def test_the_drill_arm_fires_on_the_task_or_on_a_neighbour_load() -> None:
             upstream.heard_neighbour_load("beta")
         assert await asyncio.wait_for(proc.wait(), 5) == -signal.SIGABRT
         assert upstream.armed_signal is None  # once
+
+
+@pytest.mark.asyncio
+async def test_the_drills_signal_never_reaches_a_process_that_took_a_dead_instances_pid() -> None:
+    """The instance's pid is found once, at its load; when the drill fires later the instance
+    may be gone and its pid another process's. The signal goes through a pidfd opened as the
+    pid was found: to that instance, or nowhere."""
+    import signal
+    upstream, _, _, _ = make()
+    await loaded(upstream)
+    gone = await asyncio.create_subprocess_exec("true")
+    upstream.heard_pid(gone.pid)
+    await gone.wait()
+    bystander = await asyncio.create_subprocess_exec("sleep", "30")
+    upstream.pid = bystander.pid  # as if the pid were reused: only the pid is the same
+    assert upstream.signal_now(signal.SIGKILL)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(asyncio.shield(bystander.wait()), 0.5)
+    bystander.kill()
+    await bystander.wait()
 
 
 @pytest.mark.asyncio

@@ -121,6 +121,9 @@ class ModelUpstream(LifeReader):
         self.info: ModelInfo | None = None  # the router's last word on it
         self.instance_port: int | None = None
         self.pid: int | None = None  # the instance's (a grandchild of Spillway's)
+        # A pidfd on it, opened as the pid was found: the drill's signal goes to that very
+        # process, or nowhere once it is gone, never to a later process given the same pid.
+        self._pidfd: int | None = None
         self._lines: deque[str] = deque(maxlen=STDERR_TAIL_LINES)  # its instances' lines
         self._lines_heard = 0  # ... counted, so that an instance's own begin where it began
         self._instance_since = 0
@@ -287,12 +290,17 @@ class ModelUpstream(LifeReader):
     def heard_spawn(self, port: int) -> None:
         """The router's `spawning server instance with name=M on port P`."""
         self.instance_port = port
-        self.pid = None  # its process is looked up from the port next
+        self.heard_pid(None)  # its process is looked up from the port next
         self._began("loading (the router spawned its instance)")
 
     def heard_pid(self, pid: int | None) -> None:
         """Its instance's process, found from its port (the watch looks it up)."""
-        self.pid = pid
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+        self.pid, self._pidfd = pid, None
+        if pid is not None:
+            with contextlib.suppress(OSError):  # (gone already: nothing to signal)
+                self._pidfd = os.pidfd_open(pid)
 
     def heard_instance_line(self, text: str) -> None:
         self._lines.append(text)
@@ -330,9 +338,14 @@ class ModelUpstream(LifeReader):
             return False
         log.warning("[%s:%s] drill: sending %s to its instance (pid %d) now", self.name,
                     self.model, signal.Signals(sig).name, self.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, sig)
+        self._signal(sig)
         return True
+
+    def _signal(self, sig: int) -> None:
+        """`sig` to the instance found, through its pidfd: nothing when it is gone."""
+        if self._pidfd is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(self._pidfd, sig)
 
     def _fire_armed(self) -> None:
         sig, self.armed_signal = self.armed_signal, None
@@ -340,8 +353,7 @@ class ModelUpstream(LifeReader):
             return
         log.warning("[%s:%s] drill: sending %s to its instance (pid %d) as a task launches",
                     self.name, self.model, signal.Signals(sig).name, self.pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, sig)
+        self._signal(sig)
 
     def _began(self, reason: str) -> None:
         self.engine.post(lifecycle.Began(reason, since=self._lines_heard))
