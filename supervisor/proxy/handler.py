@@ -622,11 +622,12 @@ class ProxyHandler:
         into the resumable stream's buffer too (the response is its tee)."""
         failure, so_far = cut.failure, ctx.follow
         assert so_far is not None and ctx.req.payload is not None
-        where = "after its finish" if so_far.finished else "after the last of its tokens"
-        log.warning("rid=%s %s child failed mid-stream (%s: %s) %s (%d, by %s); closing the "
+        where = (f"after its finish ({so_far.tokens} tokens" if so_far.finished
+                 else f"after the last of {so_far.tokens} tokens")
+        log.warning("rid=%s %s child failed mid-stream (%s: %s) %s, by %s%s; closing the "
                     "stream as llama-server would", ctx.req.request_id, failure.child,
-                    failure.verdict.kind, failure.verdict.evidence, where, so_far.tokens,
-                    so_far.count_basis)
+                    failure.verdict.kind, failure.verdict.evidence, where, so_far.count_basis,
+                    ")" if so_far.finished else "")
         episodes.append(_Episode(failure, "finished", reason, tokens_before=so_far.tokens))
         note = {"from_child": failure.child, "kind": str(failure.verdict.kind),
                 "tokens": so_far.tokens, "reason": "finished" if so_far.finished else "length"}
