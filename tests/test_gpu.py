@@ -186,7 +186,10 @@ def test_a_two_card_command_line_through_init_gives_the_gpu_child_both_cards(
                                           str(tiny_model), "-ngl", "99", "-ts", "1,1"])
     assert args.func(args) == 0
     written = capsys.readouterr()
-    assert "warning" not in written.err.lower(), written.err
+    # (On a Xeon with AMX init warns of the host's CPU, whatever the command line: not this.)
+    about_the_line = [line for line in written.err.lower().splitlines()
+                      if "warning" in line and "amx" not in line]
+    assert not about_the_line, written.err
     doc = tomllib.loads(written.out)
     assert "device" not in doc["gpu"] and doc["gpu"]["args"] == ["-ngl", "99", "-ts", "1,1"]
     figures = tmp_path / "nvml.json"
