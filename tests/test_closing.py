@@ -159,6 +159,17 @@ def known(value: Any) -> Any:
     return value
 
 
+def theirs_known(kind: str, finals: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """llama-server's final events, but what Spillway cannot know of them."""
+    theirs = [known(e) for e in finals]
+    if kind in ("native_completion", "responses"):
+        # The model's name: no event before these finals gives it on these routes.
+        for e in theirs:
+            e.pop("model", None)
+            e.get("response", {}).pop("model", None)
+    return theirs
+
+
 @pytest.mark.parametrize(("name", "kind", "payload"), CAPTURES)
 def test_the_closing_events_are_llama_servers_own(name: str, kind: str,
                                                    payload: dict[str, Any]) -> None:
@@ -169,13 +180,7 @@ def test_the_closing_events_are_llama_servers_own(name: str, kind: str,
     closing = closing_events(t, payload, NOTE)
     ours = events(closing)
     assert [e.pop("spillway_closed") for e in ours if "spillway_closed" in e] == [NOTE]
-    theirs = [known(e) for e in finals]
-    if kind in ("native_completion", "responses"):
-        # The model's name: no event before these finals gives it on these routes.
-        for e in theirs:
-            e.pop("model", None)
-            e.get("response", {}).pop("model", None)
-    assert [known(e) for e in ours] == theirs
+    assert [known(e) for e in ours] == theirs_known(kind, finals)
     assert closing.endswith(b"data: [DONE]\n\n") == raw.rstrip().endswith(b"data: [DONE]")
     if kind in ("messages", "responses"):  # each event named, as llama-server names them
         for block in closing.split(sse.SEPARATOR)[:-1]:
@@ -233,12 +238,7 @@ def test_a_death_after_the_finish_sends_the_rest_of_llama_servers_end(
     ours = events(rest)
     for e in ours:
         e.pop("spillway_closed", None)
-    theirs = [known(e) for e in missed]
-    if kind in ("native_completion", "responses"):
-        for e in theirs:
-            e.pop("model", None)
-            e.get("response", {}).pop("model", None)
-    assert [known(e) for e in ours] == theirs
+    assert [known(e) for e in ours] == theirs_known(kind, missed)
     assert rest.endswith(b"data: [DONE]\n\n") == raw.rstrip().endswith(b"data: [DONE]")
     assert not any("error" in e for e in ours)
 
