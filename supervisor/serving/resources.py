@@ -263,8 +263,9 @@ class Resources:
     def expected_seconds(self, name: str, work: Work) -> float | None:
         """How long a request would take on the child, from its own reported speeds, and its
         encoder's time for each image or audio clip."""
-        prefill = max(1, work.prompt_tokens - self.warm_tokens(name, work))
-        text = estimate.expected_seconds(self.throughput[name], prefill, work.max_tokens)
+        warm = min(self.warm_tokens(name, work), work.prompt_tokens)
+        text = estimate.expected_seconds(self.throughput[name],
+                                         max(1, work.prompt_tokens - warm), work.max_tokens, warm)
         if text is None or not work.media:
             return text
         return text + media.encode_seconds(work.media, self.encode_s.get(name),
