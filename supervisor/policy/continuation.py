@@ -368,13 +368,10 @@ CLOSED_AT_LIMIT = "its token limit was reached before the child died; closed as 
 CLOSED_AFTER_FINISH = "its finish was sent before the child died; the rest of its end sent as " \
                       "llama-server would"
 
-# The events each route sends after its finish, in order (closing.py builds them): what a
-# death after the finish can have left unsent. Chat's usage chunk only with include_usage.
-ENDS = {"chat": ("finish", "usage", "[DONE]"), "oai_completion": ("finish", "[DONE]"),
-        "native_completion": ("stop",),
-        "messages": ("content_block_stop", "message_delta", "message_stop"),
-        "responses": ("response.output_text.done", "response.content_part.done",
-                      "response.output_item.done", "response.completed")}
+# The events that end a /v1/messages or /v1/responses stream, in order (closing.py builds them).
+_ENDS = {"messages": ("content_block_stop", "message_delta", "message_stop"),
+         "responses": ("response.output_text.done", "response.content_part.done",
+                       "response.output_item.done", "response.completed")}
 
 
 def after_finish(payload: dict[str, Any], transcript: Transcript) -> Decision:
@@ -389,7 +386,7 @@ def after_finish(payload: dict[str, Any], transcript: Transcript) -> Decision:
     if transcript.kind in ("messages", "responses"):
         told = last in ("message_delta", "message_stop", "response.completed")
         if not told and (transcript.tool_calls or transcript.reasoning or
-                         last not in ENDS[transcript.kind]):
+                         last not in _ENDS[transcript.kind]):
             return unknown
         if last == "content_block_stop" and at_limit(payload, transcript) is None:
             return unknown  # end_turn, stop_sequence or max_tokens: not known
