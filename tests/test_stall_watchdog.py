@@ -68,8 +68,11 @@ def test_a_stream_stuck_while_health_answers_is_continued_on_the_cpu_child(
 
 def test_a_non_streamed_request_on_a_stuck_child_is_replayed(
         spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
+    # (Not waiting for the GPU child's return: the fake one is back at once and fast, so the
+    # replay would wait for it; test_failback_integration covers that.)
     cfg = fake_config(fake_server, tiny_model, gpu={"env": {"FAKE_HANG_AFTER": "1"}},
-                      restart={"stall_timeout_s": STALL_S, "hang_timeout_s": 120})
+                      restart={"stall_timeout_s": STALL_S, "hang_timeout_s": 120},
+                      failover={"wait_for_gpu": False})
     s = spillway(cfg)
     oa = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0, timeout=60)
 

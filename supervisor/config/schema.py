@@ -463,6 +463,9 @@ class FailoverConfig:
     # back when that is expected to answer clearly sooner (admission's 5w, the earliest expected
     # finish); false: the CPU child takes it now, as before 5w.
     wait_for_gpu: bool = field(default=True, metadata=key("bool", True))
+    # A stream the CPU child answers because the GPU child was down moves back to the GPU child
+    # once it is READY, when the rest is expected to end clearly sooner there (fail-back).
+    fail_back: bool = field(default=True, metadata=key("bool", True))
 
 
 @dataclass(frozen=True)

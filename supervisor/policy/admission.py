@@ -209,31 +209,64 @@ def gpu_forecast_s(cap: Capacity, gpu_fits: bool = True) -> float | None:
     return gpu.back_in_s + ahead_s + gpu.expected_s
 
 
+@dataclass(frozen=True)
+class Return:
+    """Waiting for the GPU child on its way back, chosen as the earliest expected finish."""
+
+    gpu_s: float  # answered after its return (back-off, start, line ahead, its own time)
+    cpu_s: float | None  # on the CPU child now (None: it cannot take it now)
+    back_in_s: float  # the GPU child's return, as forecast
+    wait_limit_s: float  # how long to wait for that return before the CPU child takes it
+
+    def describe(self, cap: Capacity) -> str:
+        gpu, cpu = cap.gpu, cap.cpu
+        against = (f"against about {self.cpu_s:.0f} s on the {cpu.shown}"
+                   if self.cpu_s is not None else f"the {cpu.shown} cannot take it now")
+        return (f"waiting for the {gpu.shown} ({gpu.state}, back in about "
+                f"{self.back_in_s:.0f} s): answered in about {self.gpu_s:.0f} s there, "
+                f"{against}")
+
+
+def sooner_on_return(cap: Capacity, deadline_s: float | None, cpu_s: float | None,
+                     gpu_fits: bool = True) -> Return | None:
+    """Whether waiting for the GPU child, on its way back, is clearly the earliest finish:
+    its forecast (gpu_forecast_s) under GPU_WAIT_MARGIN of the CPU child's time `cpu_s` (None:
+    the CPU child cannot take it now, so any return in time beats a 503), and the wait within
+    half of what the client allows, so that a late return still leaves the CPU child time to
+    answer. Only a forecast with room to be wrong: a GPU child already overdue (its start
+    longer than the last one: back in 0 s) has none. Used for new requests (branch 5w) and
+    for the replays and continuations a GPU death caught (serving/failover.py)."""
+    gpu_s = gpu_forecast_s(cap, gpu_fits)
+    back_in = cap.gpu.back_in_s
+    if gpu_s is None or not back_in:
+        return None
+    if cpu_s is not None and gpu_s >= cpu_s * GPU_WAIT_MARGIN:
+        return None
+    allowed = cap.max_wait_s if deadline_s is None else min(cap.max_wait_s, deadline_s)
+    if gpu_s > allowed / 2:
+        return None
+    # Past twice its forecast return (and a little), the GPU child is late: the CPU child then
+    # takes the request with what is left of the client's time.
+    return Return(gpu_s, cpu_s, back_in, min(allowed / 2, 2 * back_in + 5.0))
+
+
 def _gpu_sooner(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:
     """Branch 5w: the earliest expected finish. A request the CPU child could take now
     waits for the GPU child instead when the GPU child's return plus its own time is clearly
     sooner than the CPU child's time (its prompt at its measured speed, less what its cache
-    holds), and the wait fits the line and the client's deadline. The head of the line asks
-    again each time capacity changes: a GPU child that does not come back in time leaves the
-    request to the CPU child. Off with failover.wait_for_gpu = false."""
-    if not cap.wait_for_gpu:
+    holds), and the wait fits the line and the client's deadline (sooner_on_return). The head
+    of the line asks again each time capacity changes: a GPU child that does not come back in
+    time leaves the request to the CPU child. Off with failover.wait_for_gpu = false."""
+    if not cap.wait_for_gpu or cap.waiting >= cap.max_waiting:
         return None
     cpu = cap.cpu
-    gpu_s = gpu_forecast_s(cap, gpu_fits)
-    cpu_s = cpu.expected_s if cpu.has_room else None
-    if gpu_s is None or cpu_s is None or gpu_s >= cpu_s * GPU_WAIT_MARGIN:
+    if not cpu.has_room or cpu.expected_s is None:
         return None
-    allowed = cap.max_wait_s if req.deadline_s is None else min(cap.max_wait_s, req.deadline_s)
-    gpu = cap.gpu
-    # Only a forecast with room to be wrong: a GPU child already overdue (its start longer
-    # than the last one) has none, and the wait must fit half of what the client allows, so
-    # that a late return still leaves the CPU child time to answer.
-    if cap.waiting >= cap.max_waiting or not gpu.back_in_s or gpu_s > allowed / 2:
+    back = sooner_on_return(cap, req.deadline_s, cpu.expected_s, gpu_fits)
+    if back is None:
         return None
-    return Decision(Action.WAIT, 6, f"waiting for the {gpu.shown} ({gpu.state}, back in about "
-                                    f"{gpu.back_in_s:.0f} s): answered in about {gpu_s:.0f} s "
-                                    f"there, against about {cpu_s:.0f} s on the {cpu.shown}",
-                    queue_position=cap.waiting + 1, retry_after_s=gpu_s, expected_s=gpu_s)
+    return Decision(Action.WAIT, 6, back.describe(cap), queue_position=cap.waiting + 1,
+                    retry_after_s=back.gpu_s, expected_s=back.gpu_s)
 
 
 def _to_cpu(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:

@@ -72,6 +72,7 @@ class Refusal(enum.StrEnum):
     DEADLINE = "deadline"
     ALREADY = "already_continued"
     NO_TARGET = "no_target"
+    FAILED_BACK = "already_failed_back"
 
 
 def route_kind(path: str) -> str | None:
@@ -451,6 +452,59 @@ def decide(payload: dict[str, Any], transcript: Transcript, continued_before: bo
                                "begin a new answer", Refusal.PROMPT)
     return Decision(True, f"continued after {transcript.tokens} tokens, by "
                           f"{transcript.count_basis}")
+
+
+# A stream moves back to the GPU child only when the rest is expected there in under this share
+# of its time on the CPU child: the GPU child's forecast includes its prefill of everything so
+# far (its cache is cold after its restart), and its speed is from before its death.
+FAIL_BACK_MARGIN = 0.8
+
+
+def fail_back(payload: dict[str, Any], transcript: Transcript, failed_back_before: bool,
+              deadline_left_s: float | None, gpu_rest_s: float | None,
+              cpu_rest_s: float | None, target_prefills: bool = True) -> Decision:
+    """Whether a stream the CPU child is answering (after a GPU death: a continuation, a
+    replay, or a request that came in the outage) moves back to the GPU child, READY again:
+    the continuation in reverse, under its rules (never after a relayed tool call, never for
+    a constrained answer: `body_refusal` kept those from being followed at all), at most once,
+    and only when the rest is expected to end clearly sooner there (FAIL_BACK_MARGIN). A
+    stream at its end (its finish relayed, its limit reached) stays: the CPU child sends the
+    rest in moments."""
+    if failed_back_before:
+        return Decision(False, "a stream fails back at most once", Refusal.FAILED_BACK)
+    if transcript.finished or at_limit(payload, transcript) is not None:
+        return Decision(False, "it is at its end", Refusal.FINISHED)
+    moved = decide(payload, transcript, False, deadline_left_s, gpu_rest_s or 0.0, True,
+                   target_prefills)
+    if not moved.allowed:
+        return moved
+    if gpu_rest_s is None or cpu_rest_s is None:
+        return Decision(False, "no forecast for the rest on both children", Refusal.NO_TARGET)
+    if gpu_rest_s >= FAIL_BACK_MARGIN * cpu_rest_s:
+        return Decision(False, f"the rest is not clearly sooner on the GPU child (about "
+                               f"{gpu_rest_s:.1f} s against {cpu_rest_s:.1f} s)",
+                        Refusal.NO_TARGET)
+    return Decision(True, f"failed back after {transcript.tokens} tokens: the rest in about "
+                          f"{gpu_rest_s:.1f} s on the GPU child against {cpu_rest_s:.1f} s on "
+                          f"the CPU child")
+
+
+def joined(before: Transcript, leg: Transcript, added_text: str) -> Transcript:
+    """What the client has of a stream continued once: the transcript before the move and
+    the continuation's own (`leg`, read from the other child's events as they came, its count
+    from its own start), whose text the client got as `added_text` (its echo stripped)."""
+    whole = copy.copy(before)
+    whole.ends = [*before.ends, *leg.ends]
+    whole.text = before.text + added_text
+    whole.reasoning_text = before.reasoning_text + leg.reasoning_text
+    whole.tokens = before.tokens + leg.tokens
+    whole.counted = before.counted and leg.counted
+    whole.own_count = before.own_count if whole.counted else ""
+    whole.tool_calls = before.tool_calls or leg.tool_calls
+    whole.reasoning = before.reasoning or leg.reasoning or bool(
+        leg.reasoning_text and before.text)
+    whole.finished = leg.finished
+    return whole
 
 
 def token_limit(kind: str, payload: dict[str, Any]) -> int | None:

@@ -23,7 +23,7 @@ import enum
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from .evidence import Verdict
+from .evidence import FailureKind, Verdict
 from .routes import RouteClass
 
 
@@ -116,6 +116,20 @@ def decide(case: ReplayCase) -> ReplayDecision:
     if not case.target_available:
         return no(Refusal.NO_TARGET)
     return ReplayDecision(True, f"replay-safe after {case.verdict.kind}")
+
+
+# Out-of-memory deaths: the memory a request's own prefill asks for may be what ran out.
+_OOM = frozenset({FailureKind.RUNTIME_OOM, FailureKind.OOM_SURVIVED})
+
+
+def own_size_suspect(kind: FailureKind, answer_started: bool) -> bool:
+    """Whether the evidence may name the request's own size as the cause of an out-of-memory
+    death: it was still in its prefill (the child had not begun its answer), which is where
+    llama.cpp allocates for a prompt. Such a request does not wait for the GPU child to take
+    the same memory again; it goes to the CPU child as before. A stream that was already
+    generating, or a death that was not out of memory (a kill, a crash, a GPU reset), names
+    no request's size."""
+    return kind in _OOM and not answer_started
 
 
 def unavailable(refusal: Refusal | None, safe_read: bool) -> bool:

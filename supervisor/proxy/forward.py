@@ -42,7 +42,7 @@ from ..policy import continuation, pings, sickness
 from ..policy.estimate import Work
 from ..policy import evidence as ev
 from ..vocabulary import Attempt, AttemptFailure, Received, Upstream
-from .outcomes import Answered, AttemptResult, Broken, Interrupted
+from .outcomes import Answered, AttemptResult, Broken, Interrupted, Recalled
 from ..policy import router as router_evidence
 from ..policy.routes import ANTHROPIC_ROUTES, RouteClass
 from . import sse
@@ -50,6 +50,7 @@ from .connections import (
     ConnectionUse, UpstreamClient, UpstreamClosed, UpstreamConnectError, UpstreamResponse,
 )
 from ..records.stream_sessions import StreamSession
+from ..serving.failback import Recall
 from .continued import ContinuedStream
 from .errors import sse_error_event
 from .headers import downstream_headers, upstream_headers
@@ -91,6 +92,14 @@ class RequestCtx:
     # A stream that may be continued on the other child: what the client has of it so far.
     follow: continuation.Transcript | None = None
     continued: bool = False  # it was continued once (never twice)
+    # Once continued: what its continuation relayed, read from that child's own events (its
+    # count from its own start), and the stream's rewriting (the text the client got of it).
+    leg: continuation.Transcript | None = None
+    continued_stream: ContinuedStream | None = None
+    # A stream the CPU child answers that may move back to the GPU child (serving/failback):
+    # the relay stops at a whole event once it is due.
+    recall: Recall | None = None
+    failed_back: bool = False  # it moved back once (never twice)
     # A resumable stream's replay buffer, which every byte sent joins.
     resumable: StreamSession | None = None
     event_stream: web.StreamResponse | None = None  # the client's, once its headers went out
@@ -448,7 +457,8 @@ class Forwarder:
     async def _relay(self, ctx: RequestCtx, attempt: Attempt, child: Upstream, generation: int,
                      upstream: UpstreamResponse, resp: web.StreamResponse, buffer: bytes,
                      anthropic: bool, continued: ContinuedStream | None = None,
-                     pings: bool = False) -> Answered | Broken | Interrupted | AttemptFailure:
+                     pings: bool = False
+                     ) -> Answered | Broken | Interrupted | Recalled | AttemptFailure:
         """Whole events, as they come (rewritten by `continued`, for a continuation), and the
         child's pings only for a client that asked for them (`pings`). Reads and writes fail
         apart: a read error is the child's failure, a write error is the client leaving (it
@@ -458,6 +468,8 @@ class Forwarder:
         while True:
             if whole:
                 if continued is not None:
+                    if ctx.leg is not None:
+                        _follow(ctx.leg, whole)
                     whole = continued.rewrite(whole)
                     if continued.generated and attempt.first_byte_s is None:
                         # The continuation's first token (its progress events and pings, sent
@@ -469,6 +481,8 @@ class Forwarder:
                 if ctx.follow is not None and not ctx.continued:
                     _follow(ctx.follow, whole)
                 last = whole
+                if ctx.recall is not None and ctx.recall.due:
+                    return Recalled(resp, anthropic)  # (the rest goes on from the GPU child)
             try:
                 chunk = await upstream.readany()
             except TimeoutError:
@@ -561,7 +575,7 @@ class Forwarder:
 
     async def continue_stream(self, ctx: RequestCtx, attempt: Attempt, child: Upstream,
                               interrupted: Interrupted, body: bytes,
-                              stream: ContinuedStream) -> Answered | Broken:
+                              stream: ContinuedStream) -> Answered | Broken | Recalled:
         """The interrupted stream goes on from `child`: `body` (the relayed text as the
         answer's start) is sent there, and its events reach the client rewritten by `stream`
         (whose final event says it was continued: nothing else on the wire does). A client
@@ -569,6 +583,8 @@ class Forwarder:
         it with the error event."""
         resp = interrupted.response
         ctx.continued = True
+        ctx.leg = continuation.Transcript(stream.before.kind)
+        ctx.continued_stream = stream
         generation = child.generation
         headers = upstream_headers(ctx.req.client_headers, ctx.req.request_id,
                                    child.api_key if ctx.req.trusted else None)

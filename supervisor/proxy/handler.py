@@ -24,7 +24,7 @@ from ..records.idempotency import IdempotencyStore, Outcome, StoredResponse, fin
 from ..records.incidents import Incident, IncidentLog, new_incident_id
 from ..records.metrics import Metrics
 from ..serving.pool import Lease, Pool
-from ..serving.recovery import Close, GiveUp, GoOn, Recovery, safe_read
+from ..serving.recovery import Close, GiveUp, GoOn, Recall, Recovery, safe_read
 from ..serving.mirror import Mirror
 from ..serving.held import DEFAULT_MAX_HELD_BYTES, LARGE_BODY_BYTES, HeldBodies
 from ..serving.pools import Pools
@@ -32,6 +32,7 @@ from ..gpu import MIB
 from ..records.stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
 from ..records.timefmt import rfc3339
 from ..policy import admission, continuation, media, prompts, replay
+from ..policy import evidence as ev
 from ..policy.routes import RouteClass, classify_route, route_label
 from . import closing, errors, tokens
 from .auth import AUTHENTICATED, presented_key
@@ -39,7 +40,7 @@ from .bodies import BodyTimeout, BodyTooLarge, BodyUnreadable, parse_json_object
     refusal
 from .continued import ContinuedStream
 from ..vocabulary import Attempt, AttemptFailure, Received
-from .outcomes import Answered, AttemptResult, Broken, Interrupted, ending
+from .outcomes import Answered, AttemptResult, Broken, Interrupted, Recalled, ending
 from .forward import Forwarder, RequestCtx, pinging
 from .headers import HeaderProblem, own_headers
 from .identity import loggable, request_id_of
@@ -59,6 +60,7 @@ class ProxySettings:
     max_replay_body_bytes: int
     replay: bool = True
     continue_streams: bool = True  # failover.continue_streams
+    fail_back: bool = True  # failover.fail_back (serving/failback.py)
     # Children started with --no-prefill-assistant: /v1/messages streams are not continued
     # there (the Messages API cannot ask for the final message to be continued).
     no_prefill: frozenset[str] = frozenset()
@@ -78,12 +80,18 @@ class _Episode:
     """What the handler learned about a failure, for the incident record."""
 
     failure: AttemptFailure
-    decision: str  # replayed | rerouted | rejected | passed_on | continued | finished
+    # replayed | rerouted | rejected | passed_on | continued | finished | waited (replayed or
+    # continued on the failed child itself, back from its restart)
+    decision: str
     reason: str
     cpu_start_s: float = 0.0
     replay_child: str | None = None
     tokens_before: int = 0  # continued: the tokens the client had from the failed child
     continued_after_s: float | None = None  # continued: the death to the next token
+    # The forecast the failover acted on (from its decision to the answer's end), and when
+    # it decided: the incident has it beside what it took.
+    forecast_s: float | None = None
+    decided_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class ProxyHandler:
@@ -413,11 +421,85 @@ class ProxyHandler:
             ctx.waited_s = got.waited_s
             ctx.wait_estimate_s = got.estimated_wait_s
             ctx.wait_estimate_basis = got.estimate_basis
-        result = await self._attempt(request, ctx, got)
+        # A stream the CPU child takes while the GPU child is down may move back to it.
+        outage = not pool.upstreams[pool.roles[0]].is_ready
+        ctx.recall = self._recovery(ctx).may_fail_back(
+            ctx.req, got.name, ctx.work, lambda: self._so_far(ctx)) \
+            if outage and got.counted and ctx.follow is not None else None
+        result: AttemptResult | None = None
+        try:
+            result = await self._attempt(request, ctx, got)
+        finally:
+            back = self._unlist(ctx, result)
         if isinstance(result, AttemptFailure):
             return await self._after_failure(request, ctx, result, episodes)
         if isinstance(result, Interrupted):
             return await self._after_interruption(ctx, result, episodes)
+        if isinstance(result, Recalled):
+            assert back is not None
+            return await self._fail_back(ctx, result, back, episodes)
+        return result
+
+    def _so_far(self, ctx: RequestCtx) -> continuation.Transcript:
+        """What the client has of its followed stream: across a continuation, the two parts
+        joined."""
+        assert ctx.follow is not None
+        if not ctx.continued or ctx.leg is None or ctx.continued_stream is None:
+            return ctx.follow
+        return continuation.joined(ctx.continued_stream.before, ctx.leg,
+                                   ctx.continued_stream.text)
+
+    def _unlist(self, ctx: RequestCtx,
+                result: AttemptResult | None) -> tuple[Lease, Recall] | None:
+        """The stream's fail-back watch ends with its attempt: when it was recalled, its place
+        on the GPU child is the request's now; else that place (if one was taken) goes back."""
+        recall, ctx.recall = ctx.recall, None
+        if recall is None:
+            return None
+        moved = (recall.take(), recall) if isinstance(result, Recalled) else None
+        self._recovery(ctx).failback.leave(recall)
+        return moved
+
+    async def _fail_back(self, ctx: RequestCtx, recalled: Recalled,
+                         back: tuple[Lease, Recall], episodes: list[_Episode]) -> Answered | Broken:
+        """The CPU child's stream, stopped at a whole event, goes on from the GPU child, back
+        and READY, in the client's one stream: the continuation in reverse."""
+        lease, recall = back
+        so_far = self._so_far(ctx)
+        ctx.req = ctx.req.whole()
+        assert ctx.req.payload is not None
+        gpu, cpu = lease.name, ctx.attempts[-1].child
+        # The incident belongs to the GPU child's outage: its death when this request saw it.
+        failure = next((e.failure for e in episodes if e.failure.child == gpu), None) or \
+            AttemptFailure(gpu, max(0, lease.upstream.generation - 1), ev.Verdict(
+                ev.FailureKind.NONE, f"the {gpu} child was not ready when the stream began"))
+        log.warning("rid=%s fail-back: the %s child's stream moves to the %s child after %d "
+                    "tokens (%s)", ctx.req.request_id, cpu, gpu, so_far.tokens, recall.reason)
+        note = {"from_child": cpu, "child": gpu, "kind": "failed_back",
+                "tokens_before": so_far.tokens}
+        body = json.dumps(continuation.continuation_body(ctx.req.payload, so_far)).encode()
+        attempt = Attempt(gpu, len(ctx.attempts) + 1)
+        ctx.attempts.append(attempt)
+        ctx.failed_back = True
+        episode = _Episode(failure, "failed_back", recall.reason, 0.0, gpu,
+                           tokens_before=so_far.tokens, forecast_s=recall.gpu_rest_s)
+        episodes.append(episode)
+        result: Answered | Broken | Recalled | None = None
+        try:
+            result = await self.forwarder.continue_stream(
+                ctx, attempt, lease.upstream, Interrupted(recalled.response, failure,
+                                                          recalled.anthropic),
+                body, ContinuedStream(so_far, note))
+        finally:
+            lease.close(attempt, ending(result))
+        if attempt.first_byte_s is not None:
+            episode.continued_after_s = ctx.req.received + attempt.first_byte_s - recalled.at
+        done = isinstance(result, Answered)
+        self.metrics.failbacks.labels("completed" if done else "failed").inc()
+        if done:
+            self.metrics.failback_saved.inc(max(0.0, recall.cpu_rest_s - (
+                time.monotonic() - recalled.at)))
+        assert not isinstance(result, Recalled)  # (a stream on the GPU child is not recalled)
         return result
 
     def _recovery(self, ctx: RequestCtx) -> Recovery:
@@ -540,8 +622,9 @@ class ProxyHandler:
             episodes.append(_Episode(failure, "rejected", nxt.reason))
             return Answered(self._controlled_error(ctx, failure, nxt))
         other = nxt.lease.name
-        episodes.append(_Episode(failure, "rerouted" if nxt.smaller else "replayed",
-                                 nxt.reason, nxt.lease.start_s, other))
+        decision = "rerouted" if nxt.smaller else "waited" if nxt.waited else "replayed"
+        episodes.append(_Episode(failure, decision, nxt.reason, nxt.lease.start_s, other,
+                                 forecast_s=nxt.forecast_s))
         ctx.follow = None  # a replay is the second attempt: it is not continued in turn
         ctx.failover_kind = str(failure.verdict.kind)
         log.warning("rid=%s %s child failed (%s: %s); replaying on the %s child",
@@ -557,6 +640,7 @@ class ProxyHandler:
         if isinstance(second, Interrupted):  # (not followed, so not expected)
             return await self.forwarder.end_broken(ctx, second.response, second.failure,
                                                    second.anthropic)
+        assert not isinstance(second, Recalled)  # (a replay is not followed: never recalled)
         return second
 
     async def _after_interruption(self, ctx: RequestCtx, cut: Interrupted,
@@ -599,18 +683,26 @@ class ProxyHandler:
         body = json.dumps(continuation.continuation_body(ctx.req.payload, so_far)).encode()
         attempt = Attempt(other, len(ctx.attempts) + 1)
         ctx.attempts.append(attempt)
-        episode = _Episode(failure, "continued", nxt.reason, lease.start_s, other,
-                           tokens_before=so_far.tokens)
+        episode = _Episode(failure, "waited" if nxt.waited else "continued", nxt.reason,
+                           lease.start_s, other, tokens_before=so_far.tokens,
+                           forecast_s=nxt.forecast_s)
         episodes.append(episode)
-        result: Answered | Broken | None = None
+        # On the CPU child, the rest may move back to the GPU child once it is READY.
+        ctx.recall = self._recovery(ctx).may_fail_back(ctx.req, other, ctx.work,
+                                                       lambda: self._so_far(ctx))
+        result: Answered | Broken | Recalled | None = None
         try:
             result = await self.forwarder.continue_stream(
                 ctx, attempt, lease.upstream, cut, body, ContinuedStream(so_far, note))
         finally:
             lease.close(attempt, ending(result))
+            back = self._unlist(ctx, result)
         if attempt.first_byte_s is not None:
             # From the death to the continuation's first token: the continuation's price.
             episode.continued_after_s = ctx.req.received + attempt.first_byte_s - cut.at
+        if isinstance(result, Recalled):
+            assert back is not None
+            result = await self._fail_back(ctx, result, back, episodes)
         self.metrics.continuations.labels(
             "completed" if isinstance(result, Answered) else "failed").inc()
         return result
@@ -685,8 +777,7 @@ class ProxyHandler:
             prompt_tokens=ctx.prompt_tokens if ctx.counted else None,
             media=ctx.req.media.describe(),
             prompt_reused=_reused(ctx.last),
-            forecast_s=round(ctx.forecast[0], 3) if ctx.forecast else None,
-            took_s=round(ctx.forecast[1], 3) if ctx.forecast else None,
+            **_forecast(ctx, episode),
         ))
 
     def _early(self, ctx: RequestCtx | None, request: web.Request, rid: str,
@@ -823,6 +914,17 @@ def _held_bytes(body: bytes, found: media.Media) -> int:
 def _opted_out(req: Received) -> bool:
     """X-Spillway-Replay: never: the client would rather have an error than a replay."""
     return not req.own.replay
+
+
+def _forecast(ctx: RequestCtx, episode: _Episode) -> dict[str, float | None]:
+    """The incident's forecast beside what happened: the failover's (from its decision to the
+    end), else admission's for the last attempt."""
+    if episode.forecast_s is not None:
+        return {"forecast_s": round(episode.forecast_s, 3),
+                "took_s": round(time.monotonic() - episode.decided_at, 3)}
+    if ctx.forecast:
+        return {"forecast_s": round(ctx.forecast[0], 3), "took_s": round(ctx.forecast[1], 3)}
+    return {"forecast_s": None, "took_s": None}
 
 
 def _tokens(attempt: Attempt | None) -> int:

@@ -43,7 +43,17 @@ class Interrupted:
     at: float = field(default_factory=time.monotonic)  # when the failure was seen
 
 
-AttemptResult = Answered | Broken | Interrupted | AttemptFailure
+@dataclass(frozen=True)
+class Recalled:
+    """A followed stream stopped at a whole event by Spillway itself, its stream left open: it
+    moves back to the GPU child (serving/failback.py). Not a failure of the child's."""
+
+    response: web.StreamResponse
+    anthropic: bool = False
+    at: float = field(default_factory=time.monotonic)
+
+
+AttemptResult = Answered | Broken | Interrupted | Recalled | AttemptFailure
 
 
 def ending(result: AttemptResult | None, body: bytes = b"") -> AttemptEnd | None:
@@ -55,6 +65,8 @@ def ending(result: AttemptResult | None, body: bytes = b"") -> AttemptEnd | None
         return AttemptEnd(failure=result, timed=False)
     if isinstance(result, (Broken, Interrupted)):
         return AttemptEnd(failure=result.failure)
+    if isinstance(result, Recalled):
+        return AttemptEnd(timed=False)  # (cut short: its timings are not a whole answer's)
     return AttemptEnd(ok=result.response.status == 200, status=result.response.status,
                       error_line=result.server_error, error_message=result.server_message,
                       body_digest=hash(body) if result.server_error else 0)

@@ -96,6 +96,14 @@ class Metrics:
             "spillway_stream_continuations", "Streams whose child failed after bytes, by what "
             "came of them: continued on the other child (completed, failed) or not (refused)",
             ["result"], registry=r)
+        self.failbacks = Counter(
+            "spillway_failbacks", "Streams the CPU child was answering that moved back to the "
+            "GPU child once it was READY, by what came of them (completed, failed).",
+            ["result"], registry=r)
+        self.failback_saved = Counter(
+            "spillway_failback_saved_seconds", "The time fail-backs saved: for each completed "
+            "one, the rest's forecast on the CPU child less what the GPU child took.",
+            registry=r)
         self.holds_expired = Counter(
             "spillway_stream_holds_expired", "Streams whose first event came after "
             "failover.stream_hold_s, by child: their status and headers went out before it, "

@@ -123,7 +123,7 @@ def _proxy_settings(config: Config, media_marker: str | None = None,
                                     if c.sse_ping_interval is not None}),
         ProxySettings(max_body_bytes=s.max_body_bytes,
                       max_replay_body_bytes=f.max_replay_body_bytes, replay=f.replay,
-                      continue_streams=f.continue_streams,
+                      continue_streams=f.continue_streams, fail_back=f.fail_back,
                       body_timeout_s=s.body_timeout_s, access_log=s.access_log,
                       no_prefill=frozenset(c.name for c in config.children
                                            if not c.prefills_assistant),

@@ -130,6 +130,9 @@ class Pool:
         self.metrics = metrics
         self.boot = boot  # part of each failure episode's id
         self.on_change = on_change  # the waiting line changed (the status line)
+        # Told an upstream's name when it becomes READY, or a place on it is given back
+        # (serving/failback.py: streams that may move back to the GPU child).
+        self.on_room: list[Callable[[str], None]] = []
         now = time.monotonic()
         self.last_used = {name: now for name in self.upstreams}  # a lease closed on it
         # The upstreams' streaks of 5xx answers (none: no streak), and how long makes it sick.
@@ -159,6 +162,10 @@ class Pool:
 
     def ctx_per_slot(self, name: str) -> int | None:
         return self.source.ctx_per_slot(name)
+
+    def cap(self, name: str) -> int:
+        """How many requests `name` works on at once."""
+        return self.source.child_view(name, 0, NO_WORK, with_estimate=False).cap
 
     def expected_seconds(self, name: str, work: Work) -> float | None:
         return self.source.expected_seconds(name, work)
@@ -290,6 +297,12 @@ class Pool:
     def _heard(self, member: Any, old: ChildState, new: ChildState, reason: str) -> None:
         """A state change: capacity may have come back."""
         self.dispatch()
+        if new is ChildState.READY:
+            self._room(member.name)
+
+    def _room(self, name: str) -> None:
+        for listener in self.on_room:
+            listener(name)
 
     # --- leases -------------------------------------------------------------------------------
 
@@ -464,14 +477,16 @@ class Pool:
             waiter.future.set_result(dataclasses.replace(decision, reason="served from the line"))
             self._changed()
 
-    async def replay_lease(self, name: str, within_s: float | None) -> Lease | None:
+    async def replay_lease(self, name: str, within_s: float | None,
+                           returning: bool = False) -> Lease | None:
         """A lease on `name` for a replay, ahead of the line; starts an on-demand upstream.
         None if it could not take the replay in time. Like every lease, handed out only for an
-        upstream that is ready now (see `lease`)."""
+        upstream that is ready now (see `lease`). `returning`: `name` is on its way back from
+        a death (in its back-off or restart), and the replay waits for it."""
         began = time.monotonic()
         while True:
             left = None if within_s is None else within_s - (time.monotonic() - began)
-            start_s = await self._acquire_replay(name, left)
+            start_s = await self._acquire_replay(name, left, returning)
             if start_s is None:
                 return None
             member = self.upstreams[name]
@@ -479,7 +494,8 @@ class Pool:
                 return Lease(self, member, counted=True, start_s=start_s)
             self._give_back(name)
 
-    async def _acquire_replay(self, name: str, within_s: float | None) -> float | None:
+    async def _acquire_replay(self, name: str, within_s: float | None,
+                              returning: bool = False) -> float | None:
         """A place on `name` for a replay: the seconds spent waiting for it to start (0 when it
         was running), or None."""
         began = time.monotonic()
@@ -498,7 +514,8 @@ class Pool:
         if not view.ready:
             if view.startable:
                 self.source.start_child(name)
-            elif view.state != ChildState.STARTING:
+            elif view.state != ChildState.STARTING and not (
+                    returning and view.back_in_s is not None):
                 return None
             waited = await self.source.wait_ready(name, limit)
             if waited is None:
@@ -549,6 +566,7 @@ class Pool:
         self.upstreams[name].load.give_back(generation=lease.counted)
         if lease.counted:
             self.dispatch()
+            self._room(name)
 
     def _answered(self, name: str, end: AttemptEnd) -> None:
         """The sick-child rule (policy/sickness.py): a streak of 5xx answers to different

@@ -8,6 +8,8 @@ request as received (vocabulary.Received, frozen) and the pure rules in policy/.
   policy/replay.py).
 - Where a cut stream goes on, or why not (after bytes: policy/continuation.py).
 - What is mirrored to the warm CPU child (serving/mirror.py with policy/mirror.py).
+- Which streams the CPU child answers move back to the GPU child once it is READY
+  (serving/failback.py with policy/continuation.fail_back).
 
 The HTTP handler (proxy/handler.py) carries bytes and asks; it writes the request's progress
 (its attempts, what the client received) and its records, never a decision of these.
@@ -24,11 +26,12 @@ from ..policy import admission, continuation, estimate, prompts, routes
 from ..policy import mirror as mirror_rules
 from ..policy.estimate import Work
 from ..vocabulary import Attempt, AttemptFailure, Received
+from .failback import FailBack, Recall
 from .failover import Close, Cut, Failed, Failover, GiveUp, GoOn, Replay
 from .mirror import Mirror
 from .pool import Lease, Pool
 
-__all__ = ["Close", "GiveUp", "GoOn", "Recovery", "RecoverySettings", "Replay"]
+__all__ = ["Close", "GiveUp", "GoOn", "Recall", "Recovery", "RecoverySettings", "Replay"]
 
 
 class Settings(Protocol):
@@ -40,6 +43,7 @@ class Settings(Protocol):
     # Upstreams started with --no-prefill-assistant: no stream is continued there, and a
     # mirror there holds the prompt alone.
     no_prefill: frozenset[str]
+    fail_back: bool  # failover.fail_back
 
 
 @dataclass
@@ -49,6 +53,7 @@ class RecoverySettings:
     replay: bool = True
     max_replay_body_bytes: int = 16 << 20
     no_prefill: frozenset[str] = frozenset()
+    fail_back: bool = True
 
 
 class Recovery:
@@ -60,6 +65,7 @@ class Recovery:
         self.settings = settings
         self.mirror = mirror
         self.clock = clock
+        self.failback = FailBack(pool, lambda: self.settings.fail_back)
 
     # --- where a request goes -----------------------------------------------------------------
 
@@ -118,6 +124,22 @@ class Recovery:
             work=Work(work.prompt_tokens + so_far.tokens, work.max_tokens, work.media,
                       work.prefix_keys),
             no_prefill=self.settings.no_prefill, media=req.media.modalities))
+
+    # --- back to the GPU child ----------------------------------------------------------------
+
+    def may_fail_back(self, req: Received, child: str, work: Work,
+                      so_far: Callable[[], continuation.Transcript]) -> Recall | None:
+        """Enlists a stream about to be answered by `child` that may move back to the GPU
+        child once it is READY: one on the CPU child (the last upstream) while fail-back is
+        on; `so_far` says what the client has of it. None for any other (nor a held body,
+        its JSON let go: the judge reads the request). The proxy `leave`s it when it ends."""
+        pool = self.pool
+        if not self.settings.fail_back or child != pool.roles[-1] or \
+                child == pool.roles[0] or req.payload is None:
+            return None
+        return self.failback.enlist(Recall(
+            req.payload, so_far, work, lambda: self.deadline_left(req),
+            target_prefills=pool.roles[0] not in self.settings.no_prefill))
 
     # --- after an answer ----------------------------------------------------------------------
 
