@@ -281,8 +281,11 @@ class Lane:
     async def _send(self, body: Mapping[str, Any]) -> int | None:
         """The mirror's request; the prompt tokens the target now holds, or None."""
         target = self.target
+        # llama-server closes the connection after every streamed answer (proxy/forward.py):
+        # said up front, it is never pooled, and the next mirror never meets it closed.
         headers = {"Authorization": f"Bearer {target.api_key}",
-                   "Content-Type": "application/json", "X-Spillway-Mirror": "1"}
+                   "Content-Type": "application/json", "X-Spillway-Mirror": "1",
+                   "Connection": "close"}
         timings: dict[str, Any] | None = None
         try:
             async with self._session().post(
