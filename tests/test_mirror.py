@@ -356,3 +356,41 @@ async def test_the_rewarm_sends_what_the_child_held_and_the_outage_served_after_
                 assert seen[1] == seen[0]
             finally:
                 task.cancel()
+
+
+async def test_a_mirror_whose_child_died_under_it_is_tried_again_and_a_refused_one_is_not(
+        ) -> None:
+    calls: list[str] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        content = (await request.json())["messages"][-2]["content"]
+        calls.append(content)
+        if content == "refused":
+            return web.json_response({"error": {"code": 400}}, status=400)
+        response = web.StreamResponse()
+        await response.prepare(request)
+        if calls.count(content) == 1:  # the child dies in the middle of it
+            assert request.transport is not None
+            request.transport.close()
+            return response
+        await response.write(b'data: {"timings": {"prompt_n": 300, "cache_n": 0}}\n\n')
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    async with TestServer(app) as server:
+        async with aiohttp.ClientSession() as session:
+            gpu = StandIn(str(server.make_url("")).rstrip("/"), "gpu")
+            lane = Lane(lambda: session, gpu, [gpu],  # type: ignore[list-item,arg-type]
+                        MirrorSettings(idle_s=0.05), name=rules.REWARM, any_child=True,
+                        keeps=True)
+            task = asyncio.get_running_loop().create_task(lane.run())
+            try:
+                lane.offer(turn_body("refused"), "an answer", prompt_tokens=300)
+                lane.offer(turn_body("cut"), "an answer", prompt_tokens=300)
+                await _until(lambda: lane.counts["mirrored"] == 1 and
+                             lane.counts["failed"] == 2, timeout=5.0)
+                assert sorted(calls) == ["cut", "cut", "refused"]
+                assert (lane.counts["failed"], len(lane.queue), len(lane.kept)) == (2, 0, 1)
+            finally:
+                task.cancel()

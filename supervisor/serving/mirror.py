@@ -50,6 +50,7 @@ from ..vocabulary import Upstream
 log = logging.getLogger("spillway.mirror")
 WARM_KEPT = 64  # prefixes remembered as held by the child (its host cache decides, really)
 POLL_S = 0.02  # how often a running mirror looks for real work (well within one batch)
+COVERED_KEPT = WARM_KEPT * (rules.KEYS_BACK + 1)  # the prefixes those hold, each with its turns
 
 
 @dataclass
@@ -91,7 +92,8 @@ class Lane:
         self.kept: deque[rules.Offer] = deque()  # held by the target now, oldest first
         self.queued_bytes = 0  # of both
         self.warm: OrderedDict[str, int] = OrderedDict()  # prefix key -> tokens held
-        self.covered: set[str] = set()  # prefixes the mirrors sent cover (policy/mirror.covers)
+        # Prefixes the mirrors sent cover (policy/mirror.covers), the newest.
+        self.covered: OrderedDict[str, None] = OrderedDict()
         self.budget = rules.Budget()
         self.counts = {"mirrored": 0, "cancelled": 0, "failed": 0, "skipped": 0}
         self.tokens_mirrored = 0
@@ -209,6 +211,13 @@ class Lane:
             else:
                 await self._mirror(offer, *made)
 
+    def _requeue(self, offer: rules.Offer) -> None:
+        """A mirror that did not finish is tried again in the next idle spell, as the oldest
+        (the first to go should newer offers fill the queue meanwhile)."""
+        self.queue.appendleft(offer)
+        self.queued_bytes += offer.size
+        self._drop_oldest(rules.over(self._all(), self.settings.bounds))
+
     def _drop_oldest_queued(self, n: int) -> None:
         for _ in range(n):
             self.queued_bytes -= self.queue.popleft().size
@@ -251,17 +260,20 @@ class Lane:
                 if not task.done() and not self._idle():
                     task.cancel()  # real work first: the stream closes, the child drops it
                     self.counts["cancelled"] += 1
-                    # Tried again in the next idle spell, as the oldest (the first to go
-                    # should newer offers fill the queue meanwhile).
-                    self.queue.appendleft(offer)
-                    self.queued_bytes += offer.size
-                    self._drop_oldest(rules.over(self._all(), self.settings.bounds))
+                    self._requeue(offer)
                     self._last_busy = self.clock()
                     with contextlib.suppress(asyncio.CancelledError):
                         await task
                     return
-            tokens = task.result()
-            if tokens is None:
+            try:
+                tokens = task.result()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                # The connection lost (the child died under it, most likely): tried again.
+                log.info("mirror to the %s child failed: %s", self.target.name, e)
+                self.counts["failed"] += 1
+                self._requeue(offer)
+                return
+            if tokens is None:  # refused, or no timings: not tried again
                 self.counts["failed"] += 1
                 return
             self.counts["mirrored"] += 1
@@ -270,7 +282,11 @@ class Lane:
             self.warm.move_to_end(key)
             while len(self.warm) > WARM_KEPT:
                 self.warm.popitem(last=False)
-            self.covered.update(rules.covers(body))
+            for covered in rules.covers(body):
+                self.covered[covered] = None
+                self.covered.move_to_end(covered)
+            while len(self.covered) > COVERED_KEPT:
+                self.covered.popitem(last=False)
             self._keep(offer)
             log.info("mirrored a conversation of %d tokens to the %s child in %.2fs (%s)",
                      tokens, self.target.name, self.clock() - began, self.name)
@@ -279,7 +295,8 @@ class Lane:
             self.budget = self.budget.after(self.clock(), self.clock() - began)
 
     async def _send(self, body: Mapping[str, Any]) -> int | None:
-        """The mirror's request; the prompt tokens the target now holds, or None."""
+        """The mirror's request; the prompt tokens the target now holds, or None (refused);
+        aiohttp.ClientError or TimeoutError when the connection failed."""
         target = self.target
         # llama-server closes the connection after every streamed answer (proxy/forward.py):
         # said up front, it is never pooled, and the next mirror never meets it closed.
@@ -287,20 +304,16 @@ class Lane:
                    "Content-Type": "application/json", "X-Spillway-Mirror": "1",
                    "Connection": "close"}
         timings: dict[str, Any] | None = None
-        try:
-            async with self._session().post(
-                    f"{target.base_url}/v1/chat/completions", data=json.dumps(body),
-                    headers=headers, timeout=aiohttp.ClientTimeout(total=600)) as r:
-                if r.status != 200:
-                    log.info("mirror refused by the %s child: HTTP %d", target.name, r.status)
-                    return None
-                async for line in r.content:
-                    if line.startswith(b"data: {") and b'"timings"' in line:
-                        with contextlib.suppress(ValueError):
-                            timings = json.loads(line[6:]).get("timings")
-        except (aiohttp.ClientError, TimeoutError) as e:
-            log.info("mirror to the %s child failed: %s", target.name, e)
-            return None
+        async with self._session().post(
+                f"{target.base_url}/v1/chat/completions", data=json.dumps(body),
+                headers=headers, timeout=aiohttp.ClientTimeout(total=600)) as r:
+            if r.status != 200:
+                log.info("mirror refused by the %s child: HTTP %d", target.name, r.status)
+                return None
+            async for line in r.content:
+                if line.startswith(b"data: {") and b'"timings"' in line:
+                    with contextlib.suppress(ValueError):
+                        timings = json.loads(line[6:]).get("timings")
         if not isinstance(timings, dict):
             return None
         self.on_timings(timings)
