@@ -7,9 +7,9 @@ that it already holds their prefix and prefills only the new turn. Two direction
   and what the CPU child served during the outage, prefilled into the restarted GPU child, whose
   cache is empty, where it is measured to pay (`pays`).
 
-A mirror is the conversation so far (the request's messages and the GPU child's answer, as a
-final assistant message llama-server prefills) sent to the CPU child with `n_predict: 0` and
-`cache_prompt: true`: the CPU child prefills it and keeps it, in its slot and then in its
+A mirror is the conversation so far (the request's messages and the child's answer, as a
+final assistant message llama-server prefills) sent to the other child with `n_predict: 0` and
+`cache_prompt: true`: that child prefills it and keeps it, in its slot and then in its
 `--cache-ram` host cache (llama-server's default: 8 GiB), from which a later request with the
 same prefix is restored. Measured against the other way, a KV "lifeboat" (the GPU child's slot
 saved to a file after each turn, restored on the CPU child at a failover): see
@@ -19,8 +19,7 @@ Pure: which request each lane is offered (never one whose client opted out of be
 twice), which offers the queue keeps within its bounds (entries and bytes: the oldest go first),
 which goes next (the newest, then the longest), whether it pays, the budget (the child's time
 spent mirroring, a share of a sliding minute), the mirror's body, and the keys that tell a later
-request's prefix (and the earlier prefixes a mirror covers). serving/mirror.py and
-serving/mirror_lane.py carry it out.
+request's prefix (and the earlier prefixes a mirror covers). serving/mirror.py carries it out.
 """
 
 from __future__ import annotations

@@ -165,6 +165,8 @@ class Lane:
         at = next((i for i, o in enumerate(self.kept) if o.at > offer.at), len(self.kept))
         self.kept.insert(at, offer)
         self.queued_bytes += offer.size
+        # (Newer offers may have taken its room while it was sent.)
+        self._drop_oldest(rules.over(self._all(), self.settings.bounds))
 
     def cache_figures(self) -> dict[str, dict[str, Any]]:
         """For the status's caches: the offers held (their bodies), and the prefixes the
