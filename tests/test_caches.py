@@ -164,7 +164,8 @@ def test_the_memory_debug_route_is_off_unless_asked(monkeypatch: pytest.MonkeyPa
 CACHES = {"stream_sessions", "idempotency", "incidents_recent", "timeline", "gpu_samples",
           "gpu_chart", "metrics_request_series", "systemd_pending", "log_pending",
           "recent_ports", "child_output_gpu", "child_output_cpu",
-          "upstream_idle_connections", "held_bodies", "mirror_queue", "mirror_warm"}
+          "upstream_idle_connections", "held_bodies", "mirror_queue", "mirror_warm",
+          "rewarm_queue", "rewarm_warm"}
 
 
 def test_the_status_lists_every_cache_with_a_bound_and_the_debug_route_counts_objects(

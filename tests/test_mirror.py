@@ -24,7 +24,7 @@ from supervisor.config.schema import build
 from supervisor.policy import mirror as rules
 from supervisor.policy.lifecycle import ChildState
 from supervisor.service.daemon import _mirror_settings
-from supervisor.serving.mirror import Mirror, MirrorSettings
+from supervisor.serving.mirror import Lane, MirrorSettings
 from supervisor.vocabulary import Load
 
 CHAT = {"messages": [{"role": "system", "content": "be brief"},
@@ -65,7 +65,7 @@ def test_the_newest_then_the_longest_goes_first_within_the_bound() -> None:
 
 
 PLAIN_END = {"status": 200, "chat": True, "media": False, "continued": False, "attempts": 1,
-             "first_child": True, "opted_out": False}
+             "child": "gpu", "first_child": True, "opted_out": False}
 
 
 @pytest.mark.parametrize("change", [{}, {"opted_out": True}, {"status": 500}, {"chat": False},
@@ -74,7 +74,7 @@ PLAIN_END = {"status": 200, "chat": True, "media": False, "continued": False, "a
 def test_only_a_plain_chat_the_gpu_child_answered_whole_is_offered(change: dict[str, Any],
                                                                    ) -> None:
     # X-Spillway-Replay: never (opted_out): its client would rather not have it run twice.
-    assert rules.offered(**{**PLAIN_END, **change}) is (change == {})
+    assert rules.offered(rules.Ended(**{**PLAIN_END, **change})) is (change == {})
 
 
 def offer_of(size: int, at: float, tokens: int = 100, answer: str | None = None) -> rules.Offer:
@@ -105,7 +105,7 @@ def chat_body(i: int, words: int = 100) -> bytes:
 
 def test_the_mirrors_queue_holds_its_newest_offers_within_its_bytes_and_reports_them() -> None:
     cpu = StandIn("http://unused")
-    mirror = Mirror(lambda: None, cpu, [cpu],  # type: ignore[arg-type,list-item,return-value]
+    mirror = Lane(lambda: None, cpu, [cpu],  # type: ignore[arg-type,list-item,return-value]
                     MirrorSettings(max_queued_bytes=1000))
     size = len(chat_body(0)) + len("an answer")
     for i in range(6):
@@ -139,8 +139,8 @@ def test_the_budget_is_a_share_of_a_sliding_minute() -> None:
 class StandIn:
     """The CPU child as the mirror sees it: an upstream with a load, and a slow server."""
 
-    def __init__(self, base_url: str) -> None:
-        self.name = "cpu"
+    def __init__(self, base_url: str, name: str = "cpu") -> None:
+        self.name = name
         self.base_url = base_url
         self.api_key = "k"
         self.state = ChildState.READY
@@ -172,7 +172,7 @@ async def test_a_mirror_waits_for_idle_yields_to_real_work_and_is_tried_again() 
         async with aiohttp.ClientSession() as session:
             cpu = StandIn(str(server.make_url("")).rstrip("/"))
             gpu = StandIn("http://unused")
-            mirror = Mirror(lambda: session, cpu, [gpu, cpu],  # type: ignore[list-item,arg-type]
+            mirror = Lane(lambda: session, cpu, [gpu, cpu],  # type: ignore[list-item,arg-type]
                             MirrorSettings(idle_s=0.1))
             task = asyncio.get_running_loop().create_task(mirror.run())
             try:
@@ -197,7 +197,7 @@ async def test_a_mirror_waits_for_idle_yields_to_real_work_and_is_tried_again() 
                                                   {"role": "user", "content": "more"}]}
                 assert mirror.warm_tokens(rules.lookup_keys(next_turn)) == 1520
                 # A new process has an empty cache.
-                mirror._cpu_changed(cpu, ChildState.EXITED, ChildState.STARTING, "restart")
+                mirror._target_changed(cpu, ChildState.EXITED, ChildState.STARTING, "restart")
                 assert mirror.warm_tokens(rules.lookup_keys(next_turn)) == 0
             finally:
                 task.cancel()
@@ -251,3 +251,146 @@ def test_a_request_sent_with_replay_never_is_not_mirrored_and_the_queue_is_in_th
     assert caches["mirror_queue"] == {"entries": 0, "bytes": 0, "max_entries": 8,
                                       "max_bytes": 2 * 1024 * 1024, "max_age_s": None}
     assert caches["mirror_warm"]["entries"] == 1
+
+
+# --- the rewarm: the GPU child warmed again after its restart ---------------------------------
+
+@pytest.mark.parametrize("change, taken", [
+    ({}, True), ({"continued": True}, True), ({"attempts": 2, "child": "cpu"}, True),
+    ({"first_child": False, "child": "cpu"}, True), ({"opted_out": True}, False),
+    ({"status": 500}, False), ({"media": True}, False), ({"chat": False}, False)])
+def test_the_rewarm_takes_what_any_child_answered_whole(change: dict[str, Any],
+                                                        taken: bool) -> None:
+    """The CPU child's answers in an outage (its own, a replay's, a continued stream's) are
+    conversations the restarted GPU child will be asked to go on with."""
+    assert rules.offered(rules.Ended(**{**PLAIN_END, **change}), any_child=True) is taken
+
+
+def test_a_mirror_pays_where_the_childs_measured_prefill_is_long_enough() -> None:
+    assert rules.pays(0.25, rules.REWARM_MIN_SAVED_S)
+    assert not rules.pays(0.05, rules.REWARM_MIN_SAVED_S)
+    assert rules.pays(None, rules.REWARM_MIN_SAVED_S)  # nothing measured: the mirror measures
+    assert rules.pays(0.0, 0.0)  # the warm CPU child's lane: every conversation
+
+
+def test_a_later_turns_mirror_covers_the_earlier_turn() -> None:
+    made = rules.offer_body(CHAT, "hi there", prefills=True)
+    assert made is not None
+    later = {**CHAT, "messages": [*made[1]["messages"], {"role": "user", "content": "more"}]}
+    later_made = rules.offer_body(later, "more it is", prefills=True)
+    assert later_made is not None
+    assert made[0] in rules.covers(later_made[1]) and later_made[0] in rules.covers(
+        later_made[1])
+    assert later_made[0] not in rules.covers(made[1])  # never the other way
+    assert rules.covers({"prompt": "x"}) == ()
+
+
+def turn_body(*turns: str) -> bytes:
+    """A conversation of user turns, each earlier one answered `answer to <turn>`."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": "be brief"}]
+    for i, text in enumerate(turns):
+        messages.append({"role": "user", "content": text})
+        if i < len(turns) - 1:
+            messages.append({"role": "assistant", "content": f"answer to {text}"})
+    return json.dumps({"messages": messages, "max_tokens": 8}).encode()
+
+
+async def test_the_rewarm_sends_what_the_child_held_and_the_outage_served_after_its_restart(
+        ) -> None:
+    seen: list[dict[str, Any]] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        response = web.StreamResponse()
+        await response.prepare(request)
+        prompt = 100 * len(body["messages"])
+        await response.write(b'data: {"timings": {"prompt_n": %d, "cache_n": 0}}\n\n' % prompt)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    async with TestServer(app) as server:
+        async with aiohttp.ClientSession() as session:
+            gpu = StandIn(str(server.make_url("")).rstrip("/"), "gpu")
+            cpu = StandIn("http://unused", "cpu")
+            lane = Lane(lambda: session, gpu, [gpu, cpu],  # type: ignore[list-item,arg-type]
+                        MirrorSettings(idle_s=0.05, min_saved_s=rules.REWARM_MIN_SAVED_S),
+                        name=rules.REWARM, any_child=True, keeps=True)
+            lane.prefill_s = lambda tokens: tokens / 1000  # the child's measured 1,000 a second
+            task = asyncio.get_running_loop().create_task(lane.run())
+            try:
+                # The GPU child answers two conversations: it holds them; nothing is sent.
+                lane.offer(turn_body("a1"), "answer to a1", prompt_tokens=500, held=True)
+                lane.offer(turn_body("b1"), "answer to b1", prompt_tokens=50, held=True)
+                assert len(lane.kept) == 2 and not lane.queue
+                # It dies; the CPU child answers conversation a's next turn meanwhile.
+                gpu.state = ChildState.EXITED
+                lane.offer(turn_body("a1", "a2"), "answer to a2", prompt_tokens=700)
+                assert len(lane.queue) == 1 and lane._wait_s() > 0  # not READY: it waits
+                assert lane.cache_figures()["rewarm_queue"]["entries"] == 3
+                # A new process: what it held is queued too, and sent once it is READY.
+                gpu.state = ChildState.STARTING
+                lane._target_changed(gpu, ChildState.EXITED, ChildState.STARTING, "restart")
+                assert [json.loads(o.body)["messages"][-1]["content"] for o in lane.queue] == [
+                    "a1", "b1", "a2"] and not lane.kept
+                gpu.state = ChildState.READY
+                waiting = [True]  # a request waits in line for it: real work, though none runs
+                lane.waiting = lambda: waiting[0]
+                assert lane._wait_s() > 0
+                waiting[0] = False
+                await _until(lambda: not lane.queue and lane.running is None, timeout=5.0)
+                # The newest only: a1 is its earlier turn (held by a2's mirror: sending it would
+                # cut the slot back), b1's 50 tokens would save 0.05 s (it does not pay).
+                assert [m["messages"][-2]["content"] for m in seen] == ["a2"]
+                assert seen[0]["messages"][-1] == {"role": "assistant",
+                                                   "content": "answer to a2"}
+                assert (lane.counts["mirrored"], lane.counts["skipped"]) == (1, 2)
+                state = lane.to_json()
+                assert (state["child"], state["kept"], state["warm_tokens"]) == ("gpu", 1, 500)
+                # The GPU child holds a2 now; after its next restart it is sent again.
+                lane._target_changed(gpu, ChildState.EXITED, ChildState.STARTING, "restart")
+                assert lane.warm_tokens(rules.lookup_keys(json.loads(turn_body(
+                    "a1", "a2", "a3")))) == 0
+                await _until(lambda: lane.counts["mirrored"] == 2, timeout=5.0)
+                assert seen[1] == seen[0]
+            finally:
+                task.cancel()
+
+
+async def test_a_mirror_whose_child_died_under_it_is_tried_again_and_a_refused_one_is_not(
+        ) -> None:
+    calls: list[str] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        content = (await request.json())["messages"][-2]["content"]
+        calls.append(content)
+        if content == "refused":
+            return web.json_response({"error": {"code": 400}}, status=400)
+        response = web.StreamResponse()
+        await response.prepare(request)
+        if calls.count(content) == 1:  # the child dies in the middle of it
+            assert request.transport is not None
+            request.transport.close()
+            return response
+        await response.write(b'data: {"timings": {"prompt_n": 300, "cache_n": 0}}\n\n')
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    async with TestServer(app) as server:
+        async with aiohttp.ClientSession() as session:
+            gpu = StandIn(str(server.make_url("")).rstrip("/"), "gpu")
+            lane = Lane(lambda: session, gpu, [gpu],  # type: ignore[list-item,arg-type]
+                        MirrorSettings(idle_s=0.05), name=rules.REWARM, any_child=True,
+                        keeps=True)
+            task = asyncio.get_running_loop().create_task(lane.run())
+            try:
+                lane.offer(turn_body("refused"), "an answer", prompt_tokens=300)
+                lane.offer(turn_body("cut"), "an answer", prompt_tokens=300)
+                await _until(lambda: lane.counts["mirrored"] == 1 and
+                             lane.counts["failed"] == 2, timeout=5.0)
+                assert sorted(calls) == ["cut", "cut", "refused"]
+                assert (lane.counts["failed"], len(lane.queue), len(lane.kept)) == (2, 0, 1)
+            finally:
+                task.cancel()

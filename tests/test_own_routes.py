@@ -45,6 +45,9 @@ class FakeHost:
     def mirror_json(self) -> dict[str, Any] | None:
         return None  # no warm CPU child here
 
+    def rewarm_json(self) -> dict[str, Any] | None:
+        return None  # nor a rewarm of the GPU child
+
 
 def make_routes(tmp_path: Path, cpu_mode: str = "hot") -> tuple[OwnRoutes, FakeHost]:
     cfg = build({"model": {"path": "/m.gguf"}, "cpu": {"mode": cpu_mode}}, check_paths=False)

@@ -10,11 +10,14 @@ from typing import Any
 
 from multidict import CIMultiDict, CIMultiDictProxy
 from test_failover_unit import OOM, transcript
+from test_mirror import StandIn
 from test_pool import FakeMember, FakeSource
 
 from supervisor.policy.estimate import Work
 from supervisor.policy.media import find
+from supervisor.policy.mirror import REWARM
 from supervisor.policy.routes import RouteClass
+from supervisor.serving.mirror import Lane, Mirror, MirrorSettings
 from supervisor.serving.pool import Lease, Pool
 from supervisor.serving.recovery import GoOn, Recovery, RecoverySettings, Replay, safe_read
 from supervisor.vocabulary import Attempt, OwnHeaders, Received
@@ -101,42 +104,47 @@ async def test_a_cut_stream_goes_on_with_its_prompt_and_the_text_sent() -> None:
     nxt.lease.close(None, None)
 
 
-class Offers:
-    def __init__(self) -> None:
-        self.warm: dict[str, int] = {}
-        self.offered: list[tuple[Any, str | None, int, bool]] = []
-        self.busied = 0
-
-    def busy(self) -> None:
-        self.busied += 1
-
-    def offer(self, body: bytes, answer: str | None, prompt_tokens: int,
-              prefills: bool = True) -> None:
-        self.offered.append((body, answer, prompt_tokens, prefills))
-
-
-def test_what_is_mirrored() -> None:
-    offers = Offers()
+def test_what_is_offered_to_each_lane_of_the_mirror() -> None:
+    """The warm CPU child's lane takes what the GPU child answered alone; the rewarm's keeps
+    that (the GPU child holds it) and queues what the CPU child answered: a replay, a continued
+    stream, a request it took alone."""
+    gpu, cpu = StandIn("http://unused", "gpu"), StandIn("http://unused", "cpu")
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    to_cpu = Lane(lambda: None, cpu, [gpu, cpu], MirrorSettings(),  # type: ignore[arg-type,list-item,return-value]
+                  clock)
+    to_gpu = Lane(lambda: None, gpu, [gpu, cpu], MirrorSettings(),  # type: ignore[arg-type,list-item,return-value]
+                  clock, name=REWARM, any_child=True, keeps=True)
     recovery = Recovery(pool(), RecoverySettings(no_prefill=frozenset({"cpu"})),
-                        offers)  # type: ignore[arg-type]
+                        Mirror([to_cpu, to_gpu]))
     on_gpu = Attempt("gpu", 1, answer_text="hello")
     recovery.served(received(), [on_gpu], 200, False, None, 40)
-    assert offers.offered == [(received().body, "hello", 40, True)]  # its body, as received
+    # Its body as received; the CPU child, under --no-prefill-assistant, holds the prompt alone.
+    assert [(o.body, o.answer, o.prompt_tokens, o.prefills) for o in to_cpu.queue] == [
+        (received().body, "hello", 40, False)]
+    assert [o.prefills for o in to_gpu.kept] == [True] and not to_gpu.queue
     recovery.served(received(), [Attempt("gpu", 1)], 200, False, "streamed", 40)
-    assert offers.offered[-1][1] == "streamed"
-    # Not mirrored: an error, a replay, a continuation, another child, an image, no chat, and
-    # X-Spillway-Replay: never (a mirror runs it again on another child).
-    for args in ((received(), [on_gpu], 500, False), (received(), [on_gpu, Attempt("cpu", 2)],
-                                                      200, False),
-                 (received(), [on_gpu], 200, True), (received(), [Attempt("cpu", 1)], 200, False),
-                 (received(path="/completion"), [on_gpu], 200, False),
-                 (received(own=OwnHeaders(replay=False)), [on_gpu], 200, False)):
-        recovery.served(*args, None, 40)  # type: ignore[arg-type]
+    assert to_cpu.queue[-1].answer == "streamed" and len(to_gpu.kept) == 2
+    # The CPU child's answers, in an outage: only the rewarm takes them, to send.
+    for args in ((received(), [on_gpu, Attempt("cpu", 2)], 200, False),
+                 (received(), [on_gpu, Attempt("cpu", 2)], 200, True),
+                 (received(), [Attempt("cpu", 1)], 200, False)):
+        recovery.served(*args, "an answer", 40)  # type: ignore[arg-type]
+    assert len(to_cpu.queue) == 2 and len(to_gpu.queue) == 3 and len(to_gpu.kept) == 2
+    # Neither lane: an error, another route, X-Spillway-Replay: never (a mirror runs it
+    # again), an image.
     image = {"messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}
-    recovery.served(received(image), [on_gpu], 200, False, None, 40)
-    assert len(offers.offered) == 2
-    assert offers.busied == 9  # every ending is real work: a mirror waits for the next idle
+    for args in ((received(), [on_gpu], 500, False),
+                 (received(path="/completion"), [on_gpu], 200, False),
+                 (received(own=OwnHeaders(replay=False)), [on_gpu], 200, False),
+                 (received(own=OwnHeaders(replay=False)), [Attempt("cpu", 1)], 200, False),
+                 (received(image), [on_gpu], 200, False)):
+        now[0] += 1.0
+        recovery.served(*args, None, 40)  # type: ignore[arg-type]
+        # Every ending is real work: a mirror waits for the next idle spell.
+        assert to_cpu._last_busy == to_gpu._last_busy == now[0]
+    assert len(to_cpu.queue) == 2 and len(to_gpu.queue) == 3 and len(to_gpu.kept) == 2
 
 
 def test_safe_read_is_a_body_less_get_or_head_of_a_route_that_only_reads() -> None:

@@ -309,6 +309,10 @@ class ChildConfig:
                                                            only=GPU_CHILD))
     # With fewer of its layers on the GPU than asked (none, or some), it failed its start
     require_offload: bool = field(default=False, metadata=key("bool", False, only=GPU_CHILD))
+    # The warm GPU child after its restart (serving/mirror.py, the rewarm lane): the
+    # conversations it served before its death and those the CPU child served meanwhile are
+    # prefilled into it in its idle time, newest first, where its measured prefill pays.
+    rewarm: bool = field(default=True, metadata=key("bool", True, only=GPU_CHILD))
     # cpu and small
     mode: str = field(default="hot", metadata={KEYS: (
         Key("str", "hot", check=_one_of(*CPU_MODES), only=CPU_CHILD),

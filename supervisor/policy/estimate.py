@@ -151,8 +151,16 @@ def expected_seconds(t: Throughput, prompt_tokens: int, max_tokens: int,
                      cached: int = 0) -> float | None:
     """None until the child has reported both speeds. `prompt_tokens`: those to prefill, after
     `cached` ones its cache holds (they sit before them: each new token attends to them)."""
-    if t.prompt_tps is None or t.gen_tps is None:
+    prefill_s = prefill_seconds(t, prompt_tokens, cached)
+    if prefill_s is None or t.gen_tps is None:
         return None
-    prefill_s = (t.prefill_fit.ms(cached, prompt_tokens) / 1000 if t.prefill_fit is not None
-                 else prompt_tokens / t.prompt_tps)
     return prefill_s + max_tokens / t.gen_tps
+
+
+def prefill_seconds(t: Throughput, prompt_tokens: int, cached: int = 0) -> float | None:
+    """The prefill alone (the fit once it tells, else the average speed); None until the child
+    has reported a prompt's speed."""
+    if t.prompt_tps is None:
+        return None
+    return (t.prefill_fit.ms(cached, prompt_tokens) / 1000 if t.prefill_fit is not None
+            else prompt_tokens / t.prompt_tps)

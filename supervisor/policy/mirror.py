@@ -1,20 +1,25 @@
-"""The warm CPU child: which conversations the GPU child served are mirrored to the CPU child
-in its idle time, so that when a conversation fails over, the CPU child already holds its
-prefix in its cache and prefills only the new turn.
+"""The mirror: conversations one child served, prefilled into another child in its idle time, so
+that it already holds their prefix and prefills only the new turn. Two directions (lanes):
 
-A mirror is the conversation so far (the request's messages and the GPU child's answer, as a
-final assistant message llama-server prefills) sent to the CPU child with `n_predict: 0` and
-`cache_prompt: true`: the CPU child prefills it and keeps it, in its slot and then in its
+- the warm CPU child: what the GPU child served, mirrored to the CPU child, so that a
+  conversation that fails over finds its prefix there;
+- the warm GPU child after its restart (the rewarm): what the GPU child served before its death
+  and what the CPU child served during the outage, prefilled into the restarted GPU child, whose
+  cache is empty, where it is measured to pay (`pays`).
+
+A mirror is the conversation so far (the request's messages and the child's answer, as a
+final assistant message llama-server prefills) sent to the other child with `n_predict: 0` and
+`cache_prompt: true`: that child prefills it and keeps it, in its slot and then in its
 `--cache-ram` host cache (llama-server's default: 8 GiB), from which a later request with the
 same prefix is restored. Measured against the other way, a KV "lifeboat" (the GPU child's slot
 saved to a file after each turn, restored on the CPU child at a failover): see
 docs/failover.md, "A warm CPU child".
 
-Pure: which request is offered (never one whose client opted out of being run twice), which
-offers the queue keeps within its bounds (entries and bytes: the oldest go first), which goes
-next (the newest, then the longest), the budget (the CPU child's time spent mirroring, a share
-of a sliding minute), the mirror's body, and the keys that tell a later request's prefix.
-serving/mirror.py carries it out.
+Pure: which request each lane is offered (never one whose client opted out of being run
+twice), which offers the queue keeps within its bounds (entries and bytes: the oldest go first),
+which goes next (the newest, then the longest), whether it pays, the budget (the child's time
+spent mirroring, a share of a sliding minute), the mirror's body, and the keys that tell a later
+request's prefix (and the earlier prefixes a mirror covers). serving/mirror.py carries it out.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# The lanes' names (their status keys, caches and metrics): the warm CPU child's, and the GPU
+# child's after its restart.
+MIRROR, REWARM = "mirror", "rewarm"
 WINDOW_S = 60.0  # the budget's sliding window
 DEFAULT_SHARE = 0.5  # at most this share of the window is spent mirroring
 DEFAULT_MAX_QUEUED = 8  # offers waiting (the newest kept)
@@ -34,6 +42,10 @@ DEFAULT_MAX_QUEUED_BYTES = 8 * 1024 * 1024
 DEFAULT_MAX_PROMPT_TOKENS = 32768  # a longer conversation is not mirrored (its prefill alone
 # could take the whole budget on a small CPU)
 KEYS_BACK = 4  # a later request's prefixes looked up: its messages less the last 1..4
+# The rewarm: a conversation whose prefill the restarted child's own measured speed forecasts
+# under this is not sent. Below it the next turn's time to first token gains less than a person
+# notices, and the mirror would only take a slot (and the card's power) for nothing.
+REWARM_MIN_SAVED_S = 0.1
 
 # Fields a mirror drops: what would make the child generate, constrain or call, and what
 # asks for a stream's extras. The rest (tools, templates' kwargs, reasoning settings) shapes the
@@ -70,14 +82,31 @@ class Bounds:
     max_prompt_tokens: int = DEFAULT_MAX_PROMPT_TOKENS
 
 
-def offered(*, status: int, chat: bool, media: bool, continued: bool, attempts: int,
-            first_child: bool, opted_out: bool) -> bool:
-    """Whether a request that ended is offered: a chat request with a JSON body and no media
-    that the first child (the GPU child) answered whole (200, not continued) on its first
-    attempt. Never one sent with `X-Spillway-Replay: never`: its client would rather have an
-    error than have it run twice, and a mirror is the request run again, on another child."""
-    return (status == 200 and chat and not media and not continued and attempts == 1
-            and first_child and not opted_out)
+@dataclass(frozen=True)
+class Ended:
+    """A request that ended, as the mirror's lanes judge it."""
+
+    status: int
+    chat: bool  # a chat route, its body JSON
+    media: bool
+    continued: bool  # a stream cut and continued on another upstream
+    attempts: int
+    child: str  # the upstream that answered it (its last attempt's)
+    first_child: bool  # that upstream is the first in the order (the GPU child)
+    opted_out: bool  # sent with X-Spillway-Replay: never
+
+
+def offered(ended: Ended, any_child: bool = False) -> bool:
+    """Whether a request that ended is offered to a lane: a chat request with a JSON body and no
+    media, answered whole (200). The warm CPU child's lane takes what the first child (the GPU
+    child) answered alone, on its first attempt; the rewarm's (`any_child`) takes what any
+    child answered, a replay or a continued stream too: those are the conversations the CPU
+    child served during an outage. Never one sent with `X-Spillway-Replay: never`: its client
+    would rather have an error than have it run twice, and a mirror is the request run again."""
+    plain = ended.status == 200 and ended.chat and not ended.media and not ended.opted_out
+    if any_child:
+        return plain
+    return plain and not ended.continued and ended.attempts == 1 and ended.first_child
 
 
 def admit(queued: Sequence[Offer], offer: Offer, bounds: Bounds) -> int | None:
@@ -162,6 +191,25 @@ def offer_body(payload: Mapping[str, Any], answer: str | None,
     body = {k: v for k, v in payload.items() if k not in _DROPPED}
     body.update(messages=mirrored, n_predict=0, stream=True, cache_prompt=True)
     return prefix_key(mirrored, payload), body
+
+
+def covers(body: Mapping[str, Any]) -> tuple[str, ...]:
+    """The prefixes a child holds once it prefilled a mirror's body (or served its request):
+    the whole conversation's, and its earlier turns' (its messages less the last 1..4), under
+    which an earlier offer of the same conversation is keyed. Mirroring that earlier offer
+    would be worse than useless: llama-server would reuse the slot that holds the longer
+    conversation and cut it back to the shorter one."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return ()
+    return (prefix_key(messages, body), *lookup_keys(body))
+
+
+def pays(prefill_s: float | None, min_saved_s: float) -> bool:
+    """Whether mirroring a conversation pays: the prefill it saves the next turn, as the
+    child's own measured speed forecasts it (policy/estimate.py), is at least `min_saved_s`.
+    A child that has measured nothing yet is sent it: the mirror's own timings measure it."""
+    return prefill_s is None or prefill_s >= min_saved_s
 
 
 def choose(offers: Sequence[Offer], max_prompt_tokens: int) -> int | None:

@@ -20,6 +20,7 @@ from prometheus_client import (
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from ..policy.lifecycle import ChildState
+from ..policy.mirror import MIRROR, REWARM
 from ..policy.routes import ROUTE_LABEL_COUNT
 from .caches import figures
 from .stream_sessions import StreamSessions
@@ -116,18 +117,20 @@ class Metrics:
             "spillway_stream_sessions", "Resumable streams (X-Conversation-Id) held, live "
             "(still being answered) or finished (kept for their time to live).", ["state"],
             registry=r)
-        # The warm CPU child: its mirrors by outcome (a gauge read from the mirror's own counts,
-        # which only grow), the prompt tokens it is known to hold, its budget used.
-        self.mirrors = Gauge(
-            "spillway_mirrors", "Conversations sent to the warm CPU child since the start, by "
-            "outcome (mirrored, cancelled by real work, failed, skipped).", ["outcome"],
-            registry=r)
-        self.mirror_warm_tokens = Gauge(
-            "spillway_mirror_warm_tokens", "Prompt tokens of the mirrored conversations the CPU "
-            "child is known to hold (the newest 64).", registry=r)
-        self.mirror_budget_used = Gauge(
-            "spillway_mirror_budget_used_seconds", "The CPU child's time spent mirroring in the "
-            "last minute.", registry=r)
+        # The mirror's lanes (serving/mirror.py): the warm CPU child's mirrors, and the rewarms
+        # of the GPU child after its restart, by outcome (gauges read from each lane's own
+        # counts, which only grow), the prompt tokens its child is known to hold, the budget
+        # used.
+        self.mirror_lanes = {
+            lane: (Gauge(f"spillway_{lane}s", f"Conversations sent to {whom} since the start, "
+                         "by outcome (mirrored, cancelled by real work, failed, skipped).",
+                         ["outcome"], registry=r),
+                   Gauge(f"spillway_{lane}_warm_tokens", f"Prompt tokens of the conversations "
+                         f"sent to {whom} it is known to hold (the newest 64).", registry=r),
+                   Gauge(f"spillway_{lane}_budget_used_seconds", f"The time of {whom} spent "
+                         "on them in the last minute.", registry=r))
+            for lane, whom in ((MIRROR, "the warm CPU child"),
+                               (REWARM, "the GPU child after its restart"))}
         self.stream_session_bytes = Gauge(
             "spillway_stream_session_bytes", "Bytes held in the resumable streams' replay "
             "buffers.", registry=r)
@@ -210,14 +213,15 @@ class Metrics:
         for s in ChildState:
             self.model_state.labels(child, model, str(s)).set(1 if s is state else 0)
 
-    def track_mirror(self, counts: Mapping[str, int], warm_tokens: Callable[[], int],
+    def track_mirror(self, lane: str, counts: Mapping[str, int], warm_tokens: Callable[[], int],
                      budget_used_s: Callable[[], float]) -> None:
-        """The warm CPU child's figures (serving/mirror.py), read at each scrape."""
+        """A mirror lane's figures (serving/mirror.py), read at each scrape."""
+        sent, warm, budget = self.mirror_lanes[lane]
         for outcome in MIRROR_OUTCOMES:
-            self.mirrors.labels(outcome).set_function(
+            sent.labels(outcome).set_function(
                 lambda outcome=outcome: counts.get(outcome, 0))  # type: ignore[misc]
-        self.mirror_warm_tokens.set_function(warm_tokens)
-        self.mirror_budget_used.set_function(budget_used_s)
+        warm.set_function(warm_tokens)
+        budget.set_function(budget_used_s)
 
     def track_streams(self, streams: StreamSessions) -> None:
         """The resumable streams' gauges, read from the store at each scrape."""

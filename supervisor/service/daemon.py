@@ -38,7 +38,7 @@ from ..gpu import MIB, GpuMonitor
 from ..gpu.placement import Placement, child_args
 from ..policy.devices import HIDE_ALL_GPUS, parse_listing
 from ..records.idempotency import IdempotencyStore
-from ..serving.mirror import Mirror, MirrorSettings
+from ..serving.mirror import Lane, Mirror, MirrorSettings
 from .modes import Mode, RouterMode, SingleModel
 from .offload_watch import OffloadWatch
 from .handover import COMMIT_MARGIN_S, UPGRADE_TIMEOUT_S, Control, Handover, \
@@ -54,6 +54,8 @@ from ..policy.lifecycle import ChildState
 from .own_routes import OwnRoutes, status_line
 from .small_tier import SmallTier
 from ..policy.balancer import agent_reply
+from ..policy import mirror as mirror_rules
+from ..policy.mirror import MIRROR, REWARM
 from ..policy import vertex
 from ..policy.browser import BrowserRules
 from ..serving.pool import Pool
@@ -106,6 +108,13 @@ def _mirror_settings(config: Config) -> MirrorSettings:
     return MirrorSettings(enabled=cpu.mirror and not cpu.on_demand, share=cpu.mirror_share,
                           max_prompt_tokens=cpu.mirror_max_prompt_tokens,
                           max_queued_bytes=cpu.mirror_max_queued_bytes)
+
+
+def _rewarm_settings(config: Config) -> MirrorSettings:
+    """The warm GPU child after its restart: the queue's bounds and the share of its time are
+    the mirror's defaults; a conversation is sent where its prefill there pays."""
+    return MirrorSettings(enabled=config.child(config.gpu_child).rewarm,
+                          min_saved_s=mirror_rules.REWARM_MIN_SAVED_S)
 
 
 def _proxy_settings(config: Config, media_marker: str | None = None,
@@ -545,7 +554,10 @@ class Daemon:
         """The proxy holds its settings objects: a fresh set is copied onto them."""
         auth, forward, proxy = _proxy_settings(new, self.media_marker)
         if self.mirror is not None:
-            self.mirror.configure(_mirror_settings(new))
+            for lane, settings in ((MIRROR, _mirror_settings), (REWARM, _rewarm_settings)):
+                found = self.mirror.lane(lane)
+                if found is not None:
+                    found.configure(settings(new))
         _copy_onto(self.auth, auth)
         _copy_onto(self.forward_settings, forward)
         _copy_onto(self.proxy_settings, proxy)
@@ -961,21 +973,42 @@ class Daemon:
         return RouterMode(models, self.pool, lambda: self.config)
 
     def mirror_json(self) -> dict[str, Any] | None:
-        return self.mirror.to_json() if self.mirror is not None else None
+        return self._lane_json(MIRROR)
+
+    def rewarm_json(self) -> dict[str, Any] | None:
+        return self._lane_json(REWARM)
+
+    def _lane_json(self, name: str) -> dict[str, Any] | None:
+        lane = self.mirror.lane(name) if self.mirror is not None else None
+        return lane.to_json() if lane is not None else None
 
     def _make_mirror(self) -> Mirror:
-        """The warm CPU child (serving/mirror.py): its task, and what it tells the CPU
-        child's expected time (the prefix it holds)."""
-        cpu = self.children[self.config.cpu_child]
-        mirror = Mirror(self._http, cpu, list(self.children.values()),
-                        _mirror_settings(self.config))
-        self.res.warm_tokens = lambda name, work: (
-            mirror.warm_tokens(work.prefix_keys) if name == cpu.name else 0)
-        mirror.on_timings = lambda timings: self.res.observe_timings(cpu.name, timings)
-        self.metrics.track_mirror(mirror.counts, lambda: sum(mirror.warm.values()),
-                                  lambda: mirror.budget.used_s(time.monotonic()))
-        self._spawn(mirror.run())
+        """The mirror's two lanes (serving/mirror.py): the warm CPU child, and the GPU child
+        warmed again after its restart; their tasks, what they tell each child's expected time
+        (the prefixes it holds) and speeds (their timings), and their metrics."""
+        upstreams = list(self.children.values())
+        cpu, gpu = self.children[self.config.cpu_child], self.children[self.config.gpu_child]
+        to_cpu = Lane(self._http, cpu, upstreams, _mirror_settings(self.config), name=MIRROR)
+        to_gpu = Lane(self._http, gpu, upstreams, _rewarm_settings(self.config), name=REWARM,
+                      any_child=True, keeps=True)
+        to_gpu.prefill_s = lambda tokens: self.res.prefill_seconds(gpu.name, tokens)
+        mirror = Mirror([to_cpu, to_gpu])
+        self.res.warm_tokens = lambda name, work: mirror.warm_tokens(name, work.prefix_keys)
+        for lane in mirror.lanes:
+            self._wire_lane(lane)
         return mirror
+
+    def _wire_lane(self, lane: Lane) -> None:
+        """A lane's timings teach its child's speeds; requests waiting in line are real work
+        (for the GPU child on its way back, none is in flight anywhere); its figures are read
+        at each scrape."""
+        name, pool = lane.target.name, self.pool
+        lane.on_timings = lambda timings: self.res.observe_timings(name, timings)
+        if pool is not None:
+            lane.waiting = lambda: len(pool.line) > 0
+        self.metrics.track_mirror(lane.name, lane.counts, lambda: sum(lane.warm.values()),
+                                  lambda: lane.budget.used_s(time.monotonic()))
+        self._spawn(lane.run())
 
     def _make_small_tier(self) -> SmallTier | None:
         """The small child's starts and stops beside the GPU child, when there is one."""

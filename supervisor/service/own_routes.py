@@ -64,6 +64,8 @@ class Host(Protocol):
 
     def mirror_json(self) -> dict[str, Any] | None: ...  # the warm CPU child, if any
 
+    def rewarm_json(self) -> dict[str, Any] | None: ...  # the GPU child after its restart
+
     @property
     def listening(self) -> Sequence[str]: ...
 
@@ -211,6 +213,8 @@ class OwnRoutes:
             "streams": self.streams.summary() if self.streams is not None else None,
             # The warm CPU child: its mirrored prefixes, the budget used (serving/mirror.py).
             "mirror": self.host.mirror_json(),
+            # The GPU child warmed again after its restart: the same figures (the rewarm lane).
+            "rewarm": self.host.rewarm_json(),
             "drill": self.drill.to_json(),
             "process": process_figures(),
             # name -> {entries, bytes, max_entries, max_bytes, max_age_s} (records/caches.py)

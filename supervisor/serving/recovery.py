@@ -7,7 +7,8 @@ request as received (vocabulary.Received, frozen) and the pure rules in policy/.
 - Where a replay goes, or why none (before any byte: serving/failover.py with
   policy/replay.py).
 - Where a cut stream goes on, or why not (after bytes: policy/continuation.py).
-- What is mirrored to the warm CPU child (serving/mirror.py with policy/mirror.py).
+- What is mirrored to the warm CPU child, and kept to warm the GPU child again after its
+  restart (serving/mirror.py with policy/mirror.py).
 - Which streams the CPU child answers move back to the GPU child once it is READY
   (serving/failback.py with policy/continuation.fail_back).
 
@@ -90,9 +91,9 @@ class Recovery:
             media=req.media.modalities), work)
 
     def _prefix_keys(self, req: Received) -> tuple[str, ...]:
-        """A chat request's earlier turns, as the warm CPU child's mirrors are keyed: looked
-        up only while it holds some."""
-        if self.mirror is None or not self.mirror.warm or req.payload is None or \
+        """A chat request's earlier turns, as the mirrors are keyed: looked up only while a
+        child holds some."""
+        if self.mirror is None or not self.mirror.holding or req.payload is None or \
                 req.path not in prompts.CHAT_ROUTES:
             return ()
         return mirror_rules.lookup_keys(req.payload)
@@ -146,20 +147,24 @@ class Recovery:
     def served(self, req: Received, attempts: list[Attempt], status: int, continued: bool,
                streamed_text: str | None, prompt_tokens: int) -> None:
         """A request ended: real work just ran (a mirror waits for the next idle spell), and a
-        chat conversation the first upstream (the GPU child) answered whole, on its first
-        attempt, may be mirrored to the warm CPU child (policy/mirror.offered)."""
+        chat conversation answered whole is offered to the mirror's lanes: the warm CPU child
+        takes what the first upstream (the GPU child) answered alone, on its first attempt;
+        the rewarm, what any upstream answered, replays and continuations too
+        (policy/mirror.offered)."""
         if self.mirror is None:
             return
         self.mirror.busy()
         last = attempts[-1] if attempts else None
-        if last is None or not mirror_rules.offered(
-                status=status, chat=req.is_json and req.path in prompts.CHAT_ROUTES,
-                media=bool(req.media), continued=continued, attempts=len(attempts),
-                first_child=last.child == self.pool.roles[0], opted_out=not req.own.replay):
+        if last is None:
             return
         answer = last.answer_text if last.answer_text is not None else streamed_text
-        self.mirror.offer(req.body, answer, prompt_tokens,
-                          prefills=last.child not in self.settings.no_prefill)
+        self.mirror.offer(mirror_rules.Ended(
+            status=status, chat=req.is_json and req.path in prompts.CHAT_ROUTES,
+            media=bool(req.media), continued=continued, attempts=len(attempts),
+            child=last.child, first_child=last.child == self.pool.roles[0],
+            opted_out=not req.own.replay), req.body, answer, prompt_tokens,
+            self.settings.no_prefill)
+
 
 def safe_read(req: Received) -> bool:
     """A request that changes nothing (policy/routes.read_only; policy/replay.py's rule 4)."""

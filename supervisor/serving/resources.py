@@ -271,6 +271,10 @@ class Resources:
         return text + media.encode_seconds(work.media, self.encode_s.get(name),
                                            self.config.child(name).uses_gpu)
 
+    def prefill_seconds(self, name: str, prompt_tokens: int) -> float | None:
+        """The child's prefill of a prompt from its first token, from its own timings."""
+        return estimate.prefill_seconds(self.throughput[name], prompt_tokens)
+
     def _fresh_rooms(self) -> list[Room]:
         """The free memory of each card the GPU child uses; none when the figures are stale
         (say nothing rather than something old) or there are none."""
