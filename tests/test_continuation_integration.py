@@ -43,6 +43,9 @@ def dying_gpu(s_llama: Path, model: Path, injector: Path, once: Path,
                   "env": {"REAL_LLAMA_SERVER": str(s_llama), "FAULT_NTH": str(nth),
                           "FAULT_WHEN": f"events:{events}", "FAULT_ONCE_FILE": str(once),
                           "FAULT_LINES": "terse"}}
+    # The continuation on the CPU child is what these tests are about: the GPU child, back in a
+    # second and as fast, would be waited for or failed back to (test_failback_integration).
+    cfg["failover"] = {"wait_for_gpu": False, "fail_back": False}
     return cfg
 
 
