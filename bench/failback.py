@@ -37,8 +37,8 @@ alternating from round to round; mean and p95 (nearest rank) over the rounds, an
    the GPU child, `--prefix-words`), the GPU child SIGKILLed (idle; 3 s back-off),
    conversation B's turn 1 sent during the outage (to the CPU child: wait_for_gpu false in
    both arms), then, once the GPU child is READY and B answered, until the GPU child has been
-   idle (its process using no CPU) for 3 s, turn 2 of A and of B streamed: time to first
-   token and timings.cache_n. "with": gpu.rewarm true; "without": false.
+   idle (its process using no CPU, no task started) for `--idle` s (3), turn 2 of A and of B
+   streamed: time to first token and timings.cache_n. "with": gpu.rewarm true; "without": false.
 4. The hot path: `python -m bench --only hotpath --baseline REV` and `python -m bench.relay
    --baseline REV` run as they are (chat at concurrency 64 against the bare aiohttp
    pass-through; the stream relay's CPU per event), this tree against `--baseline`, their
@@ -145,9 +145,11 @@ def compare(runs: list[dict[str, Any]], key: str) -> dict[str, Any]:
 
 
 def incident_summary(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What the console shows of each incident (the results keep them whole: a fail-back's
+    record may carry fields this benchmark does not know yet)."""
     keep = ("decision", "replay_child", "tokens_before", "continued_after_s", "forecast_s",
-            "took_s", "latency_s", "reason")
-    return [{k: r.get(k) for k in keep if k in r} for r in records]
+            "took_s", "latency_s")
+    return [{k: r[k] for k in keep if k in r} for r in records]
 
 
 async def watch_return(s: Spillway, pid: int, killed_at: float) -> float:
@@ -196,9 +198,9 @@ async def replay_run(folder: Path, binary: Path, model: Path, args: argparse.Nam
            # What the child that answered took by its own count (prefill and generation).
            "answer_s": (timings["prompt_ms"] + timings["predicted_ms"]) / 1000
            if (timings := answer.get("timings")) else None,
-           "incidents": incident_summary(records), "left_out": left_out}
+           "incidents": records, "left_out": left_out}
     print(f"    {took:.2f} s, answered by {run['child']}, the GPU child back "
-          f"{restart_s:.2f} s after the kill; {run['incidents']}", flush=True)
+          f"{restart_s:.2f} s after the kill; {incident_summary(records)}", flush=True)
     return run
 
 
@@ -338,11 +340,11 @@ async def stream_run(folder: Path, binary: Path, model: Path, args: argparse.Nam
            "identical": turn["text"] == uncut["text"],
            "first_difference": first_difference(turn["text"], uncut["text"]),
            "chars": len(turn["text"]), "uncut_chars": len(uncut["text"]),
-           "last_timings": turn["timings"], "incidents": incident_summary(records),
+           "last_timings": turn["timings"], "incidents": records,
            "left_out": left_out}
     print(f"    death to last token {run['death_to_last_s']:.2f} s, the GPU child back "
           f"{restart_s:.2f} s after the kill, identical {run['identical']}; "
-          f"{run['incidents']}", flush=True)
+          f"{incident_summary(records)}", flush=True)
     return run
 
 
@@ -413,7 +415,7 @@ async def rewarm_run(folder: Path, binary: Path, model: Path, args: argparse.Nam
                            "no death seen")
             b1, b_history = await turn(b_system, [{"role": "user", "content": question}])
             restart_s = await watch_return(s, pid, killed)
-            idle_s = await idle_gpu(s, 3.0, 300)
+            idle_s = await idle_gpu(s, args.idle, 300)
             a2, _ = await turn(a_system, [*a_history, {"role": "user", "content": follow_up}])
             b2, _ = await turn(b_system, [*b_history, {"role": "user", "content": follow_up}])
     finally:
@@ -553,12 +555,13 @@ def report_streams(p: dict[str, Any], cut: int) -> list[str]:
     return [*lines, ""]
 
 
-def report_rewarm(p: dict[str, Any], words: int) -> list[str]:
+def report_rewarm(p: dict[str, Any], words: int, idle: float) -> list[str]:
     lines = ["## 3. The next turn on the restarted GPU child: warm against cold", "",
              f"Conversation A ({words} words of system text) answered by the GPU child, which "
              f"is then SIGKILLed (idle; {OUTAGE_RESTART_S:g} s back-off); conversation B "
              f"({words // 2} words) sent in the outage; once the GPU child is READY, B answered "
-             "and the GPU child idle 3 s, turn 2 of each, streamed.", "",
+             f"and the GPU child idle {idle:g} s (its process using no CPU, no task started), "
+             "turn 2 of each, streamed.", "",
              "| run | turn 1 of A, B by | turn 2 TTFT A | cache_n / prompt_n A | TTFT B | "
              "cache_n / prompt_n B | waited for the GPU child idle |",
              "|---|---|---|---|---|---|---|"]
@@ -614,7 +617,7 @@ def report(data: dict[str, Any]) -> str:
     if "streams" in data:
         lines += report_streams(data["streams"], a["cut"])
     if "rewarm" in data:
-        lines += report_rewarm(data["rewarm"], a["prefix_words"])
+        lines += report_rewarm(data["rewarm"], a["prefix_words"], a.get("idle", 3.0))
     if "hotpath" in data:
         lines += report_hotpath(data["hotpath"])
     return "\n".join(lines)
@@ -657,6 +660,9 @@ def main() -> None:
                         help="part 2's slow restart: back-off seconds (10; --quick 4)")
     parser.add_argument("--prefix-words", type=int,
                         help="part 3: conversation A's system text (1950; --quick 950)")
+    parser.add_argument("--idle", type=float, default=3.0,
+                        help="part 3: seconds the GPU child must be idle before turn 2 (its "
+                        "rewarm done)")
     parser.add_argument("--baseline", default=BASELINE, help="part 4's git revision")
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--report", type=Path, help="only print (and write the .md of) the "
