@@ -63,14 +63,14 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from harness import Spillway, real_config  # noqa: E402
 
+from bench.real_children import (chat, fmt, kill_gpu, learn_speeds, mean, pct,  # noqa: E402
+                                 start, stream_turn, text, wait_for)
 from bench.small_child import machine, stop_daemon  # noqa: E402
 from supervisor.commands import bootstrap  # noqa: E402
 
 MODEL_ARGS = ["-c", "8192", "-np", "2"]
 GPU_ARGS = ["-ngl", "99", "-t", "1", "-tb", "1", "-b", "2048", "-ub", "512"]
 CPU_ARGS = ["--device", "none", "-ngl", "0", "-t", "1", "-tb", "1", "-b", "32", "-ub", "1"]
-WORDS = ("a careful reader follows the long report on memory servers and cards while the "
-         "kernel schedules every thread and the queue waits for capacity").split()
 PREFIX_WORDS = 1950  # turn 1's system text: with the template, about 2,000 tokens
 SHORT_WORDS, LONG_WORDS = 40, 800  # part c: about 70 and 830 prompt tokens
 ANSWER_TOKENS = 16  # part c's answers
@@ -86,74 +86,8 @@ def config(binary: Path, model: Path, mirror: bool, wait_for_gpu: bool = True,
     return cfg
 
 
-def text(n_words: int, seed: int) -> str:
-    """Distinct from the second token on for each seed (no prefix shared between requests)."""
-    return f"{seed}: " + " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(n_words))
-
-
-def chat(system: str, user: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
-    return {"messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": user}],
-            "max_tokens": max_tokens, "temperature": 0, **extra}
-
-
-def start(folder: Path, name: str, cfg: dict[str, Any]) -> Spillway:
-    s = Spillway(folder / name, cfg)
-    s.start(wait_ready=False)
-    s.wait_ready(timeout=180)
-    return s
-
-
-async def wait_for(s: Spillway, check: Any, timeout: float, what: str) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        status: dict[str, Any] = await asyncio.to_thread(s.status)
-        if check(status):
-            return status
-        await asyncio.sleep(0.1)
-    raise TimeoutError(f"{what} after {timeout} s\n{s.log_tail()}")
-
-
-def pct(values: list[float], q: float) -> float | None:
-    """The q-quantile, nearest rank."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
-
-
-def mean(values: list[float]) -> float | None:
-    return statistics.fmean(values) if values else None
-
-
 # --- a. a failed-over turn, warm and cold ----------------------------------------------------
 
-async def stream_turn(http: aiohttp.ClientSession, url: str, body: dict[str, Any]
-                      ) -> dict[str, Any]:
-    """A streamed chat completion: its time to the first event, to the first token (the first
-    event with text), to the end; who answered; the final event's timings."""
-    began = time.perf_counter()
-    first_event = first_token = None
-    timings: dict[str, Any] | None = None
-    content = []
-    async with http.post(f"{url}/v1/chat/completions", json={**body, "stream": True}) as r:
-        child = r.headers.get("X-Spillway-Child", "")
-        status = r.status
-        async for line in r.content:
-            if not line.startswith(b"data: {"):
-                continue
-            now = time.perf_counter() - began
-            first_event = now if first_event is None else first_event
-            event = json.loads(line[6:])
-            delta = (event.get("choices") or [{}])[0].get("delta") or {}
-            if delta.get("content"):
-                first_token = now if first_token is None else first_token
-                content.append(delta["content"])
-            if isinstance(event.get("timings"), dict):
-                timings = event["timings"]
-    return {"status": status, "child": child, "first_event_s": first_event,
-            "ttft_s": first_token, "total_s": time.perf_counter() - began,
-            "timings": timings, "text": "".join(content)}
 
 
 async def warm_round(folder: Path, binary: Path, model: Path, mirror: bool, seed: int
@@ -351,11 +285,8 @@ async def killer(s: Spillway, http: aiohttp.ClientSession, every: float, began: 
             await asyncio.wait_for(stop.wait(), max(0.0, began + n * every - time.monotonic()))
         if stop.is_set():
             return
-        status = await wait_for(s, lambda st: st["children"]["gpu"]["state"] == "READY", 120,
-                                "the GPU child is not back")
-        pid = status["children"]["gpu"]["pid"]
+        pid = await kill_gpu(s)
         kills.append(time.time())
-        os.kill(pid, signal.SIGKILL)
 
         def dead(st: dict[str, Any], pid: int = pid) -> bool:
             return bool(st["children"]["gpu"]["pid"] != pid
@@ -367,22 +298,6 @@ async def killer(s: Spillway, http: aiohttp.ClientSession, every: float, began: 
         probes.append(asyncio.create_task(one_request(http, s.url, probe, began, rows)))
 
 
-async def learn_speeds(s: Spillway) -> None:
-    """Both children's speeds, learned from their answers as the integration test does (the
-    GPU child paused: two requests on the CPU child; resumed: two on the GPU child), so that
-    the first outage already has both forecasts."""
-    def ask(seed: int) -> None:
-        code, body = s.post("/v1/chat/completions", chat(text(250, seed), "What is it about?",
-                                                         ANSWER_TOKENS))
-        assert code == 200, body
-
-    for path, state in (("/spillway/gpu/pause", "STOPPED"), ("/spillway/gpu/resume", "READY")):
-        code, body = await asyncio.to_thread(s.post, path, {})
-        assert code == 200, body
-        await wait_for(s, lambda st, state=state: st["children"]["gpu"]["state"] == state,
-                       120, f"the GPU child is not {state}")
-        for seed in (1, 2):
-            await asyncio.to_thread(ask, seed + (10 if state == "READY" else 0))
 
 
 async def stream_run(folder: Path, binary: Path, model: Path, wait_for_gpu: bool, k: int,
@@ -476,9 +391,6 @@ async def part_c(folder: Path, binary: Path, model: Path, rounds: int, duration:
 
 # --- report ------------------------------------------------------------------------------
 
-def fmt(x: Any, unit: str = " s", digits: int = 2) -> str:
-    return "—" if x is None or (isinstance(x, float) and math.isnan(x)) else \
-        f"{x:.{digits}f}{unit}"
 
 
 def report(data: dict[str, Any]) -> str:
