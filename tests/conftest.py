@@ -51,6 +51,18 @@ def web_ui() -> Path:
         pytest.fail(f"the web UI could not be built: {e}")
 
 
+@pytest.fixture(scope="session")
+def throttled(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A child's `llama_server` that runs the real one (REAL_LLAMA_SERVER in the child's env)
+    at a third of its speed: a CPU child clearly slower than the "GPU child" on a machine with
+    no GPU (tests/throttled_llama_server.py)."""
+    path = tmp_path_factory.mktemp("throttled") / "throttled-llama-server"
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" '
+                    f'"{Path(__file__).resolve().parent / "throttled_llama_server.py"}" "$@"\n')
+    path.chmod(0o755)
+    return path
+
+
 # The tiny model's embedding width: its projector's output must be as wide, or llama-server
 # exits 1 while loading the pair.
 TINY_N_EMBD = 256

@@ -1,8 +1,9 @@
 """`spillway drill` in CI: simulated (no GPU here), against real llama-server children (and
 routers, in router mode, with its sixth scenario; a small child, with its eighth; the tiny model
-with its projector, with its ninth; the tiny model in long slots, with its tenth); its report
-rendered in headless Chromium and read back from the DOM. The judges of scenarios 6, 7, 8, 9 and
-10 are also held to made-up results, to see them fail. The whole drills run on conftest's slow
+with its projector, with its ninth; the tiny model in long slots, with its tenth; a CPU child
+slowed to a third of its speed, with its eleventh); its report rendered in headless Chromium and
+read back from the DOM. The judges of scenarios 6, 7, 8, 9, 10 and 11 are also held to made-up
+results, to see them fail. The whole drills run on conftest's slow
 model: their failures must land in the middle of an answer, and the tiny model's answers were
 whole before Spillway's word to stop the child arrived on a busy machine. (Scenario 9 runs on the
 tiny model, the one its projector fits, with slots as long as the model takes: its image request
@@ -24,7 +25,7 @@ from harness import REPO, Spillway, fake_config, real_config, router_config
 from conftest import SpillwayFactory
 from supervisor.commands import bootstrap
 from supervisor.commands.drill.client import Sent
-from supervisor.commands.drill.report import conversation_line
+from supervisor.commands.drill.report import OUTCOME_COLOURS, conversation_line, return_line
 from supervisor.commands.drill.scenarios import ScenarioResult, _turn, judge, no_mirror
 
 integration = pytest.mark.integration
@@ -51,6 +52,7 @@ class Dom(HTMLParser):
         self.request_rows: list[dict[str, str]] = []
         self.turns: list[dict[str, str]] = []  # scenario 10's warm and cold second turns
         self.ratios: list[str] = []
+        self.returned: list[dict[str, str]] = []  # scenario 11's line
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         a = {k: v or "" for k, v in attrs}
@@ -71,6 +73,8 @@ class Dom(HTMLParser):
             self.turns.append(a)
         elif tag == "p" and "ratio" in classes:
             self.ratios.append(a["data-ratio"])
+        elif tag == "p" and "returned" in classes:
+            self.returned.append(a)
 
 
 def rendered_dom(chromium: Path, page: Path, tmp: Path) -> str:
@@ -96,11 +100,28 @@ def test_the_drill_passes_simulated_and_its_report_renders(
     [html_path] = (tmp_path / "report").glob("drill-*.html")
     report: dict[str, Any] = json.loads(json_path.read_text())
     assert report["simulated"] is True and report["passed"] is True
-    assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 7, 10]
+    # Spillway knew no speed of the CPU child, which had answered nothing: the drill had it
+    # answer once first, so that every failover below was decided by figures.
+    assert "Spillway knows no speed of the CPU child" in result.stderr
+    learned = report["cpu_speed_learned"]
+    assert learned["child"] == "cpu" and learned["tokens_per_s"]["generation"] > 0
+    numbers = [sc["number"] for sc in report["scenarios"]]
+    assert numbers in ([1, 2, 3, 4, 5, 7, 10], [1, 2, 3, 4, 5, 7, 10, 11])
     # Scenario 6 is router mode's, 8 needs a small child, 9 a projector: skipped here, with
-    # the reason, and not a failure. (10 runs: a hot CPU child mirrors by default.)
+    # the reason, and not a failure. (10 runs: a hot CPU child mirrors by default.) 11 ran:
+    # both children run alike here, so the rule keeps its stream on the CPU child, and it is
+    # skipped with the figures (or, where Spillway measured the GPU child clearly faster, the
+    # stream went back to it and it passed: never a pass for what did not happen).
     assert report["router"] is False
-    six, eight, nine = report["skipped"]
+    six, eight, nine, *eleven = report["skipped"]
+    if 11 not in numbers:
+        [stayed] = eleven
+        assert stayed["number"] == 11, stayed
+        assert stayed["why"].startswith(("the GPU child is not faster here by the margin a "
+                                         "fail-back needs: the GPU child generates ",
+                                         "the GPU child came back too late")), stayed
+        assert stayed["returned"]["decisions"] == ["continued"]
+        assert f"[11] SKIPPED: {stayed['why']}" in result.stderr
     assert six["number"] == 6 and "router mode only" in six["why"], six
     assert eight["number"] == 8 and eight["why"] == "no [small] child configured", eight
     assert nine["number"] == 9 and nine["why"] == NO_PROJECTOR, nine
@@ -117,7 +138,7 @@ def test_the_drill_passes_simulated_and_its_report_renders(
         assert caught, sc["name"]
         for r in caught:  # every figure matched to the daemon's own record by request id
             assert r["incident"] == incidents[r["request_id"]]
-    one, two, three, four, five, seven, ten = report["scenarios"]
+    one, two, three, four, five, seven, ten = report["scenarios"][:7]
     assert one["requests"][0]["outcome"] == "replayed"
     assert one["requests"][0]["incident"]["evidence"] == "killed by SIGABRT"
     assert two["requests"][0]["stream"] and two["requests"][0]["complete"]
@@ -125,9 +146,15 @@ def test_the_drill_passes_simulated_and_its_report_renders(
     assert len(four["requests"]) == 6
     assert five["tool_effects"] == {"0": 1, "1": 1, "2": 1, "3": 1}
     [cut] = seven["requests"]
-    assert cut["outcome"] == "continued" and cut["cut_at"] == 8 and cut["continued"]
-    assert cut["incident"]["decision"] == "continued"
-    assert cut["incident"]["replay_child"] == "cpu" and cut["incident"]["tokens_before"] >= 8
+    assert cut["cut_at"] == 8 and cut["continued"]
+    # Continued on the CPU child; or, where Spillway measured the GPU child clearly the faster
+    # (both run alike here, but speeds measured on a busy machine vary), by the GPU child once
+    # back (waited), or on the CPU child and then moved back to it (failed_back).
+    first = cut["incidents"][0]
+    assert (cut["outcome"], first["decision"], first["replay_child"]) in (
+        ("continued", "continued", "cpu"), ("waited", "waited", "gpu"),
+        ("failed_back", "continued", "cpu")), cut
+    assert first["tokens_before"] >= 8
     # The long conversation: its warm second turn from the CPU child's cache, sooner than the
     # cold one (scenario 10's own test holds it in detail).
     talk = ten["conversation"]
@@ -142,14 +169,15 @@ def test_the_drill_passes_simulated_and_its_report_renders(
     sent = [r for sc in report["scenarios"] for r in sc["requests"]]
     assert len(dom.bars) == len(sent)  # one bar per request
     colours = {"completed": "#2e7d32", "replayed": "#1565c0", "controlled_error": "#ef6c00",
-               "cancelled": "#757575", "failed": "#c62828", "continued": "#6a1b9a"}
+               "cancelled": "#757575", "failed": "#c62828", "continued": "#6a1b9a",
+               "waited": "#283593", "failed_back": "#ad1457"}
     for bar, r in zip(dom.bars, sent):
         assert bar["data-request-id"] == r["request_id"]
         assert bar["data-outcome"] == r["outcome"]
         assert bar["fill"] == colours[r["outcome"]]
     assert dom.lanes == ["gpu", "cpu"] and dom.model_lanes == []
     assert {"READY", "BACKOFF", "STARTING"} <= set(dom.states)
-    assert dom.skipped == ["6", "8", "9"]
+    assert dom.skipped == ["6", "8", "9"] + (["11"] if eleven else [])
     assert [t["data-turn"] for t in dom.turns] == ["warm", "cold"]
     assert [row["data-request-id"] for row in dom.request_rows] == \
         [r["request_id"] for r in sent]
@@ -170,12 +198,15 @@ def test_the_drill_passes_in_router_mode_with_a_second_model_loading(
                                         .read_text())
     assert report["router"] is True and report["passed"] is True
     # No small child in router mode; the models have no projector; router mode does not mirror.
-    assert [sc["number"] for sc in report["skipped"]] == [8, 9, 10]
+    # 11 ran; A runs alike on both routers, so it is skipped after it (or passed: see above).
+    skipped = [sc["number"] for sc in report["skipped"]]
+    assert skipped in ([8, 9, 10], [8, 9, 10, 11])
     assert report["skipped"][1]["why"] == NO_PROJECTOR
     assert report["skipped"][2]["why"] == \
         "router mode does not mirror conversations to the CPU router (yet)"
     assert (report["model"], report["second_model"]) == ("alpha", "beta")
-    assert [sc["number"] for sc in report["scenarios"]] == [1, 2, 3, 4, 5, 6, 7]
+    assert [sc["number"] for sc in report["scenarios"]] == \
+        [1, 2, 3, 4, 5, 6, 7] + ([] if 11 in skipped else [11])
     incidents = {r["request_id"]: r for r in s.incidents()}
     for sc in report["scenarios"]:
         assert sc["simulated"] and sc["passed"], (sc["number"], sc["verdict"])
@@ -206,8 +237,11 @@ def test_the_drill_passes_in_router_mode_with_a_second_model_loading(
     assert dom.lanes == ["gpu", "cpu"]
     assert dom.model_lanes == [("gpu", "alpha"), ("cpu", "alpha"), ("gpu", "beta"),
                                ("cpu", "beta")]
-    assert {bar["data-scenario"] for bar in dom.bars} == {"1", "2", "3", "4", "5", "6", "7"}
-    assert report["scenarios"][6]["requests"][0]["outcome"] == "continued"
+    assert {bar["data-scenario"] for bar in dom.bars} == \
+        {"1", "2", "3", "4", "5", "6", "7"} | ({"11"} if 11 not in skipped else set())
+    # (Continued on the CPU router, or by A's instance on the GPU router once back: see 7.)
+    assert report["scenarios"][6]["requests"][0]["outcome"] in ("continued", "waited",
+                                                               "failed_back")
 
 
 @integration
@@ -317,6 +351,61 @@ def test_scenario_7_judge_fails_unless_the_cut_stream_was_continued() -> None:
     passed_on.requests[0].incident = {"request_id": "cut", "decision": "passed_on"}
     judge(passed_on)
     assert not passed_on.passed and "not continued on the CPU child" in passed_on.verdict
+    # The rule's other ways on: continued by the GPU child itself once back (waited), or on
+    # the CPU child and then moved back to the GPU child (its first record the continuation).
+    waited = cut()
+    waited.requests[0].incident = {"request_id": "cut", "decision": "waited",
+                                   "replay_child": "gpu"}
+    judge(waited)
+    assert waited.passed, waited.verdict
+    moved = cut()
+    moved.requests[0].incidents = [
+        {"request_id": "cut", "decision": "continued", "replay_child": "cpu"},
+        {"request_id": "cut", "decision": "failed_back", "replay_child": "gpu"}]
+    moved.requests[0].incident = moved.requests[0].incidents[-1]
+    judge(moved)
+    assert moved.passed, moved.verdict
+    # A wait on the CPU child is no decision Spillway makes.
+    odd = cut()
+    odd.requests[0].incident = {"request_id": "cut", "decision": "waited", "replay_child": "cpu"}
+    judge(odd)
+    assert not odd.passed and "its incident says waited" in odd.verdict, odd.verdict
+
+
+def test_replay_judges_take_a_wait_for_the_gpu_child_only_where_the_rule_allows_one() -> None:
+    """Scenarios 1, 2 and 9: a request the GPU child lost before its answer may be answered by
+    the GPU child itself once back (`waited`), where Spillway expected that sooner, but never
+    after an out-of-memory death in its prefill (it would take the same memory again)."""
+    def lost(kind: str, decision: str, child: str, number: int = 1) -> ScenarioResult:
+        s = Sent(number, "lost", number == 2, 1.0, ended=2.0, status=200, attempts=2,
+                 child=child, complete=True, request_id_kept=True, images=int(number == 9),
+                 prompt_tokens=120)
+        s.incident = {"request_id": "lost", "decision": decision, "kind": kind,
+                      "replay_child": "gpu" if decision == "waited" else "cpu"}
+        if number == 9:
+            return _scenario_9(_plain_9("plain"), image=s)
+        r = ScenarioResult(number, "a lost request", "bar", True)
+        r.requests.append(s)
+        return r
+
+    for number in (1, 2, 9):
+        for kind, decision, child in (("crash", "waited", "gpu"),
+                                      ("runtime_oom", "replayed", "cpu"),
+                                      ("crash", "replayed", "cpu")):
+            good = lost(kind, decision, child, number)
+            judge(good)
+            assert good.passed, (number, kind, good.verdict)
+            assert good.requests[0].outcome == decision
+        # An out-of-memory death in its prefill: waiting for the same memory is no way on.
+        oom = lost("runtime_oom", "waited", "gpu", number)
+        judge(oom)
+        assert not oom.passed, number
+        assert "nor waited for the GPU child" in oom.verdict if number == 9 else \
+            "no incident recording the replay (or a wait" in oom.verdict, oom.verdict
+    # The record says it waited; the answer came from the CPU child.
+    odd = lost("crash", "waited", "cpu")
+    judge(odd)
+    assert not odd.passed and "not completed on the gpu child after a failover" in odd.verdict
 
 
 @integration
@@ -528,8 +617,12 @@ def image_drill_config(llama_server: Path, tiny_model: Path,
     """The tiny model and its projector (`--mmproj`, in model.args: both children take images).
     Two slots of the model's whole 4,096 tokens: the image request's prompt (60% of a slot) and
     its answer (the rest of the slot, some 1,600 tokens) keep the GPU child busy for a while
-    after its task launched, so that the failure lands while the image request runs."""
-    cfg = real_config(llama_server, tiny_model)
+    after its task launched, so that the failure lands while the image request runs. Waiting
+    for the GPU child's return off (failover.wait_for_gpu): the CPU child's encoder has not run
+    yet, Spillway counts it at its cautious default, far slower than the GPU child's, and would
+    have the image request wait for the GPU child (which the judge allows after a SIGABRT);
+    here the CPU child takes it, image and all, as it does after a real out-of-memory."""
+    cfg = real_config(llama_server, tiny_model, failover={"wait_for_gpu": False})
     cfg["model"]["args"] = ["-c", "8192", "-np", "2", "-t", "1", "-tb", "1",
                             "--mmproj", str(tiny_projector)]
     return cfg
@@ -824,3 +917,214 @@ def test_scenario_10_says_why_there_is_no_warm_cpu_child() -> None:
         "this Spillway does not mirror conversations (its status has no `mirror`)"
     assert no_mirror({"children": children, "mirror": None, "router": True}) == \
         "router mode does not mirror conversations to the CPU router (yet)"
+
+
+# --- scenario 11: the GPU child comes back mid-answer -----------------------------------------
+
+
+def returning_drill_config(llama_server: Path, slow_model: Path, throttled: Path,
+                           **failover: Any) -> dict[str, Any]:
+    """The slow model on both children, the CPU child run at a third of its speed
+    (tests/throttled_llama_server.py): a "GPU child" three times as fast as the CPU child, as a
+    real one is thirty to a hundred times."""
+    cfg = real_config(llama_server, slow_model, **({"failover": failover} if failover else {}))
+    cfg["cpu"] = {**cfg["cpu"], "llama_server": str(throttled),
+                  "env": {"REAL_LLAMA_SERVER": str(llama_server)}}
+    return cfg
+
+
+@integration
+@pytest.mark.parametrize(("wait_for_gpu", "moved"), [(True, "waited"), (False, "failed_back")])
+def test_scenario_11_the_stream_goes_on_from_the_gpu_child_once_it_is_back(
+        spillway: SpillwayFactory, llama_server: Path, slow_model: Path, throttled: Path,
+        tmp_path: Path, chromium: Path, wait_for_gpu: bool, moved: str) -> None:
+    """Waiting for the GPU child (failover.wait_for_gpu, on by default): the continuation is
+    sooner on the GPU child once back than on the slow CPU child, so it waits for it. Waiting
+    off: the CPU child continues the stream, and it fails back once the GPU child is READY."""
+    s = spillway(returning_drill_config(llama_server, slow_model, throttled,
+                                        wait_for_gpu=wait_for_gpu))
+    result = drill(s, tmp_path / "report", "--only", "11")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "PASSED (simulated: no GPU here)" in result.stdout
+    report: dict[str, Any] = json.loads(next((tmp_path / "report").glob("drill-*.json"))
+                                        .read_text())
+    assert report["passed"] is True and report["skipped"] == []
+    assert report["cpu_speed_learned"]["child"] == "cpu"  # (its speed known first)
+    [eleven] = report["scenarios"]
+    assert eleven["name"] == "the GPU child comes back mid-answer"
+    assert eleven["passed"] and eleven["simulated"], eleven["verdict"]
+    [r] = eleven["requests"]
+    info = eleven["returned"]
+    # One whole stream, cut after 8 events, that says how it went on.
+    assert r["stream"] and r["complete"] and not r["error_event"] and r["cut_at"] == 8
+    assert r["outcome"] == moved and r["tokens"] > 8
+    # Every figure is the daemon's own: its incident records of this request, in order.
+    records = [i for i in s.incidents() if i["request_id"] == r["request_id"]]
+    assert r["incidents"] == records and r["incident"] == records[-1]
+    note = r["continuation"]
+    if moved == "failed_back":
+        assert [(i["decision"], i["replay_child"]) for i in records] == [
+            ("continued", "cpu"), ("failed_back", "gpu")], records
+        assert info["continued_at"] == records[0]["tokens_before"] >= 8
+        assert info["tokens_before"] == records[1]["tokens_before"] > info["continued_at"]
+        assert (note["from_child"], note["child"], note["kind"]) == ("cpu", "gpu", "failed_back")
+        code, page = s.get("/spillway/metrics")
+        assert 'spillway_failbacks_total{result="completed"} 1.0' in page
+    else:
+        assert [(i["decision"], i["replay_child"]) for i in records] == [("waited", "gpu")]
+        assert info["tokens_before"] == records[0]["tokens_before"] >= 8
+        assert (note["from_child"], note["child"]) == ("gpu", "gpu")
+    assert info["moved"] == moved and info["decisions"] == [i["decision"] for i in records]
+    assert info["forecast_s"] == records[-1]["forecast_s"] > 0
+    assert info["took_s"] == records[-1]["took_s"] > 0
+    # The GPU child was back while the answer was being written, and READY at the end.
+    assert 0 < info["gpu_back_after_s"] < info["answer_after_stop_s"]
+    assert info["gpu_after"] == "READY" and s.child("gpu")["state"] == "READY"
+    speeds = info["speeds"]
+    assert speeds["gpu"]["generation"] > 1.25 * speeds["cpu"]["generation"], speeds
+    line = return_line(eleven)
+    assert line is not None and f"[11] {line}" in result.stdout
+    assert f"the rest took {info['took_s']} s against {info['forecast_s']} s forecast" in line
+    # The page, as a browser renders it: the stream's bar in its outcome's colour, its line.
+    dom = Dom()
+    dom.feed(rendered_dom(chromium, next((tmp_path / "report").glob("drill-*.html")),
+                          tmp_path))
+    [bar] = dom.bars
+    assert (bar["data-outcome"], bar["fill"]) == (moved, OUTCOME_COLOURS[moved])
+    assert [(p["data-moved"], p["data-tokens-before"], p["data-forecast"], p["data-took"])
+            for p in dom.returned] == [(moved, str(info["tokens_before"]),
+                                        str(info["forecast_s"]), str(info["took_s"]))]
+    print(f"scenario 11: {line}")
+
+
+def _scenario_11(*records: dict[str, Any], gpu_after: str = "READY", **sent: Any
+                 ) -> ScenarioResult:
+    r = ScenarioResult(11, "the GPU child comes back mid-answer", "bar", True)
+    s = Sent(11, "back", True, 1.0, ended=20.0, status=200, attempts=1, child="gpu",
+             complete=True, request_id_kept=True, cut_at=8, continued=True, tokens=400,
+             continuation={"from_child": "cpu", "child": "gpu", "kind": "failed_back",
+                           "tokens_before": 120})
+    for name, value in sent.items():
+        setattr(s, name, value)
+    s.incidents = [{"request_id": "back", **record} for record in records]
+    s.incident = s.incidents[-1] if s.incidents else None
+    r.requests.append(s)
+    r.returned = {"gpu": "the GPU child", "max_tokens": 400, "gpu_after": gpu_after,
+                  "gpu_back_after_s": 1.2, "answer_after_stop_s": 12.0,
+                  "speeds": {"gpu": {"prompt": 900.0, "generation": 150.0},
+                             "cpu": {"prompt": 300.0, "generation": 50.0}}}
+    return r
+
+
+CONTINUED = {"decision": "continued", "replay_child": "cpu", "tokens_before": 9,
+             "prompt_tokens": 40}
+FAILED_BACK = {"decision": "failed_back", "replay_child": "gpu", "tokens_before": 120,
+               "forecast_s": 1.9, "took_s": 2.1}
+WAITED = {"decision": "waited", "replay_child": "gpu", "tokens_before": 10,
+          "forecast_s": 3.5, "took_s": 3.2}
+
+
+def test_scenario_11_judge_passes_only_a_stream_that_went_on_from_the_gpu_child() -> None:
+    failed_back = _scenario_11(CONTINUED, FAILED_BACK)
+    judge(failed_back)
+    assert failed_back.passed and failed_back.skipped is None, failed_back.verdict
+    assert failed_back.requests[0].outcome == "failed_back"
+    info = failed_back.returned or {}
+    assert (info["moved"], info["continued_at"], info["tokens_before"], info["forecast_s"],
+            info["took_s"]) == ("failed_back", 9, 120, 1.9, 2.1)
+    assert return_line(failed_back.to_json()) == (
+        "the GPU child READY again 1.2 s after its death; the stream continued on the CPU "
+        "child at token 9, failed back to the GPU child at token 120; the rest took 2.1 s "
+        "against 1.9 s forecast; generation: the GPU child 150.0 tokens/s, the CPU child 50.0")
+    waited = _scenario_11(WAITED, continuation={"from_child": "gpu", "child": "gpu",
+                                                "kind": "crashed", "tokens_before": 10})
+    judge(waited)
+    assert waited.passed, waited.verdict
+    assert waited.requests[0].outcome == "waited" and (waited.returned or {})["moved"] == "waited"
+    assert "the stream waited for the GPU child and went on from it at token 10" in \
+        (return_line(waited.to_json()) or "")
+
+    def bad(r: ScenarioResult, said: str) -> None:
+        judge(r)
+        assert not r.passed and r.skipped is None and said in r.verdict, r.verdict
+
+    bad(_scenario_11(CONTINUED, FAILED_BACK, complete=False, error_event=True,
+                     note='data: {"error": ...}'), "not one whole stream")
+    bad(_scenario_11(CONTINUED, FAILED_BACK, cut_at=None),
+        "the answer ended before the GPU child was stopped in its middle")
+    bad(_scenario_11(CONTINUED, FAILED_BACK, gpu_after="BACKOFF"),
+        "the GPU child is BACKOFF at the end, not READY")
+    # Decisions the rule does not make, or records that do not say how it went on.
+    bad(_scenario_11(FAILED_BACK), "its incidents say failed_back on gpu: not continued then "
+                                   "failed back, nor waited")
+    bad(_scenario_11(CONTINUED, {**FAILED_BACK, "replay_child": "cpu"}),
+        "its incidents say continued on cpu, failed_back on cpu")
+    bad(_scenario_11(), "its incidents say nothing")
+    bad(_scenario_11(CONTINUED, {**FAILED_BACK, "tokens_before": 9}),
+        "it failed back at token 9, not after the 9 it was continued at")
+    bad(_scenario_11(CONTINUED, {**FAILED_BACK, "forecast_s": None}),
+        "its `failed_back` incident has no forecast beside what the rest took")
+    # Stayed on the CPU child although the GPU child, three times as fast, was back 11 s before
+    # the answer's end: the rule would have moved it.
+    bad(_scenario_11(CONTINUED), "the stream stayed on the CPU child (continued on the CPU "
+                                 "child after 9 tokens) although the GPU child generates 150.0 "
+                                 "tokens/s, the CPU child 50.0, 3.00x (Spillway's measures as "
+                                 "it came back, 1.2 s after its death); the CPU child took 10.8 "
+                                 "s for the rest, which the GPU child would have taken about "
+                                 "4.1 s with its prefill of the 440 tokens so far: a fail-back "
+                                 "was due")
+
+
+def test_scenario_11_is_skipped_where_the_rule_keeps_the_stream_on_the_cpu_child() -> None:
+    # Both children alike (a test machine's "GPU child" runs on the CPU): no fail-back can
+    # save time, and the stream stays. Skipped, with the figures: neither passed nor failed.
+    alike = _scenario_11(CONTINUED)
+    (alike.returned or {})["speeds"] = {"gpu": {"prompt": 900.0, "generation": 117.3},
+                                        "cpu": {"prompt": 800.0, "generation": 98.5}}
+    judge(alike)
+    assert not alike.passed and alike.skipped == (
+        "the GPU child is not faster here by the margin a fail-back needs: the GPU child "
+        "generates 117.3 tokens/s, the CPU child 98.5, 1.19x (Spillway's measures as it came "
+        "back, 1.2 s after its death); the CPU child took 10.8 s for the rest, which the GPU "
+        "child would have taken about 9.6 s with its prefill of the 440 tokens so far (at "
+        "most). A stream moves back only when the rest is expected in under 80% of its time "
+        "on the CPU child, so it stayed there (continued on the CPU child after 9 tokens), as "
+        "the rule says")
+    assert alike.verdict == f"skipped: {alike.skipped}"
+    # Faster in generation by the margin, but not once its prefill of the answer so far is
+    # counted (8.3 s for the rest, 0.5 s of prefill, against 80% of 10.8 s): no failure.
+    close = _scenario_11(CONTINUED)
+    (close.returned or {})["speeds"] = {"gpu": {"prompt": 900.0, "generation": 130.0},
+                                        "cpu": {"prompt": 800.0, "generation": 100.0}}
+    judge(close)
+    assert not close.passed and (close.skipped or "").startswith(
+        "the GPU child came back too late in the answer for a fail-back to pay: the GPU child "
+        "generates 130.0 tokens/s, the CPU child 100.0, 1.30x"), close.skipped
+    # Three times as fast, but back with half a second of the answer left: nothing to gain.
+    late = _scenario_11(CONTINUED)
+    (late.returned or {}).update(gpu_back_after_s=11.5, answer_after_stop_s=12.0)
+    judge(late)
+    assert not late.passed and (late.skipped or "").startswith(
+        "the GPU child came back too late in the answer for a fail-back to pay"), late.skipped
+    # Back only after the answer was done.
+    never = _scenario_11(CONTINUED)
+    (never.returned or {})["gpu_back_after_s"] = None
+    judge(never)
+    assert not never.passed and never.skipped == (
+        "the GPU child was not back before the answer's end (back never after its death, the "
+        "answer done 12.0 s after it, 400 tokens asked; continued on the CPU child after 9 "
+        "tokens)"), never.skipped
+    # No speed known, no forecast: the rule cannot move it.
+    unknown = _scenario_11(CONTINUED)
+    (unknown.returned or {})["speeds"] = {"gpu": None, "cpu": {"generation": 50.0}}
+    judge(unknown)
+    assert not unknown.passed and (unknown.skipped or "").startswith(
+        "Spillway had no forecast to move the stream by: the GPU child generates unknown "
+        "tokens/s, the CPU child 50.0"), unknown.skipped
+    # A stream that is not whole is a failure, whatever the speeds.
+    broken = _scenario_11(CONTINUED, complete=False)
+    (broken.returned or {})["speeds"] = {"gpu": {"generation": 50.0},
+                                         "cpu": {"generation": 50.0}}
+    judge(broken)
+    assert not broken.passed and broken.skipped is None and "not one whole stream" in \
+        broken.verdict

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import sys
 import threading
 import urllib.request
 from pathlib import Path
@@ -27,7 +26,6 @@ from conftest import SpillwayFactory
 from supervisor.commands import bootstrap
 
 pytestmark = [pytest.mark.integration]
-TESTS = Path(__file__).resolve().parent
 
 
 @pytest.fixture(scope="session")
@@ -159,21 +157,13 @@ def test_a_long_prompts_stream_cut_by_a_gpu_death_waits_for_its_return_byte_iden
     assert record["tokens_before"] >= 10
 
 
-@pytest.fixture(scope="session")
-def throttled(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("throttled") / "throttled-llama-server"
-    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" "{TESTS / "throttled_llama_server.py"}" '
-                    '"$@"\n')
-    path.chmod(0o755)
-    return path
-
-
 def test_a_stream_continued_on_the_cpu_child_fails_back_to_the_gpu_child_once_ready(
         spillway: SpillwayFactory, llama_server: Path, smollm2: Path, throttled: Path) -> None:
     """The GPU child dies in a long answer; the CPU child continues it (waiting is off here,
     so the continuation goes there whatever the forecasts say); once the GPU child is READY,
-    the rest is sooner there (the CPU child runs at a third of its speed: tests/throttled_llama_server),
-    and the answer moves back to it: one stream, the whole greedy answer, byte for byte."""
+    the rest is sooner there (the CPU child runs at a third of its speed:
+    tests/throttled_llama_server), and the answer moves back to it: one stream, the whole
+    greedy answer, byte for byte."""
     cfg = config(llama_server, smollm2)
     # Both compute alike (the same arguments); the CPU child is slowed down.
     args = ["-t", "1", "-tb", "1"]

@@ -3,9 +3,10 @@
 #
 #   scripts/gpu/drill.sh
 #
-# What it proves, on the card: the drill's ten scenarios with a real out-of-memory (ballast)
+# What it proves, on the card: the drill's eleven scenarios with a real out-of-memory (ballast)
 # where they can have one (1 to 5 and 10; 6 is router mode's and 8 needs a small child, so both
-# are skipped here; 7 is Spillway's SIGABRT even on a GPU), and scenario 9: the model is given a
+# are skipped here; 7 and 11 are Spillway's SIGABRT even on a GPU, 11 the GPU child back while
+# the CPU child answers: expect `waited` or `failed_back`), and scenario 9: the model is given a
 # projector (the tiny vision and audio one, tests/tinymm.py, sized to the model's width), and an
 # image request (a PNG, first in its message, then the long prompt) reaches the GPU child while
 # the ballast leaves it a few MiB, so that the allocations its image and prompt need there fail;

@@ -760,10 +760,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how to run the GPU out of memory (auto: PyTorch if importable, else "
                         "a second llama-server; simulated when there is no GPU)")
     p.add_argument("--only", default=None, help="scenarios to run, e.g. 1,2 (default: all "
-                                                "ten; 6 runs in router mode only, 8 with a "
+                                                "eleven; 6 runs in router mode only, 8 with a "
                                                 "[small] child only, 9 with a projector "
                                                 "(--mmproj) only, 10 with a warm CPU child "
-                                                "(cpu.mirror, a hot CPU child) only)")
+                                                "(cpu.mirror, a hot CPU child) only; 11 is "
+                                                "skipped where the GPU child is not faster)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="the size of the request over the GPU's profile (default: 60%% of a "
                         "slot's context, at most 24000)")

@@ -19,7 +19,7 @@ from typing import Any
 import aiohttp
 
 from ..remote import Target
-from ...config.schema import SMALL_CHILD
+from ...config.schema import GPU_CHILD, SMALL_CHILD
 
 CHAT = "/v1/chat/completions"
 
@@ -44,10 +44,12 @@ class Sent:
     client_left: bool = False  # the drill left on purpose
     request_id_kept: bool = False
     tokens: int = 0
-    cut_at: int | None = None  # scenario 7: the events read when the GPU child was stopped
+    cut_at: int | None = None  # scenarios 7, 11: the events read when the GPU child was stopped
     # The stream said it was continued on the other child: its final event's
-    # `spillway_continuation` (proxy/continued.py), the only word of it on the wire.
+    # `spillway_continuation` (proxy/continued.py), the only word of it on the wire; and that
+    # word itself (`from_child`, `child`, `kind`, `tokens_before`).
     continued: bool = False
+    continuation: dict[str, Any] | None = None
     # X-Spillway-Fallback as sent: "smaller" (it accepts a smaller model's answer), "none"
     # (it does not, even where small.requests = "all"), None (not sent)
     fallback: str | None = None
@@ -65,7 +67,10 @@ class Sent:
     prompt_ms: float | None = None
     answer: str | None = None  # the answer's text, where the drill asked to keep it (`keep`)
     note: str = ""
-    incident: dict[str, Any] | None = None
+    incident: dict[str, Any] | None = None  # the daemon's newest record of it
+    # All the daemon's records of it, oldest first: a stream continued on the CPU child and
+    # then moved back to the GPU child has two (`continued`, `failed_back`).
+    incidents: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def latency_s(self) -> float:
@@ -76,9 +81,18 @@ class Sent:
         if self.client_left:
             return "cancelled"
         if self.complete and self.continued:
+            note = self.continuation or {}
+            if note.get("kind") == "failed_back":
+                return "failed_back"  # moved back from the CPU child to the GPU child
+            if note.get("child") is not None and note.get("child") == note.get("from_child"):
+                return "waited"  # went on from the child that died, once it was back
             return "continued"
         if self.complete and self.attempts >= 2 and self.child == SMALL_CHILD:
             return "rerouted"  # the GPU child lost it; the small child answered
+        if self.complete and self.attempts >= 2 and self.child == GPU_CHILD:
+            # (No child hands a request over to the GPU child: it was the GPU child's own,
+            # answered after its return.)
+            return "waited"
         if self.complete and self.attempts >= 2:
             return "replayed"
         if self.complete:
@@ -202,7 +216,7 @@ class DrillClient:
                    cut: tuple[int, Callable[[], Awaitable[None]]] | None = None,
                    keep: bool = False) -> Sent:
         """One chat request; `cut` = (K, stop): `stop()` is awaited once K events of the
-        stream have been read (scenario 7 stops the GPU child there), and reading goes on;
+        stream have been read (scenarios 7 and 11 stop the GPU child there), and reading goes on;
         `keep`: the text of a whole answer is kept (scenario 10's next turn carries it)."""
         rid = f"drill-{scenario}-{uuid.uuid4().hex[:10]}"
         sent = Sent(scenario, rid, stream, time.time(), images=_images(messages))
@@ -278,8 +292,9 @@ class DrillClient:
                 with contextlib.suppress(ValueError, AttributeError):
                     event = json.loads(data)
                     _read_timings(event.get("timings"), sent)
-                    sent.continued = sent.continued or \
-                        isinstance(event.get("spillway_continuation"), dict)
+                    note = event.get("spillway_continuation")
+                    if isinstance(note, dict):
+                        sent.continued, sent.continuation = True, note
             if cut is not None and events == cut[0]:
                 sent.cut_at = events
                 await cut[1]()

@@ -6,9 +6,12 @@ request is listed too: whether it accepted a smaller model, the GPU child's stat
 latency, and whether it carried an image (scenario 9, whose image request's line says how many
 of its prompt tokens were the image's), and a stream's time to first token. Scenario 10 has a
 line and a table of its own: the warm and the cold second turn's time to first token and the
-prompt tokens the CPU child found in its cache, and their ratio. A scenario that did not run (6
-outside router mode, 8 without a small child, 9 without a projector, 10 without a warm CPU
-child) is listed as skipped, with the reason."""
+prompt tokens the CPU child found in its cache, and their ratio. Scenario 11 has a line of its
+own: how the stream went on from the GPU child once it was back (waited, or failed back at which
+token), the rest's time against its forecast, and each child's speed. A scenario that did not run
+(6 outside router mode, 8 without a small child, 9 without a projector, 10 without a warm CPU
+child), or ran and could not show what it is for (11 where the GPU child is not faster), is
+listed as skipped, with the reason."""
 
 from __future__ import annotations
 
@@ -25,6 +28,8 @@ OUTCOME_COLOURS = {
     "completed": "#2e7d32",
     "replayed": "#1565c0",
     "continued": "#6a1b9a",
+    "waited": "#283593",  # went on from the GPU child once it was back, after waiting for it
+    "failed_back": "#ad1457",  # moved back from the CPU child to the GPU child
     "rerouted": "#00838f",
     "controlled_error": "#ef6c00",
     "cancelled": "#757575",
@@ -108,6 +113,31 @@ def conversation_line(scenario: dict[str, Any]) -> str | None:
             f"{talk.get('gpu') or 'the GPU child'} at the end: {talk.get('gpu_after')}")
 
 
+def return_line(scenario: dict[str, Any]) -> str | None:
+    """Scenario 11: how the stream went on from the GPU child once it was back, the rest's time
+    against its forecast, and each child's generation speed, in words."""
+    info = scenario.get("returned")
+    if not info or info.get("moved") not in ("waited", "failed_back"):
+        return None
+    gpu = info.get("gpu") or "the GPU child"
+    if info["moved"] == "waited":
+        how = f"waited for {gpu} and went on from it at token {info.get('tokens_before')}"
+    else:
+        how = (f"continued on the CPU child at token {info.get('continued_at')}, failed back "
+               f"to {gpu} at token {info.get('tokens_before')}")
+    speeds = info.get("speeds") or {}
+    back = info.get("gpu_back_after_s")
+    return (f"{gpu} READY again {'-' if back is None else f'{back:.1f}'} s after its death; "
+            f"the stream {how}; the rest took {_or_dash(info.get('took_s'))} s against "
+            f"{_or_dash(info.get('forecast_s'))} s forecast; generation: {gpu} "
+            f"{_or_dash(_generation(speeds, 'gpu'))} tokens/s, the CPU child "
+            f"{_or_dash(_generation(speeds, 'cpu'))}")
+
+
+def _generation(speeds: dict[str, Any], child: str) -> Any:
+    return (speeds.get(child) or {}).get("generation")
+
+
 def _turn_words(turn: dict[str, Any]) -> str:
     """"first token in 0.21 s, 2431 of 2450 prompt tokens cached (its prefill 12 ms)"."""
     ttft, prompt_ms = turn.get("ttft_s"), turn.get("prompt_ms")
@@ -174,7 +204,8 @@ def table(report: dict[str, Any]) -> str:
     text = tables.render(["#", "scenario", "result", "first error", "decision",
                           "cpu start s", "final", "latency s", "connection", "tools"], rows)
     for s in report["scenarios"]:
-        for line in (gpu_states_after(s), image_line(s), conversation_line(s)):
+        for line in (gpu_states_after(s), image_line(s), conversation_line(s),
+                     return_line(s)):
             if line:
                 text += f"\n[{s['number']}] {line}"
         for line in answered_by(s):
@@ -274,7 +305,8 @@ def svg_timeline(report: dict[str, Any], width: int = 1000) -> str:
 
 
 def _after(scenario: dict[str, Any]) -> str:
-    after = gpu_states_after(scenario) or image_line(scenario) or conversation_line(scenario)
+    after = gpu_states_after(scenario) or image_line(scenario) or \
+        conversation_line(scenario) or return_line(scenario)
     return f" ({after})" if after else ""
 
 
@@ -338,6 +370,23 @@ def _conversation_table(report: dict[str, Any]) -> str:
             f'<th>the child\'s prefill ms</th></tr>{rows}</table>'
             f'<p class="ratio" data-ratio="{_or_dash(ratio)}">warm/cold time to first token: '
             f'{"-" if ratio is None else f"{ratio:.2f}"}</p>')
+    return "".join(parts)
+
+
+def _returned(report: dict[str, Any]) -> str:
+    """Scenario 11's figures, where the stream went on from the GPU child once it was back."""
+    parts = []
+    for s in report["scenarios"]:
+        info = s.get("returned") or {}
+        line = return_line(s)
+        if line is None:
+            continue
+        parts.append(
+            f'<h2>The GPU child comes back mid-answer</h2><p class="returned" '
+            f'data-moved="{info["moved"]}" '
+            f'data-tokens-before="{_or_dash(info.get("tokens_before"))}" '
+            f'data-forecast="{_or_dash(info.get("forecast_s"))}" '
+            f'data-took="{_or_dash(info.get("took_s"))}">{html.escape(line)}</p>')
     return "".join(parts)
 
 
@@ -413,6 +462,7 @@ GPU: {e(str(machine.get("gpu")))}</p>
 <th>outcome</th><th>first token s</th><th>latency s</th></tr>
 {_request_rows(report)}</table>
 {_conversation_table(report)}
+{_returned(report)}
 <h2>Timeline</h2>
 <p>Requests: {legend}</p><p>Child states: {states}</p>
 {svg_timeline(report)}

@@ -1,4 +1,4 @@
-"""The ten scenarios of the drill, in order, each with the bar it must meet.
+"""The eleven scenarios of the drill, in order, each with the bar it must meet.
 
 Every figure in the report comes from the daemon's own incident records, matched by request
 id; the drill adds only what a client alone can know (did the connection survive, what did the
@@ -16,6 +16,14 @@ the last VRAM, needs a projector (`--mmproj`): where the GPU child's /props `mod
 takes no images, it is skipped too. Scenario 10, a long conversation failing over to the warm
 CPU child, needs the CPU child's mirroring (the status's `mirror` enabled: a hot CPU child,
 `cpu.mirror` on): without it, and in router mode (which does not mirror yet), it is skipped.
+Scenario 11, the GPU child back while its stream, continued on the CPU child, is still being
+answered: the stream waits for it or moves back to it where the GPU child is the sooner; where
+it is not faster here (a test machine's "GPU child" on the CPU), the rule keeps the stream on the
+CPU child and the scenario is skipped, with the figures, after it ran.
+
+Spillway decides where what a GPU death catches goes by each child's speed, learned from its
+answers; the drill first has the CPU child answer once where it has answered nothing yet
+(`Drill.speeds_known`), so that the decisions judged are made by figures.
 """
 
 from __future__ import annotations
@@ -25,15 +33,18 @@ import contextlib
 import time
 import urllib.parse
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ...config.schema import CPU_CHILD, GPU_CHILD, SMALL_CHILD
+from ...policy.continuation import FAIL_BACK_MARGIN
+from ...policy.evidence import FailureKind
+from ...policy.replay import own_size_suspect
 from .client import DrillClient, Sent, image_part, model_info, png, state_of
 from .provoke import Provoker, SimulatedFailure
 
-SCENARIOS = 10
+SCENARIOS = 11
 SMALLER = {"X-Spillway-Fallback": "smaller"}  # the request accepts a smaller model's answer
 PLAIN = {"X-Spillway-Fallback": "none"}  # it does not, even where small.requests = "all"
 # Scenario 10: the warm turn finds at least this share of the first turn's prompt in the CPU
@@ -66,8 +77,13 @@ class ScenarioResult:
     # Scenario 10: the first turn, the mirror, the warm and the cold second turns' figures (time
     # to first token, prompt tokens cached), their ratio, the GPU child's state at the end.
     conversation: dict[str, Any] | None = None
+    # Scenario 11: when the GPU child was back, the answer's end, each child's speeds as
+    # Spillway measured them, and (once judged) what the stream did: `moved` (waited,
+    # failed_back or None), the token it moved at, the rest's forecast and time.
+    returned: dict[str, Any] | None = None
     skipped: str | None = None  # why it did not run (6 outside router mode, 8 without [small],
-    # 9 without a projector, 10 without mirroring)
+    # 9 without a projector, 10 without mirroring), or, having run, showed nothing (11 where
+    # the GPU child is not faster)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -76,12 +92,12 @@ class ScenarioResult:
             "requests": [r.to_json() for r in self.requests],
             "tool_effects": self.tool_effects, "executions": self.executions,
             "notes": self.notes, "models": self.models, "media": self.media,
-            "conversation": self.conversation,
+            "conversation": self.conversation, "returned": self.returned,
         }
 
     def skip_json(self) -> dict[str, Any]:
         return {"number": self.number, "name": self.name, "bar": self.bar,
-                "why": self.skipped}
+                "why": self.skipped, "returned": self.returned}
 
 
 Progress = Callable[[str], None]
@@ -100,6 +116,10 @@ class Drill:
         self.second = second_model  # router mode: the model that loads next to it (B)
         self._words_per_token: dict[str | None, float] = {}  # by child (None: the model's)
         self._per_s: float | None = None  # the GPU child's tokens a second, once measured
+        # The CPU child's first answer, where the drill had it answer one so that Spillway knew
+        # its speed (speeds_known); None when it knew it already, or before it was asked.
+        self.learned: dict[str, Any] | None = None
+        self._speeds_checked = False
 
     @property
     def gpu(self) -> str:
@@ -131,9 +151,9 @@ class Drill:
             n = len((await self.client.post_json(path, body, **pin)).get("tokens", []))
         except Exception:  # noqa: BLE001 - a rough prompt is still a prompt
             n = 0
-        if not n and child is not None:
-            return await self._words_per(None)  # not cached: the child may answer later
-        self._words_per_token[child] = len(WORDS) * 10 / (n or len(WORDS) * 10)
+        if not n:  # not cached: the child (or the model's, when it is down) may answer later
+            return 1.0 if child is None else await self._words_per(None)
+        self._words_per_token[child] = len(WORDS) * 10 / n
         return self._words_per_token[child]
 
     async def messages(self, tokens: int, note: str = "") -> list[dict[str, Any]]:
@@ -185,10 +205,65 @@ class Drill:
         await provoker.after_failure()
 
     async def attach_incidents(self, results: list[ScenarioResult]) -> None:
-        by_id = {r["request_id"]: r for r in await self.client.incidents()}
+        by_id: dict[str, list[dict[str, Any]]] = {}
+        for record in await self.client.incidents():  # (oldest first)
+            by_id.setdefault(record["request_id"], []).append(record)
         for result in results:
             for sent in result.requests:
-                sent.incident = by_id.get(sent.request_id)
+                sent.incidents = by_id.get(sent.request_id, [])
+                sent.incident = sent.incidents[-1] if sent.incidents else None
+
+    async def speeds_known(self) -> None:
+        """Spillway forecasts a request's time on each child from that child's own answers
+        (their timings): whether what a GPU death catches waits for the GPU child or goes to
+        the CPU child, and whether a stream moves back (serving/failover.py, failback.py). A
+        CPU child that has answered nothing has no speed, and a replay or a continuation then
+        waits for the GPU child as if the CPU child could not take it. So, once a drill, before
+        the first scenario that fails the GPU child: where Spillway knows no generation speed
+        of the CPU child, the CPU child answers one short request, sent while the GPU child is
+        down (Spillway's SIGABRT at the drill's word, as in scenario 7)."""
+        if self._speeds_checked:
+            return
+        self._speeds_checked = True
+        if self._generation(await self.client.status(), CPU_CHILD) is not None:
+            return
+        self.say("  Spillway knows no speed of the CPU child (it has answered nothing): one "
+                 f"short answer from it first, while {self.gpu} is stopped")
+        await self.settle()
+        messages = await self.messages(16, "Warm up.")  # (counted while the GPU child is up)
+        stopped = await self.client.arm(self._now())
+        if not stopped.get("sent") or not await self._gpu_down(30.0):
+            self.say(f"  {self.gpu} could not be stopped ({stopped}); going on")
+            return
+        # (As the GPU child's own measure: the same prompt, 64 tokens.)
+        sent = await self.client.chat(0, messages, 64, extra={"ignore_eos": True})
+        await self.settle()
+        self.learned = {"request_id": sent.request_id, "child": sent.child,
+                        "status": sent.status,
+                        "tokens_per_s": self._info(await self.client.status(),
+                                                   CPU_CHILD).get("tokens_per_s")}
+
+    def _generation(self, status: dict[str, Any], child: str) -> float | None:
+        """A child's generation speed as Spillway measured it (tokens a second); None before
+        it has answered."""
+        speed = (self._info(status, child).get("tokens_per_s") or {}).get("generation")
+        return None if speed is None else float(speed)
+
+    def _now(self) -> dict[str, Any]:
+        """The arm's body that stops the GPU child (router mode: A's instance) at once."""
+        body: dict[str, Any] = {"now": True}
+        if self.model is not None:
+            body["model"] = self.model
+        return body
+
+    async def _gpu_down(self, timeout: float) -> bool:
+        """Until the GPU child (router mode: A on the GPU router) is no longer READY."""
+        deadline = time.monotonic() + timeout
+        while state_of(await self.client.status(), GPU_CHILD, self.model) == "READY":
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
 
     # --- the scenarios ------------------------------------------------------------------------
 
@@ -207,7 +282,10 @@ class Drill:
 
     async def non_streaming(self) -> ScenarioResult:
         r = self._new(1, "a non-streaming request over the GPU profile",
-                      "completed once on the CPU child (2 attempts), request id kept")
+                      "completed once on the CPU child (2 attempts), request id kept (or "
+                      "on the GPU child once back, `waited`, where Spillway found that sooner "
+                      "and the death was no out-of-memory in its prefill)")
+        await self.speeds_known()
         tokens, extra = await self.armed(16)
         before = await self.client.tasks_started()
         async with self.failing():
@@ -220,7 +298,9 @@ class Drill:
 
     async def streaming(self) -> ScenarioResult:
         r = self._new(2, "the same request, streamed",
-                      "a whole stream ([DONE], no error event) from the CPU child, 2 attempts")
+                      "a whole stream ([DONE], no error event) from the CPU child, 2 attempts "
+                      "(or from the GPU child once back, as 1)")
+        await self.speeds_known()
         tokens, extra = await self.armed(16)
         async with self.failing():
             sent = await self.client.chat(2, await self.messages(self.prompt_tokens), tokens,
@@ -232,6 +312,7 @@ class Drill:
     async def cancellation(self) -> ScenarioResult:
         r = self._new(3, "cancellation: the client leaves during the failover",
                       "the replay is cancelled with its client: no work left on the CPU child")
+        await self.speeds_known()
         tokens, extra = await self.armed(400)
         async with self.failing():
             sent = await self.client.chat(3, await self.messages(self.prompt_tokens), tokens,
@@ -258,6 +339,7 @@ class Drill:
         r = self._new(4, f"concurrent traffic: {clients} clients during the failure",
                       "each completed exactly once or got a controlled error (503/502 JSON, or "
                       "one SSE error event)")
+        await self.speeds_known()
         tokens, extra = await self.armed(48)
         before = await self.client.tasks_started()
         async with self.failing():
@@ -273,6 +355,7 @@ class Drill:
         r = self._new(5, "an agent: model calls and a simulated tool, the failure between a "
                          "tool call and the next model call",
                       "every tool call ran exactly once; every model call was answered")
+        await self.speeds_known()
         effects: dict[int, int] = {}
         messages: list[dict[str, Any]] = await self.messages(self.prompt_tokens // 4,
                                                              "Plan a trip.")
@@ -315,40 +398,50 @@ class Drill:
     async def continued_stream(self, cut_after: int = 8) -> ScenarioResult:
         r = self._new(7, "a stream cut in the middle of its answer",
                       "one whole stream ([DONE], no error event) that says it was continued, "
-                      "its incident `continued` on the CPU child")
-        # The GPU child is stopped by Spillway's SIGABRT `cut_after` events into the answer,
-        # even on a GPU: ballast cannot be timed to the middle of an answer.
-        r.simulated = True
-        if not self.provoker.simulated:
-            self.say(f"  simulated, even on this GPU: Spillway's SIGABRT to {self.gpu} "
-                     f"{cut_after} events into the answer")
-        body: dict[str, Any] = {"now": True}
-        if self.model is not None:
-            body["model"] = self.model
-
-        async def stop_the_gpu() -> None:
-            answer = await self.client.arm(body)
-            if not answer.get("sent"):
-                r.notes.append(f"the GPU child could not be stopped: {answer}")
-
+                      "its incident `continued` on the CPU child (or `waited`: continued by "
+                      "the GPU child itself once back, where Spillway found that sooner)")
+        self._mid_answer(r, cut_after)
+        await self.speeds_known()
         await self.settle()
         max_tokens = await self._cut_answer(cut_after)
         r.requests.append(await self.client.chat(
             7, await self.messages(16, "Write a long story."), max_tokens, stream=True,
-            extra={"ignore_eos": True}, cut=(cut_after, stop_the_gpu)))
+            extra={"ignore_eos": True}, cut=(cut_after, self._stopper(r))))
         await self.settle()
         return r
 
-    async def _cut_answer(self, cut_after: int, seconds: float = 3.0) -> int:
+    def _mid_answer(self, r: ScenarioResult, cut_after: int) -> None:
+        """Scenarios 7 and 11: the GPU child is stopped by Spillway's SIGABRT `cut_after`
+        events into the answer, even on a GPU: ballast cannot be timed to the middle of an
+        answer."""
+        r.simulated = True
+        if not self.provoker.simulated:
+            self.say(f"  simulated, even on this GPU: Spillway's SIGABRT to {self.gpu} "
+                     f"{cut_after} events into the answer")
+
+    def _stopper(self, r: ScenarioResult,
+                 info: dict[str, Any] | None = None) -> Callable[[], Awaitable[None]]:
+        """What stops the GPU child at the cut; the wall-clock time of the word in
+        `info["stopped_at"]`."""
+        async def stop_the_gpu() -> None:
+            if info is not None:
+                info["stopped_at"] = time.time()
+            answer = await self.client.arm(self._now())
+            if not answer.get("sent"):
+                r.notes.append(f"the GPU child could not be stopped: {answer}")
+        return stop_the_gpu
+
+    async def _cut_answer(self, cut_after: int, seconds: float = 3.0,
+                          at_least: int = 0) -> int:
         """max_tokens for scenario 7's stream: about `seconds` of answer at the GPU child's own
         speed, so that the child is still generating when the drill's word to stop it arrives
         (the word goes from the drill through Spillway while the child goes on writing: a small
         fast model wrote a fixed 64 tokens, and then 370 tokens sized by a 2 s guess, before it
         on a busy machine, and the stream was never cut); within the smaller slot less its
         short prompt, so that the CPU child can go on from the cut; and at least 8 tokens an
-        event read before the cut."""
+        event read before the cut (and `at_least`: scenario 11's)."""
         floor = cut_after * 8
-        wanted = max(floor, int(await self._speed() * seconds))
+        wanted = max(floor, at_least, int(await self._speed() * seconds))
         status = await self.client.status()
         slots = [int(ctx) for child in (GPU_CHILD, CPU_CHILD)
                  if (ctx := self._info(status, child).get("ctx_per_slot"))]
@@ -380,6 +473,7 @@ class Drill:
                      "Spillway's SIGABRT")
         models: dict[str, Any] = {"model": a, "second_model": b}
         r.models = models
+        await self.speeds_known()
         await self._unloaded(b)  # so that loading it spawns its instance
         await self.settle()
         max_tokens = await self._long_answer()
@@ -474,6 +568,7 @@ class Drill:
         small = (await self.client.status())["children"].get(SMALL_CHILD)
         if small is None:
             return self._skip(r, "no [small] child configured")
+        await self.speeds_known()
         mode = str(small.get("mode") or "resident")
         info: dict[str, Any] = {"small_mode": mode}
         r.models = info
@@ -549,8 +644,9 @@ class Drill:
     async def image_request(self, plain: int = 2) -> ScenarioResult:
         r = self._new(9, "an image request takes the last VRAM",
                       "the image request answered (200) by the CPU child with its image (2 "
-                      "attempts, its incident `replayed` on the CPU child, the image's tokens in "
-                      "the answer's prompt); the plain requests sent during the failure "
+                      "attempts, its incident `replayed` on the CPU child, or, as 1, `waited` "
+                      "on the GPU child once back; the image's tokens in the answer's prompt); "
+                      "the plain requests sent during the failure "
                       f"answered; {self.gpu} READY again")
         takes = await self._modalities()
         info: dict[str, Any] = {"modalities": takes, "gpu": self.gpu}
@@ -565,6 +661,7 @@ class Drill:
         if "vision" not in (takes.get(CPU_CHILD) or []):
             self.say("  the CPU child's /props say it takes no images: the image request has "
                      "nowhere to go when the GPU child loses it")
+        await self.speeds_known()
         await self.settle()
         text = f"Describe this image, then summarise: {await self.prompt(self.prompt_tokens)}"
         info["text_tokens"] = await self._count([{"role": "user", "content": text}])
@@ -654,6 +751,7 @@ class Drill:
         why = no_mirror(await self.client.status())
         if why is not None:
             return self._skip(r, why)
+        await self.speeds_known()
         await self.settle()
         # Two conversations of the same length that share no prefix (their own tag first, the
         # same words in the reverse order): the warm one's first turn is answered by the GPU
@@ -733,6 +831,76 @@ class Drill:
                                                self.model)
         return r
 
+    # --- scenario 11: the GPU child comes back mid-answer -------------------------------------
+
+    async def gpu_returns(self, cut_after: int = 8) -> ScenarioResult:
+        r = self._new(11, "the GPU child comes back mid-answer",
+                      "one whole stream ([DONE], no error event), cut by the GPU child's death "
+                      "and continued, that went on from the GPU child once it was back: its "
+                      "incidents `continued` on the CPU child then `failed_back` on the GPU "
+                      "child, or `waited` on the GPU child, each with its forecast beside what "
+                      "the rest took; the GPU child READY at the end. Skipped, with the "
+                      "figures, where the GPU child is not faster than the CPU child: the rule "
+                      "then keeps the stream on the CPU child")
+        self._mid_answer(r, cut_after)
+        await self.speeds_known()
+        await self.settle()
+        info: dict[str, Any] = {"gpu": self.gpu}
+        r.returned = info
+        info["max_tokens"] = await self._cut_answer(cut_after,
+                                                    at_least=await self._past_return(cut_after))
+        watcher = asyncio.create_task(self._speeds_on_return(info))
+        try:
+            sent = await self.client.chat(
+                11, await self.messages(16, "Write a long story."), info["max_tokens"],
+                stream=True, extra={"ignore_eos": True}, cut=(cut_after, self._stopper(r, info)))
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        r.requests.append(sent)
+        await self.settle()
+        info["gpu_after"] = state_of(await self.client.status(), GPU_CHILD, self.model)
+        stopped = info.get("stopped_at")
+        if stopped is not None:
+            info["gpu_back_after_s"] = await self._back_after(stopped)
+            info["answer_after_stop_s"] = round(sent.ended - stopped, 3)
+        return r
+
+    async def _speeds_on_return(self, info: dict[str, Any]) -> None:
+        """Scenario 11: each child's speeds as Spillway knew them when the GPU child was READY
+        again after the drill's word (what the fail-back rule then weighed: the CPU child's own
+        answer, still running, is not in them yet), into `info["speeds"]`."""
+        while "stopped_at" not in info:
+            await asyncio.sleep(0.05)
+        await self._gpu_down(30.0)
+        while True:
+            status = await self.client.status()
+            if state_of(status, GPU_CHILD, self.model) == "READY":
+                info["speeds"] = {child: self._info(status, child).get("tokens_per_s")
+                                  for child in (GPU_CHILD, CPU_CHILD)}
+                return
+            await asyncio.sleep(0.05)
+
+    async def _past_return(self, cut_after: int) -> int:
+        """Scenario 11's answer: long enough that the CPU child, at its measured speed, is
+        still writing it well after the GPU child is back (its last start and a second of
+        back-off, three times over, and at least 10 s), so that a rest is left to move (the
+        smaller slot may cut it short); 0 while the CPU child's speed is not known."""
+        status = await self.client.status()
+        gpu = self._info(status, GPU_CHILD)
+        start = float(gpu.get("last_start_s") or gpu.get("last_load_s") or 5.0)
+        return cut_after + int((self._generation(status, CPU_CHILD) or 0.0) *
+                               max(10.0, 3 * (start + 1.0)))
+
+    async def _back_after(self, since: float) -> float | None:
+        """Seconds from `since` (wall clock) to the GPU child's (router mode: A's) first READY
+        after it, in Spillway's own timeline; None when it was not back."""
+        events = (await self.client.get(f"/spillway/timeline?since={since:.3f}"))["events"]
+        back = [e["time"] for e in events if e["child"] == GPU_CHILD and
+                e.get("model") == self.model and e["state"] == "READY" and e["time"] > since]
+        return round(min(back) - since, 3) if back else None
+
 
 def no_mirror(status: dict[str, Any]) -> str | None:
     """Scenario 10: why there is no warm CPU child to fail over to (None: there is one)."""
@@ -758,17 +926,39 @@ def _identity(s: Sent) -> list[str]:
     return problems
 
 
+def _taken_over_by(s: Sent) -> str | None:
+    """The child the failover rule lets answer a request the GPU child lost before its answer
+    began, by its incident: the CPU child (`replayed`), or the GPU child itself once back
+    (`waited`, where Spillway expected that sooner), but never after an out-of-memory death in
+    its prefill, which would take the same memory again (policy/replay.own_size_suspect; the
+    simulated failure is a SIGABRT, which names no request's size). None: neither."""
+    inc = s.incident or {}
+    step = (inc.get("decision"), inc.get("replay_child"))
+    if step == ("replayed", CPU_CHILD):
+        return CPU_CHILD
+    try:
+        kind = FailureKind(str(inc.get("kind")))
+    except ValueError:
+        kind = FailureKind.NONE
+    if step == ("waited", GPU_CHILD) and not own_size_suspect(kind, answer_started=False):
+        return GPU_CHILD
+    return None
+
+
 def _judge_failover(r: ScenarioResult) -> list[str]:
-    """Scenarios 1 and 2: completed on the CPU child after a failover, recorded as replayed."""
+    """Scenarios 1 and 2: completed on the CPU child after a failover, recorded as replayed
+    (or on the GPU child once back, recorded as waited, where the rule allows that)."""
     s = r.requests[0]
     problems = _identity(s)
-    if not (s.complete and s.attempts == 2 and s.child == "cpu"):
-        problems.append(f"not completed on the CPU child after a failover: status "
-                        f"{s.status}, attempts {s.attempts}, {s.note}")
+    by = _taken_over_by(s)
+    if not (s.complete and s.attempts == 2 and s.child == (by or CPU_CHILD)):
+        problems.append(f"not completed on the {by or CPU_CHILD} child after a failover: "
+                        f"status {s.status}, attempts {s.attempts}, {s.note}")
     if s.error_event:
         problems.append("the stream ended with an error event")
-    if s.incident is None or s.incident.get("decision") != "replayed":
-        problems.append("no incident recording the replay")
+    if by is None:
+        problems.append("no incident recording the replay (or a wait for the GPU child's "
+                        "return that the rule allows)")
     if r.number == 1 and r.executions and sum(r.executions.values()) != 2:
         problems.append(f"executed {sum(r.executions.values())} times (GPU then CPU: 2)")
     return problems
@@ -852,20 +1042,129 @@ def _judge_second_model(r: ScenarioResult) -> list[str]:
 
 
 def _judge_continued(r: ScenarioResult) -> list[str]:
-    """Scenario 7: the stream cut mid-answer went on from the CPU child, as one stream."""
+    """Scenario 7: the stream cut mid-answer went on from the CPU child (or from the GPU child
+    once back, where Spillway found that sooner), as one stream."""
     s = r.requests[0]
-    problems = _identity(s) + r.notes
+    problems = _cut_whole(s) + r.notes
+    inc = _first_incident(s)  # (a stream continued on the CPU child may fail back after)
+    if inc is None or (inc.get("decision"), inc.get("replay_child")) not in (
+            ("continued", CPU_CHILD), ("waited", GPU_CHILD)):
+        problems.append(f"its incident says {None if inc is None else inc.get('decision')}, "
+                        "not continued on the CPU child (nor waited for the GPU child)")
+    return problems
+
+
+def _cut_whole(s: Sent) -> list[str]:
+    """Scenarios 7 and 11: the stream was cut in its middle, and the client got it whole."""
+    problems = _identity(s)
     if s.cut_at is None:
         problems.append("the answer ended before the GPU child was stopped in its middle")
     if not s.complete or s.error_event:
         problems.append(f"not one whole stream: {s.note or 'no [DONE]'}")
     if not s.continued:
         problems.append("the stream does not say it was continued")
-    inc = s.incident
-    if inc is None or (inc.get("decision"), inc.get("replay_child")) != ("continued", "cpu"):
-        problems.append(f"its incident says {None if inc is None else inc.get('decision')}, "
-                        "not continued on the CPU child")
     return problems
+
+
+def _first_incident(s: Sent) -> dict[str, Any] | None:
+    return s.incidents[0] if s.incidents else s.incident
+
+
+# Scenario 11: what the daemon's records of the stream may say, oldest first, and what the
+# stream then did once the GPU child was back.
+_WENT_BACK = {(("waited", GPU_CHILD),): "waited",
+              (("continued", CPU_CHILD), ("failed_back", GPU_CHILD)): "failed_back",
+              (("continued", CPU_CHILD),): None}
+
+
+def _judge_returned(r: ScenarioResult) -> list[str]:
+    """Scenario 11: the stream cut mid-answer, whole, went on from the GPU child once it was
+    back (`waited`, or `continued` then `failed_back`), its forecast beside what the rest took;
+    the GPU child READY at the end. A stream that stayed on the CPU child is no failure where
+    the rule keeps it there (the GPU child not faster, or back too late): the scenario is then
+    skipped (`r.skipped`), with the figures; it fails where the GPU child was faster."""
+    if not r.requests:
+        return ["no stream was sent"]
+    s, info = r.requests[0], r.returned if r.returned is not None else {}
+    problems = _cut_whole(s) + r.notes
+    if info.get("gpu_after") != "READY":
+        problems.append(f"{info.get('gpu') or 'the GPU child'} is {info.get('gpu_after')} at "
+                        "the end, not READY")
+    records = s.incidents or ([s.incident] if s.incident else [])
+    steps = tuple((str(i.get("decision")), str(i.get("replay_child"))) for i in records)
+    info["decisions"] = [d for d, _ in steps]
+    if steps not in _WENT_BACK:
+        said = ", ".join(f"{d} on {c}" for d, c in steps) or "nothing"
+        return problems + [f"its incidents say {said}: not continued then failed back, nor "
+                           "waited"]
+    info["moved"] = moved = _WENT_BACK[steps]
+    if moved is None:
+        return problems or _stayed(r, info, records[0])
+    record = records[-1]
+    info.update(tokens_before=record.get("tokens_before"), forecast_s=record.get("forecast_s"),
+                took_s=record.get("took_s"), reason=record.get("reason"))
+    if moved == "failed_back":
+        info["continued_at"] = records[0].get("tokens_before")
+        if (record.get("tokens_before") or 0) <= (info["continued_at"] or 0):
+            problems.append(f"it failed back at token {record.get('tokens_before')}, not after "
+                            f"the {info['continued_at']} it was continued at")
+    if record.get("forecast_s") is None or record.get("took_s") is None:
+        problems.append(f"its `{moved}` incident has no forecast beside what the rest took")
+    return problems
+
+
+def _stayed(r: ScenarioResult, info: dict[str, Any], record: dict[str, Any]) -> list[str]:
+    """Scenario 11's stream stayed on the CPU child: skipped where the rule keeps it there, a
+    failure otherwise. The rule (policy/continuation.fail_back) moves a stream when the GPU
+    child's rest (its prefill of the prompt and of the answer so far, then the rest at its
+    speed) is expected in under FAIL_BACK_MARGIN of the CPU child's. Judged here by Spillway's
+    own speeds as the GPU child came back, against the time the CPU child then really took,
+    the prefill counted at its most (the whole answer's tokens): so a stay is a failure only
+    where a fail-back was clearly due."""
+    gpu = info.get("gpu") or "the GPU child"
+    back, left = info.get("gpu_back_after_s"), info.get("answer_after_stop_s")
+    continued = f"continued on the CPU child after {record.get('tokens_before')} tokens"
+    if back is None or left is None or back >= left:
+        r.skipped = (f"{gpu} was not back before the answer's end (back "
+                     f"{_seconds(back)} after its death, the answer done {_seconds(left)} after "
+                     f"it, {info.get('max_tokens')} tokens asked; {continued})")
+        return []
+    speeds = info.get("speeds") or {}
+    fast = (speeds.get(GPU_CHILD) or {}).get("generation")
+    slow = (speeds.get(CPU_CHILD) or {}).get("generation")
+    reads = (speeds.get(GPU_CHILD) or {}).get("prompt")
+    rest_s = left - back
+    so_far = int(record.get("prompt_tokens") or 0) + r.requests[0].tokens
+    ratio = "" if fast is None or not slow else f", {fast / slow:.2f}x"
+    figures = (f"{gpu} generates {_or(fast)} tokens/s, the CPU child {_or(slow)}{ratio} "
+               f"(Spillway's measures as it came back, {back:.1f} s after its death); the "
+               f"CPU child took {rest_s:.1f} s for the rest")
+    if not (fast and slow and reads):
+        r.skipped = (f"Spillway had no forecast to move the stream by: {figures}, {gpu}'s "
+                     f"prefill {_or(reads)} tokens/s; it stayed on the CPU child ({continued})")
+        return []
+    gpu_s = so_far / reads + rest_s * slow / fast
+    if gpu_s >= FAIL_BACK_MARGIN * rest_s:
+        why = ("the GPU child is not faster here by the margin a fail-back needs"
+               if fast * FAIL_BACK_MARGIN <= slow else
+               f"{gpu} came back too late in the answer for a fail-back to pay")
+        r.skipped = (f"{why}: {figures}, which {gpu} would have taken about {gpu_s:.1f} s "
+                     f"with its prefill of the {so_far} tokens so far (at most). A stream "
+                     f"moves back only when the rest is expected in under "
+                     f"{FAIL_BACK_MARGIN:.0%} of its time on the CPU child, so it stayed there "
+                     f"({continued}), as the rule says")
+        return []
+    return [f"the stream stayed on the CPU child ({continued}) although {figures}, which "
+            f"{gpu} would have taken about {gpu_s:.1f} s with its prefill of the {so_far} "
+            f"tokens so far: a fail-back was due"]
+
+
+def _or(value: Any) -> str:
+    return "unknown" if value is None else str(value)
+
+
+def _seconds(value: float | None) -> str:
+    return "never" if value is None else f"{value:.1f} s"
 
 
 def _judge_smaller(r: ScenarioResult) -> list[str]:
@@ -913,26 +1212,27 @@ def _judge_smaller(r: ScenarioResult) -> list[str]:
 
 
 def _judge_image(r: ScenarioResult) -> list[str]:
-    """Scenario 9: the image request the GPU child lost was replayed on the CPU child and
-    answered there with its image; every plain request answered; the GPU child back."""
+    """Scenario 9: the image request the GPU child lost was replayed on the CPU child (or,
+    where the rule allows, waited for the GPU child) and answered with its image; every plain
+    request answered; the GPU child back."""
     if not r.requests:
         return ["no request was sent"]
     info = r.media or {}
     image, plain = r.requests[0], r.requests[1:]
     problems = [p for s in r.requests for p in _identity(s)]
+    by = _taken_over_by(image)
     if not (image.status == 200 and image.complete and image.attempts == 2 and
-            image.child == CPU_CHILD):
-        problems.append(f"{image.request_id}: the image request was not answered by the CPU "
-                        f"child after a failover (status {image.status}, attempts "
-                        f"{image.attempts}, child {image.child}{', ' if image.note else ''}"
-                        f"{image.note})")
+            image.child == (by or CPU_CHILD)):
+        problems.append(f"{image.request_id}: the image request was not answered by the "
+                        f"{'GPU child once back' if by == GPU_CHILD else 'CPU child'} after a "
+                        f"failover (status {image.status}, attempts {image.attempts}, child "
+                        f"{image.child}{', ' if image.note else ''}{image.note})")
     inc = image.incident
-    if inc is None or (inc.get("decision"), inc.get("replay_child")) != ("replayed",
-                                                                          CPU_CHILD):
+    if by is None:
         problems.append(f"{image.request_id}: its incident says "
                         f"{'none' if inc is None else inc.get('decision')} on "
                         f"{None if inc is None else inc.get('replay_child')}, not replayed on "
-                        "the CPU child")
+                        "the CPU child (nor waited for the GPU child, as the rule allows)")
     counted = info.get("image_tokens")
     if image.complete and counted is not None and counted <= 0:
         problems.append(f"{image.request_id}: the answer's prompt ({image.prompt_tokens} "
@@ -1018,11 +1318,15 @@ def _judge_conversation(r: ScenarioResult) -> list[str]:
 _JUDGES = {1: _judge_failover, 2: _judge_failover, 3: _judge_cancellation,
            4: _judge_concurrent, 5: _judge_agent, 6: _judge_second_model,
            7: _judge_continued, 8: _judge_smaller, 9: _judge_image,
-           10: _judge_conversation}
+           10: _judge_conversation, 11: _judge_returned}
 
 
 def judge(r: ScenarioResult) -> None:
-    """Did the scenario meet its bar? Sets passed and verdict."""
+    """Did the scenario meet its bar? Sets passed and verdict; or, for one that ran and could
+    not show what it is for here (11), `skipped` with why (neither passed nor failed)."""
     problems = _JUDGES[r.number](r)
-    r.passed = not problems
-    r.verdict = "meets the bar" if r.passed else "; ".join(problems)
+    if problems:
+        r.skipped = None
+    r.passed = not problems and r.skipped is None
+    r.verdict = "meets the bar" if r.passed else "; ".join(problems) if problems else \
+        f"skipped: {r.skipped}"
