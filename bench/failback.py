@@ -119,7 +119,25 @@ def config(binary: Path, model: Path, gpu: list[str], arm: bool, backoff_s: floa
     cfg["gpu"] = {"args": gpu,
                   **{k: v for k, v in wanted["gpu"].items() if known("gpu", k)}}
     cfg["cpu"] = {**cfg["cpu"], "args": CPU_ARGS, "mirror": False}
+    if THROTTLE is not None:  # (--cpu-throttle: a CPU child slowed down, not a faster GPU one)
+        on_ms, off_ms, wrapper = THROTTLE
+        cfg["cpu"].update(llama_server=str(wrapper), env={
+            "REAL_LLAMA_SERVER": str(binary), "THROTTLE_ON_MS": str(on_ms),
+            "THROTTLE_OFF_MS": str(off_ms)})
     return cfg, left_out
+
+
+# --cpu-throttle ON:OFF: the CPU child runs under tests/throttled_llama_server.py (stopped OFF ms
+# of every ON+OFF), so the "GPU child" is faster with one thread on a loaded 2-core machine.
+THROTTLE: tuple[int, int, Path] | None = None
+
+
+def throttle_wrapper(folder: Path) -> Path:
+    path = folder / "throttled-llama-server"
+    path.write_text(f'#!/bin/sh\nexec "{sys.executable}" '
+                    f'"{REPO / "tests" / "throttled_llama_server.py"}" "$@"\n')
+    path.chmod(0o755)
+    return path
 
 
 def arm_name(arm: bool) -> str:
@@ -598,6 +616,14 @@ def report_hotpath(p: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def throttled(spec: str | None) -> str:
+    if not spec:
+        return ""
+    on_ms, off_ms = spec.split(":")
+    return (f", run by tests/throttled_llama_server.py: stopped {off_ms} ms of every "
+            f"{int(on_ms) + int(off_ms)} ms (a slower CPU, not a faster GPU child)")
+
+
 def report(data: dict[str, Any]) -> str:
     m, a = data["machine"], data["args"]
     lines = ["# Fail-back and the earliest finish for what is in flight", "",
@@ -605,7 +631,8 @@ def report(data: dict[str, Any]) -> str:
              f"cores, shared with other workers; load average {m['load_before']} before, "
              f"{m['load_after']} after). SmolLM2-135M-Instruct on both children, `"
              f"{' '.join(MODEL_ARGS)}`; the \"GPU child\" CPU-only `{' '.join(data['gpu_args'])}`"
-             f", the CPU child `{' '.join(CPU_ARGS)}`; cpu.mirror false. A fresh daemon each "
+             f", the CPU child `{' '.join(CPU_ARGS)}`"
+             f"{throttled(a.get('cpu_throttle'))}; cpu.mirror false. A fresh daemon each "
              f"run; {a['rounds']} round(s), \"with\" and \"without\" taking turns. Run time "
              f"{data['run_time_s']:.0f} s.", ""]
     if data["left_out"]:
@@ -647,6 +674,10 @@ def main() -> None:
                         help="one round, answers of 400 and 100 tokens, a 4 s slow restart")
     parser.add_argument("--parts", default="1,2,3,4")
     parser.add_argument("--rounds", type=int, help="rounds of each part (3; --quick 1)")
+    parser.add_argument("--cpu-throttle", default=None, metavar="ON:OFF",
+                        help="run the CPU child stopped OFF ms of every ON+OFF ms "
+                             "(tests/throttled_llama_server.py): a faster \"GPU child\" on a "
+                             "loaded machine, with --gpu-args \"-ngl 99 -t 1 -tb 1\"")
     parser.add_argument("--gpu-args", type=shlex.split, default=GPU_ARGS,
                         help=f"the GPU child's args (\"{' '.join(GPU_ARGS)}\")")
     parser.add_argument("--prompt-words", type=int, default=4460,
@@ -686,6 +717,10 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         folder = args.keep or Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="failback-bench-")))
+        if args.cpu_throttle is not None:
+            global THROTTLE
+            on_ms, off_ms = (int(x) for x in args.cpu_throttle.split(":"))
+            THROTTLE = (on_ms, off_ms, throttle_wrapper(folder))
         data = asyncio.run(run(args, folder))
     info["load_after"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     data.update(date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), machine=info,
@@ -694,7 +729,8 @@ def main() -> None:
     text_ = report(data)
     print(text_)
     if not args.no_write:
-        name = "failback-quick" if args.quick else "failback"
+        name = ("failback-quick" if args.quick else "failback") + (
+            "-throttled" if args.cpu_throttle else "")
         out = REPO / "bench" / "results"
         (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
         (out / f"{name}.md").write_text(text_ + "\n")

@@ -4,9 +4,12 @@ continuation rules asked with the pool's figures, a place taken, or why not."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from test_pool import FakeSource, make_pool
 
+from supervisor.policy.admission import ChildView
 from supervisor.policy.estimate import Work
 from supervisor.policy import replay
 from supervisor.policy.continuation import Transcript
@@ -96,3 +99,59 @@ async def test_a_cut_stream_goes_on_from_the_next_upstream_or_says_why_not() -> 
                                                     no_prefill=frozenset({"cpu"})))
     assert isinstance(no_prefill, GiveUp) and "no-prefill-assistant" in no_prefill.reason
     assert pool.busy("cpu") == 0
+
+
+class ReturningSource(FakeSource):
+    """The GPU child in its back-off after a death, back in a second (ready once waited for),
+    10 s a request there; the CPU child ready, its time `cpu_s` (None: not measured yet)."""
+
+    def __init__(self, cpu_s: float | None) -> None:
+        super().__init__({"gpu": 1, "cpu": 1}, {"gpu": "BACKOFF", "cpu": "READY"})
+        self.cpu_s = cpu_s
+
+    def child_view(self, name: str, busy: int, work: Work,
+                   with_estimate: bool = True) -> ChildView:
+        gpu = name == "gpu"
+        return dataclasses.replace(super().child_view(name, busy, work, with_estimate),
+                                   expected_s=10.0 if gpu else self.cpu_s,
+                                   back_in_s=1.0 if gpu and self.states[name] != "READY"
+                                   else None)
+
+    def expected_seconds(self, name: str, work: Work) -> float | None:
+        return 10.0 if name == "gpu" else self.cpu_s
+
+    async def wait_ready(self, name: str, within_s: float) -> float | None:
+        self.states[name] = "READY"
+        return 1.0
+
+
+CRASH = AttemptFailure("gpu", 1, Verdict(FailureKind.CRASH, "killed by SIGKILL"))
+
+
+async def test_a_request_caught_by_a_gpu_death_waits_for_its_return_when_that_is_sooner(
+        ) -> None:
+    pool = make_pool(ReturningSource(cpu_s=40.0), 4, 60.0)
+    nxt = await Failover(pool).after_failure(failed(CRASH))
+    assert isinstance(nxt, Replay) and nxt.waited and nxt.lease.name == "gpu", nxt
+    assert nxt.forecast_s == 11.0 and "against about 40 s on the CPU child" in nxt.reason
+
+
+@pytest.mark.parametrize(("case", "cpu_s", "waits"), [
+    (failed(CRASH), 12.0, False),  # the CPU child is about as soon
+    (failed(CRASH), None, False),  # its time is not known: nothing says waiting is sooner
+    (failed(OOM), 40.0, False),  # its own prefill may be what ran out of memory
+    (failed(AttemptFailure("gpu", 1, OOM.verdict, stream_started=True)), 40.0, True),
+])
+async def test_a_request_waits_only_where_the_rule_says_so(case: Failed, cpu_s: float | None,
+                                                            waits: bool) -> None:
+    pool = make_pool(ReturningSource(cpu_s), 4, 60.0)
+    nxt = await Failover(pool).after_failure(case)
+    assert isinstance(nxt, Replay) and nxt.waited is waits, nxt
+    assert nxt.lease.name == ("gpu" if waits else "cpu")
+
+
+async def test_without_waiting_the_cpu_child_takes_it() -> None:
+    pool = make_pool(ReturningSource(cpu_s=40.0), 4, 60.0)
+    pool.wait_for_gpu = False
+    nxt = await Failover(pool).after_failure(failed(CRASH))
+    assert isinstance(nxt, Replay) and not nxt.waited and nxt.lease.name == "cpu"

@@ -253,7 +253,11 @@ class Failover:
         if other is None:
             return None
         view = cap.child(other)
-        cpu_s = view.expected_s if pool.can_take_replay(other) else None
+        cpu_s = None  # (it cannot take it now: any return in time is sooner)
+        if pool.can_take_replay(other):
+            if view.expected_s is None:
+                return None  # its time not known yet: nothing says waiting is sooner (as 5w)
+            cpu_s = view.expected_s
         back = admission.sooner_on_return(cap, deadline_left_s, cpu_s)
         return None if back is None else _Back(back.gpu_s, back.wait_limit_s,
                                                 back.describe(cap))
