@@ -77,8 +77,9 @@ import psutil
 
 from bench.__main__ import settle
 from bench.continuation import STORY
-from bench.real_children import (REPO, back_after, chat, fmt, kill_gpu, learn_speeds, mean,
-                                 pct, start, stream_turn, text, wait_for)
+from bench.real_children import (REPO, back_after, chat, fmt, incidents_of_one_request,
+                                 kill_gpu, learn_speeds, mean, pct, start, stream_turn, text,
+                                 wait_for)
 from bench.small_child import machine, stop_daemon
 from harness import Spillway, real_config
 from supervisor.commands import bootstrap
@@ -206,7 +207,7 @@ async def replay_run(folder: Path, binary: Path, model: Path, args: argparse.Nam
             code, answer, headers, done = await request
         assert code == 200, answer
         took = done - sent
-        records = await asyncio.to_thread(s.wait_incidents, 1, 30)
+        records = await asyncio.to_thread(incidents_of_one_request, s)
     finally:
         stop_daemon(s)
     run = {"arm": arm, "round": k, "total_s": took, "launched_s": launched_s,
@@ -349,7 +350,7 @@ async def stream_run(folder: Path, binary: Path, model: Path, args: argparse.Nam
             restart_s = await back
         finally:
             back.cancel()
-        records = await asyncio.to_thread(s.wait_incidents, 1, 30)
+        records = await asyncio.to_thread(incidents_of_one_request, s)
     finally:
         stop_daemon(s)
     run = {"arm": arm, "round": k, "case": case, "tokens": tokens,

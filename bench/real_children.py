@@ -56,6 +56,16 @@ async def wait_for(s: Spillway, check: Any, timeout: float, what: str) -> dict[s
     raise TimeoutError(f"{what} after {timeout} s\n{s.log_tail()}")
 
 
+def incidents_of_one_request(s: Spillway, timeout: float = 30.0) -> list[dict[str, Any]]:
+    """The incident records of the one request a run fails: one for each thing done with it
+    (a death's continuation, then a fail-back: two), written together once it is answered."""
+    deadline = time.monotonic() + timeout
+    while not s.incidents() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.1)  # (the request's other records, written with its first)
+    return s.incidents()
+
+
 def pct(values: list[float], q: float) -> float | None:
     """The q-quantile, nearest rank."""
     if not values:
