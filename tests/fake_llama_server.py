@@ -38,6 +38,8 @@ Switches come from environment variables (a child's `env` table in the Spillway 
   FAKE_STATE_FILE=PATH     append one JSON line per request seen (method, path, headers)
   FAKE_CUT_FILE=PATH       append one JSON line (`cut_after`: tokens sent) per stream whose
                            reader left before its end
+  FAKE_LINGER_AFTER_DONE_S=S  a chat stream's answer ends S seconds after its [DONE] (a child
+                           slow to end the response its client already has whole)
   FAKE_CLOSE_AFTER_STREAM=1  close the connection right after a streamed answer (as the real
                            llama-server does, though it says Keep-Alive)
   FAKE_DROP_REUSED=1       close a keep-alive connection, with no answer, when another request
@@ -294,6 +296,7 @@ async def chat(request: web.Request) -> web.StreamResponse:
     final = {"choices": [{"finish_reason": "length", "index": 0, "delta": {}}],
              "object": "chat.completion.chunk", "model": "fake", "timings": timings(count)}
     await resp.write(f"data: {json.dumps(final)}\n\ndata: [DONE]\n\n".encode())
+    await asyncio.sleep(float(ENV.get("FAKE_LINGER_AFTER_DONE_S", "0")))
     await resp.write_eof()
     if ENV.get("FAKE_CLOSE_AFTER_STREAM") == "1":
         resp.force_close()

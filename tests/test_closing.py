@@ -269,3 +269,17 @@ def test_a_messages_end_is_sent_only_where_its_stop_reason_was_told(
     t = c.Transcript("messages", tokens=16, text_block=0, finished=True, ends=ends, **extra)
     d = c.decide({"messages": STORY, **payload}, t, False, None, 1.0, True)
     assert (d.closing, d.refusal) == (closing, c.Refusal.FINISHED)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in LIMIT.glob("*.sse")))
+def test_only_a_streams_last_event_says_the_answer_ended(name: str) -> None:
+    # llama-server's own captures: every event before the last leaves the answer open (a
+    # client leaving there left early, a 499); the last one ends it, whatever the route.
+    blocks = [b + sse.SEPARATOR for b in (LIMIT / name).read_bytes().split(sse.SEPARATOR)
+              if b.strip()]
+    assert len(blocks) > 10
+    assert [sse.ends_answer(block) for block in blocks] == [False] * (len(blocks) - 1) + [True]
+    assert not sse.ends_answer(b"".join(blocks[:-1]))
+    # A token whose text looks like an end is escaped in its JSON: not an end.
+    token = json.dumps({"content": 'data: [DONE] "stop":true "type":"message_stop"'})
+    assert not sse.ends_answer(b"data: " + token.encode() + sse.SEPARATOR)

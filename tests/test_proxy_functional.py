@@ -11,7 +11,7 @@ from typing import Any
 import aiohttp
 import pytest
 from multidict import CIMultiDict
-from harness import fake_config
+from harness import eventually_async, fake_config
 
 from conftest import SpillwayFactory
 
@@ -143,6 +143,28 @@ async def test_stream_passes_through_event_by_event(
     # Each token reached the client before the child had produced the next one.
     for (arrived, _), (_, later) in zip(tokens, tokens[1:]):
         assert arrived < later["t"]
+
+
+async def test_a_client_that_closes_at_done_got_its_whole_answer_not_a_499(
+        spillway: SpillwayFactory, fake_server: Path, tiny_model: Path) -> None:
+    # The OpenAI client closes its connection at [DONE]; the child ends its response a moment
+    # later. The client has every event, so the access line says 200, as llama-server's would,
+    # not that the client left early (the stream's end then fails to reach a closed socket).
+    cfg = fake_config(fake_server, tiny_model, server={"access_log": True},
+                      gpu={"env": {"FAKE_LINGER_AFTER_DONE_S": "1", "FAKE_TOKENS": "3"}})
+    s = spillway(cfg)
+    async with aiohttp.ClientSession() as http:
+        async with http.post(f"{s.url}/v1/chat/completions",
+                             json={"messages": [{"role": "user", "content": "hi"}],
+                                   "stream": True}) as r:
+            assert r.status == 200
+            async for line in r.content:
+                if line.startswith(b"data: [DONE]"):
+                    break
+            r.close()  # at once, as the OpenAI client's stream does at [DONE]
+    assert await eventually_async(
+        lambda: "POST /v1/chat/completions -> gpu " in s.log_text()), s.log_tail()
+    assert "POST /v1/chat/completions -> gpu 200" in s.log_text(), s.log_tail()
 
 
 async def test_no_ready_child_gives_a_controlled_503(

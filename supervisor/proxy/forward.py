@@ -103,6 +103,9 @@ class RequestCtx:
     # A resumable stream's replay buffer, which every byte sent joins.
     resumable: StreamSession | None = None
     event_stream: web.StreamResponse | None = None  # the client's, once its headers went out
+    # Its stream's last event went out: a client that closes after it (the OpenAI client does,
+    # at [DONE]) has the whole answer, not a 499.
+    answer_ended: bool = False
     # The child whose stream's status and headers went out before its first event, past
     # failover.stream_hold_s (the request gave up its replay then).
     hold_expired_on: str | None = None
@@ -478,6 +481,10 @@ class Forwarder:
                 await resp.write(whole)
                 ctx.captured(whole)
                 attempt.events += sse.count_data_events(whole)
+                if sse.ends_answer(whole):
+                    # (The figures now: a client closing at once ends this task.)
+                    self._final_figures(attempt, last + whole)
+                    ctx.answer_ended = True
                 if ctx.follow is not None and not ctx.continued:
                     _follow(ctx.follow, whole)
                 last = whole

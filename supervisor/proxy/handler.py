@@ -366,13 +366,14 @@ class ProxyHandler:
                     connected = False
             return served
         except (asyncio.CancelledError, ConnectionError):
-            connected = False  # the client went away
+            # The client went away; after its stream's last event, with the whole answer.
+            connected = ctx.answer_ended
             raise
         finally:
             if ctx.resumable is not None and ctx.resumable.client_left:
                 connected = False  # the answer went on, into its replay buffer
-            status = served.response.status if served is not None and connected \
-                else CLIENT_CLOSED
+            answered = served.response if served is not None else ctx.event_stream
+            status = answered.status if answered is not None and connected else CLIENT_CLOSED
             broken = isinstance(served, Broken)
             if isinstance(served, Broken) and not any(e.failure is served.failure
                                                       for e in episodes):

@@ -77,3 +77,19 @@ def error_of(block: bytes) -> dict[str, Any] | None:
 def count_data_events(chunk: bytes) -> int:
     """How many events a run of whole events holds (a token count for streams)."""
     return chunk.count(b"\ndata:") + (1 if chunk.startswith(b"data:") else 0)
+
+
+# The last event of each of llama-server's streams: `[DONE]` (OpenAI's chat and completions),
+# Anthropic's `message_stop`, OpenAI's `response.completed` (its /v1/responses), the native
+# /completion's final event (`"stop":true`; the others say `"stop":false`). Each is looked for
+# as SSE or JSON writes it, never as a token's text could (inside a JSON string, its quotes
+# are escaped and its newlines too: `[DONE]` counts at a line's start only).
+_DONE = b"data: [DONE]"
+_ENDS = (b"\n" + _DONE, b'"type":"message_stop"', b'"type":"response.completed"',
+         b'"stop":true')
+
+
+def ends_answer(events: bytes) -> bool:
+    """Whether these whole events hold their stream's last event: a client that has them has
+    the whole answer, however it leaves after."""
+    return events.startswith(_DONE) or any(end in events for end in _ENDS)
