@@ -317,11 +317,26 @@ def test_no_wait_for_a_gpu_child_already_overdue_or_a_wait_past_half_the_limit()
     return must leave the CPU child time to answer."""
     overdue = {"state": ChildState.STARTING, "back_in_s": 0.0, "expected_s": 2.0}
     assert decide(REQ, with_(gpu=overdue, cpu={"expected_s": 60.0})).child == "cpu"
+    # One already waiting for it goes on waiting while it is only a little late (the head of
+    # the line is asked again at every tick), until it is far past its forecast (back in: None).
+    assert can_serve_now(REQ, with_(gpu=overdue, cpu={"expected_s": 60.0})) is None
+    late = {**overdue, "back_in_s": None}
+    assert can_serve_now(REQ, with_(gpu=late, cpu={"expected_s": 60.0})).child == "cpu"
     restarting = {"state": ChildState.STARTING, "back_in_s": 5.0, "expected_s": 2.0}
-    assert decide(REQ, with_(gpu=restarting, cpu={"expected_s": 60.0}, max_wait_s=13)).child \
-        == "cpu"  # 7 s is over half of 13
-    assert decide(REQ, with_(gpu=restarting, cpu={"expected_s": 60.0}, max_wait_s=14)).action \
+    assert decide(REQ, with_(gpu=restarting, cpu={"expected_s": 60.0}, max_wait_s=9)).child \
+        == "cpu"  # a wait of 5 s is over half of 9
+    assert decide(REQ, with_(gpu=restarting, cpu={"expected_s": 60.0}, max_wait_s=10)).action \
         is Action.WAIT
+    # The limit bounds the wait, not the answer: a long prompt's 40 s on the GPU child after
+    # a return in 1 s still beats 200 s on the CPU child, with 60 s allowed in line.
+    long = {**restarting, "back_in_s": 1.0, "expected_s": 40.0}
+    assert decide(REQ, with_(gpu=long, cpu={"expected_s": 200.0}, max_wait_s=60)).action \
+        is Action.WAIT
+    # A client's deadline bounds the whole answer: 41 s is over half of its 60 s, and the
+    # CPU child's 55 s fit in it.
+    hurried = dataclasses.replace(REQ, deadline_s=60.0)
+    assert decide(hurried, with_(gpu=long, cpu={"expected_s": 55.0})).child == "cpu"
+    assert decide(REQ, with_(gpu=long, cpu={"expected_s": 55.0})).action is Action.WAIT
 
 
 def test_the_earliest_expected_finish_is_off_with_failover_wait_for_gpu_false() -> None:
