@@ -482,9 +482,15 @@ class Forwarder:
                 ctx.captured(whole)
                 attempt.events += sse.count_data_events(whole)
                 if sse.ends_answer(whole):
-                    # (The figures now: a client closing at once ends this task.)
-                    self._final_figures(attempt, last + whole)
+                    # The stream's last event: the answer ends here, not when the child closes
+                    # its response. A client that closes at once (the OpenAI client does at
+                    # [DONE]) would otherwise find this task still reading, and cancel it
+                    # before its answer is counted.
                     ctx.answer_ended = True
+                    self._final_figures(attempt, last + whole)
+                    with contextlib.suppress(ConnectionError):
+                        await resp.write_eof()
+                    return Answered(resp)
                 if ctx.follow is not None and not ctx.continued:
                     _follow(ctx.follow, whole)
                 last = whole

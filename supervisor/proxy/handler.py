@@ -1,17 +1,17 @@
-"""The request pipeline: read and check the request, take a lease, attempt, replay, answer.
+"""The request pipeline: read and check the request, take a lease, attempt, answer.
 
-Branch numbers follow the admission order of the design (policy/admission.py decides); the
-replay rule is policy/replay.py. Where a request may go is the pool's to say (pool.py): the
-handler asks it for a lease (or a refusal with the 503's figures), forwards on it, and closes it
-with the attempt's outcome. The handler keeps the request's own records: its incidents, its
-metrics, its access log line.
+Branch numbers follow the admission order of the design (policy/admission.py decides). Where a
+request may go is the pool's to say (pool.py): the handler asks it for a lease (or a refusal
+with the 503's figures), forwards on it, and closes it with the attempt's outcome. What a
+failure makes of the request (its replay, its stream's continuation or close, a fail-back) is
+carried out by proxy/outage.py, on the recovery coordinator's decisions. The handler keeps the
+request's own records: its incidents, its metrics, its access log line.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -24,24 +24,23 @@ from ..records.idempotency import IdempotencyStore, Outcome, StoredResponse, fin
 from ..records.incidents import Incident, IncidentLog, new_incident_id
 from ..records.metrics import Metrics
 from ..serving.pool import Lease, Pool
-from ..serving.recovery import Close, GiveUp, GoOn, Recall, Recovery, safe_read
+from ..serving.recovery import Recovery
 from ..serving.mirror import Mirror
 from ..serving.held import DEFAULT_MAX_HELD_BYTES, LARGE_BODY_BYTES, HeldBodies
 from ..serving.pools import Pools
 from ..gpu import MIB
 from ..records.stream_sessions import MAX_CONVERSATION_ID, StreamSession, StreamSessions
 from ..records.timefmt import rfc3339
-from ..policy import admission, continuation, media, prompts, replay
-from ..policy import evidence as ev
+from ..policy import admission, continuation, media, prompts
 from ..policy.routes import RouteClass, classify_route, route_label
-from . import closing, errors, tokens
+from . import errors, tokens
 from .auth import AUTHENTICATED, presented_key
 from .bodies import BodyTimeout, BodyTooLarge, BodyUnreadable, parse_json_object, read_body, \
     refusal
-from .continued import ContinuedStream
-from ..vocabulary import Attempt, AttemptFailure, Received
-from .outcomes import Answered, AttemptResult, Broken, Interrupted, Recalled, ending
-from .forward import Forwarder, RequestCtx, pinging
+from ..vocabulary import Attempt, Received
+from .outcomes import Answered, AttemptResult, Broken, ending
+from .forward import Forwarder, RequestCtx
+from .outage import Episode, Outage
 from .headers import HeaderProblem, own_headers
 from .identity import loggable, request_id_of
 
@@ -75,25 +74,6 @@ class ProxySettings:
     max_held_bytes: int = DEFAULT_MAX_HELD_BYTES  # failover.max_held_mib (serving/held.py)
 
 
-@dataclass
-class _Episode:
-    """What the handler learned about a failure, for the incident record."""
-
-    failure: AttemptFailure
-    # replayed | rerouted | rejected | passed_on | continued | finished | waited (replayed or
-    # continued on the failed child itself, back from its restart)
-    decision: str
-    reason: str
-    cpu_start_s: float = 0.0
-    replay_child: str | None = None
-    tokens_before: int = 0  # continued: the tokens the client had from the failed child
-    continued_after_s: float | None = None  # continued: the death to the next token
-    # The forecast the failover acted on (from its decision to the answer's end), and when
-    # it decided: the incident has it beside what it took.
-    forecast_s: float | None = None
-    decided_at: float = dataclasses.field(default_factory=time.monotonic)
-
-
 class ProxyHandler:
     """Handles every request outside /spillway/."""
 
@@ -116,6 +96,8 @@ class ProxyHandler:
         self.held = held if held is not None else HeldBodies()
         self.mirror: Mirror | None = None  # the warm CPU child (serving/mirror.py), if any
         self._recoveries: dict[int, Recovery] = {}  # each pool's coordinator (by its id)
+        # What a failure does to a request (its replay, continuation, fail-back), carried out.
+        self.outage = Outage(forwarder, metrics, self._recovery, self._attempt)
         # Requests in the server (reading a body, waiting in line, at an upstream): what a
         # shutdown waits for. What each upstream is working on is the pool's count.
         self.open_requests = 0
@@ -351,7 +333,7 @@ class ProxyHandler:
 
     async def _serve_recorded(self, request: web.Request,
                               ctx: RequestCtx) -> Answered | Broken:
-        episodes: list[_Episode] = []
+        episodes: list[Episode] = []
         connected = True
         served: Answered | Broken | None = None
         try:
@@ -377,7 +359,7 @@ class ProxyHandler:
             broken = isinstance(served, Broken)
             if isinstance(served, Broken) and not any(e.failure is served.failure
                                                       for e in episodes):
-                episodes.append(_Episode(served.failure, "passed_on",
+                episodes.append(Episode(served.failure, "passed_on",
                                          "the stream had started: bytes already reached the "
                                          "client; it ended with an SSE error event"))
             for episode in episodes:
@@ -394,7 +376,7 @@ class ProxyHandler:
         return self.pools.for_model(ctx.req.model, ctx.req.path)[1]
 
     async def _serve(self, request: web.Request, ctx: RequestCtx,
-                     episodes: list[_Episode]) -> Answered | Broken:
+                     episodes: list[Episode]) -> Answered | Broken:
         pin = None
         count = None
         pool = self._pool(ctx)
@@ -422,86 +404,13 @@ class ProxyHandler:
             ctx.waited_s = got.waited_s
             ctx.wait_estimate_s = got.estimated_wait_s
             ctx.wait_estimate_basis = got.estimate_basis
-        # A stream the CPU child takes while the GPU child is down may move back to it.
-        outage = not pool.upstreams[pool.roles[0]].is_ready
-        ctx.recall = self._recovery(ctx).may_fail_back(
-            ctx.req, got.name, ctx.work, lambda: self._so_far(ctx)) \
-            if outage and got.counted and ctx.follow is not None else None
+        self.outage.watch(ctx, got)  # (a stream on the CPU child in an outage may move back)
         result: AttemptResult | None = None
         try:
             result = await self._attempt(request, ctx, got)
         finally:
-            back = self._unlist(ctx, result)
-        if isinstance(result, AttemptFailure):
-            return await self._after_failure(request, ctx, result, episodes)
-        if isinstance(result, Interrupted):
-            return await self._after_interruption(ctx, result, episodes)
-        if isinstance(result, Recalled):
-            assert back is not None
-            return await self._fail_back(ctx, result, back, episodes)
-        return result
-
-    def _so_far(self, ctx: RequestCtx) -> continuation.Transcript:
-        """What the client has of its followed stream: across a continuation, the two parts
-        joined."""
-        assert ctx.follow is not None
-        if not ctx.continued or ctx.leg is None or ctx.continued_stream is None:
-            return ctx.follow
-        return continuation.joined(ctx.continued_stream.before, ctx.leg,
-                                   ctx.continued_stream.text)
-
-    def _unlist(self, ctx: RequestCtx,
-                result: AttemptResult | None) -> tuple[Lease, Recall] | None:
-        """The stream's fail-back watch ends with its attempt: when it was recalled, its place
-        on the GPU child is the request's now; else that place (if one was taken) goes back."""
-        recall, ctx.recall = ctx.recall, None
-        if recall is None:
-            return None
-        moved = (recall.take(), recall) if isinstance(result, Recalled) else None
-        self._recovery(ctx).failback.leave(recall)
-        return moved
-
-    async def _fail_back(self, ctx: RequestCtx, recalled: Recalled,
-                         back: tuple[Lease, Recall], episodes: list[_Episode]) -> Answered | Broken:
-        """The CPU child's stream, stopped at a whole event, goes on from the GPU child, back
-        and READY, in the client's one stream: the continuation in reverse."""
-        lease, recall = back
-        so_far = self._so_far(ctx)
-        ctx.req = ctx.req.whole()
-        assert ctx.req.payload is not None
-        gpu, cpu = lease.name, ctx.attempts[-1].child
-        # The incident belongs to the GPU child's outage: its death when this request saw it.
-        failure = next((e.failure for e in episodes if e.failure.child == gpu), None) or \
-            AttemptFailure(gpu, max(0, lease.upstream.generation - 1), ev.Verdict(
-                ev.FailureKind.NONE, f"the {gpu} child was not ready when the stream began"))
-        log.warning("rid=%s fail-back: the %s child's stream moves to the %s child after %d "
-                    "tokens (%s)", ctx.req.request_id, cpu, gpu, so_far.tokens, recall.reason)
-        note = {"from_child": cpu, "child": gpu, "kind": "failed_back",
-                "tokens_before": so_far.tokens}
-        body = json.dumps(continuation.continuation_body(ctx.req.payload, so_far)).encode()
-        attempt = Attempt(gpu, len(ctx.attempts) + 1)
-        ctx.attempts.append(attempt)
-        ctx.failed_back = True
-        episode = _Episode(failure, "failed_back", recall.reason, 0.0, gpu,
-                           tokens_before=so_far.tokens, forecast_s=recall.gpu_rest_s)
-        episodes.append(episode)
-        result: Answered | Broken | Recalled | None = None
-        try:
-            result = await self.forwarder.continue_stream(
-                ctx, attempt, lease.upstream, Interrupted(recalled.response, failure,
-                                                          recalled.anthropic),
-                body, ContinuedStream(so_far, note))
-        finally:
-            lease.close(attempt, ending(result))
-        if attempt.first_byte_s is not None:
-            episode.continued_after_s = ctx.req.received + attempt.first_byte_s - recalled.at
-        done = isinstance(result, Answered)
-        self.metrics.failbacks.labels("completed" if done else "failed").inc()
-        if done:
-            self.metrics.failback_saved.inc(max(0.0, recall.cpu_rest_s - (
-                time.monotonic() - recalled.at)))
-        assert not isinstance(result, Recalled)  # (a stream on the GPU child is not recalled)
-        return result
+            back = self.outage.unlist(ctx, result)
+        return await self.outage.after(request, ctx, result, back, episodes)
 
     def _recovery(self, ctx: RequestCtx) -> Recovery:
         """The recovery coordinator for the request's pool (serving/recovery.py): where it
@@ -612,143 +521,9 @@ class ProxyHandler:
         ctx.forecast = (expected, took)
         self.metrics.forecast_error.labels(attempt.child).observe(took - expected)
 
-    async def _after_failure(self, request: web.Request, ctx: RequestCtx,
-                             failure: AttemptFailure,
-                             episodes: list[_Episode]) -> Answered | Broken:
-        """Before any byte: the failover says replay (the second attempt) or give up (the
-        controlled error)."""
-        nxt = await self._recovery(ctx).after_failure(ctx.req, ctx.work, failure,
-                                                       len(ctx.attempts), ctx.prompt_tokens)
-        if isinstance(nxt, GiveUp):
-            episodes.append(_Episode(failure, "rejected", nxt.reason))
-            return Answered(self._controlled_error(ctx, failure, nxt))
-        other = nxt.lease.name
-        decision = "rerouted" if nxt.smaller else "waited" if nxt.waited else "replayed"
-        episodes.append(_Episode(failure, decision, nxt.reason, nxt.lease.start_s, other,
-                                 forecast_s=nxt.forecast_s))
-        ctx.follow = None  # a replay is the second attempt: it is not continued in turn
-        ctx.failover_kind = str(failure.verdict.kind)
-        log.warning("rid=%s %s child failed (%s: %s); replaying on the %s child",
-                    ctx.req.request_id, failure.child, failure.verdict.kind,
-                    failure.verdict.evidence, other)
-        second = await self._attempt(request, ctx, nxt.lease)
-        if isinstance(second, AttemptFailure):
-            # No third attempt: the client gets a controlled error naming both failures.
-            refusal = replay.Refusal.ALREADY_REPLAYED
-            episodes.append(_Episode(second, "rejected", str(refusal)))
-            return Answered(self._controlled_error(ctx, second, GiveUp(
-                str(refusal), refusal, self._pool(ctx).retry_after_s(second.child))))
-        if isinstance(second, Interrupted):  # (not followed, so not expected)
-            return await self.forwarder.end_broken(ctx, second.response, second.failure,
-                                                   second.anthropic)
-        assert not isinstance(second, Recalled)  # (a replay is not followed: never recalled)
-        return second
-
-    async def _after_interruption(self, ctx: RequestCtx, cut: Interrupted,
-                                  episodes: list[_Episode]) -> Answered | Broken:
-        """A followed stream's upstream failed after bytes: the failover says go on from the
-        upstream that takes over (policy/continuation.py), or the stream ends with the error
-        event."""
-        failure, so_far = cut.failure, ctx.follow
-        ctx.req = ctx.req.whole()  # (a held body's JSON, let go, is read again)
-        assert so_far is not None and ctx.req.payload is not None
-        # (A client that asked for pings hears them while the other child is found.)
-        nxt = await pinging(cut.response, self.forwarder.ping_interval(ctx, failure.child),
-                            self._recovery(ctx).after_cut(ctx.req, ctx.work, so_far,
-                                                          ctx.continued, failure))
-        if isinstance(nxt, Close):
-            return await self._close(ctx, cut, nxt.reason, episodes)
-        if isinstance(nxt, GiveUp):
-            self.metrics.continuations.labels("refused").inc()
-            episodes.append(_Episode(failure, "passed_on", f"the stream had started; not "
-                                                           f"continued: {nxt.reason}"))
-            return await self.forwarder.end_broken(ctx, cut.response, failure, cut.anthropic,
-                                                   f"; not continued: {nxt.reason}")
-        return await self._continue(ctx, cut, nxt, episodes)
-
-    async def _continue(self, ctx: RequestCtx, cut: Interrupted, nxt: GoOn,
-                        episodes: list[_Episode]) -> Answered | Broken:
-        """The stream goes on from the lease's upstream, in the client's one stream."""
-        failure, so_far, lease = cut.failure, ctx.follow, nxt.lease
-        assert so_far is not None and ctx.req.payload is not None
-        other = lease.name
-        kind = str(failure.verdict.kind)
-        ctx.failover_kind = kind
-        log.warning("rid=%s %s child failed mid-stream (%s: %s) after %d tokens; continuing "
-                    "on the %s child", ctx.req.request_id, failure.child, kind,
-                    failure.verdict.evidence, so_far.tokens, other)
-        # Told in the final event's `spillway_continuation`, the incident, the access log and
-        # the metrics: never in a line of its own, which llama-server would not send.
-        note = {"from_child": failure.child, "child": other, "kind": kind,
-                "tokens_before": so_far.tokens}
-        body = json.dumps(continuation.continuation_body(ctx.req.payload, so_far)).encode()
-        attempt = Attempt(other, len(ctx.attempts) + 1)
-        ctx.attempts.append(attempt)
-        episode = _Episode(failure, "waited" if nxt.waited else "continued", nxt.reason,
-                           lease.start_s, other, tokens_before=so_far.tokens,
-                           forecast_s=nxt.forecast_s)
-        episodes.append(episode)
-        # On the CPU child, the rest may move back to the GPU child once it is READY.
-        ctx.recall = self._recovery(ctx).may_fail_back(ctx.req, other, ctx.work,
-                                                       lambda: self._so_far(ctx))
-        result: Answered | Broken | Recalled | None = None
-        try:
-            result = await self.forwarder.continue_stream(
-                ctx, attempt, lease.upstream, cut, body, ContinuedStream(so_far, note))
-        finally:
-            lease.close(attempt, ending(result))
-            back = self._unlist(ctx, result)
-        if attempt.first_byte_s is not None:
-            # From the death to the continuation's first token: the continuation's price.
-            episode.continued_after_s = ctx.req.received + attempt.first_byte_s - cut.at
-        if isinstance(result, Recalled):
-            assert back is not None
-            result = await self._fail_back(ctx, result, back, episodes)
-        self.metrics.continuations.labels(
-            "completed" if isinstance(result, Answered) else "failed").inc()
-        return result
-
-    async def _close(self, ctx: RequestCtx, cut: Interrupted, reason: str,
-                     episodes: list[_Episode]) -> Answered | Broken:
-        """The token limit was reached, or the finish relayed, before the child died: the client
-        has the whole answer, and gets the end llama-server would have sent (proxy/closing.py),
-        into the resumable stream's buffer too (the response is its tee)."""
-        failure, so_far = cut.failure, ctx.follow
-        assert so_far is not None and ctx.req.payload is not None
-        where = (f"after its finish ({so_far.tokens} tokens" if so_far.finished
-                 else f"after the last of {so_far.tokens} tokens")
-        log.warning("rid=%s %s child failed mid-stream (%s: %s) %s, by %s%s; closing the "
-                    "stream as llama-server would", ctx.req.request_id, failure.child,
-                    failure.verdict.kind, failure.verdict.evidence, where, so_far.count_basis,
-                    ")" if so_far.finished else "")
-        episodes.append(_Episode(failure, "finished", reason, tokens_before=so_far.tokens))
-        note = {"from_child": failure.child, "kind": str(failure.verdict.kind),
-                "tokens": so_far.tokens, "reason": "finished" if so_far.finished else "length"}
-        events = closing.rest_events if so_far.finished else closing.closing_events
-        return await self.forwarder.end_closed(cut.response, events(so_far, ctx.req.payload, note))
-
-    def _controlled_error(self, ctx: RequestCtx, failure: AttemptFailure,
-                          gave_up: GiveUp) -> web.Response:
-        v = failure.verdict
-        back = gave_up.retry_after_s
-        model = ctx.req.model
-        what = f"the {failure.child} child failed ({v.kind}: {v.evidence})" if model is None \
-            else f"model {model} on the {failure.child} child failed ({v.kind}: {v.evidence})"
-        if failure.timed_out:
-            return errors.json_error(
-                504, "upstream_error", f"{what}; not replayed: {gave_up.reason}",
-                ctx.req.request_id, kind=str(v.kind), headers={"x-should-retry": "false"})
-        if replay.unavailable(gave_up.refusal, safe_read(ctx.req)):
-            # Capacity is the cause: a 503 that says when to come back.
-            return errors.unavailable(f"{what}, and no other child can take the request now; "
-                                      "retry later", ctx.req.request_id, retry_after_s=back,
-                                      queue_position=0, kind=str(v.kind))
-        return errors.upstream_error(f"{what}; not replayed: {gave_up.reason}",
-                                     ctx.req.request_id, kind=str(v.kind), retry_after_s=back)
-
     # --- records ------------------------------------------------------------------------------
 
-    def _record(self, ctx: RequestCtx, episode: _Episode, status: int,
+    def _record(self, ctx: RequestCtx, episode: Episode, status: int,
                 connected: bool) -> None:
         f = episode.failure
         self.incidents.write(Incident(
@@ -917,7 +692,7 @@ def _opted_out(req: Received) -> bool:
     return not req.own.replay
 
 
-def _forecast(ctx: RequestCtx, episode: _Episode) -> dict[str, float | None]:
+def _forecast(ctx: RequestCtx, episode: Episode) -> dict[str, float | None]:
     """The incident's forecast beside what happened: the failover's (from its decision to the
     end), else admission's for the last attempt."""
     if episode.forecast_s is not None:
