@@ -318,10 +318,13 @@ def test_no_wait_for_a_gpu_child_already_overdue_or_a_wait_past_half_the_limit()
     overdue = {"state": ChildState.STARTING, "back_in_s": 0.0, "expected_s": 2.0}
     assert decide(REQ, with_(gpu=overdue, cpu={"expected_s": 60.0})).child == "cpu"
     # One already waiting for it goes on waiting while it is only a little late (the head of
-    # the line is asked again at every tick), until it is far past its forecast (back in: None).
-    assert can_serve_now(REQ, with_(gpu=overdue, cpu={"expected_s": 60.0})) is None
+    # the line is asked again as capacity changes), for up to half of its allowed wait (60 s
+    # here), and not once the child is far past its forecast (back in: None).
+    waiting = with_(gpu=overdue, cpu={"expected_s": 60.0}, max_wait_s=60)
+    assert can_serve_now(REQ, waiting, waited_s=3.0) is None
+    assert can_serve_now(REQ, waiting, waited_s=30.0).child == "cpu"
     late = {**overdue, "back_in_s": None}
-    assert can_serve_now(REQ, with_(gpu=late, cpu={"expected_s": 60.0})).child == "cpu"
+    assert can_serve_now(REQ, with_(gpu=late, cpu={"expected_s": 60.0}), 3.0).child == "cpu"
     restarting = {"state": ChildState.STARTING, "back_in_s": 5.0, "expected_s": 2.0}
     assert decide(REQ, with_(gpu=restarting, cpu={"expected_s": 60.0}, max_wait_s=9)).child \
         == "cpu"  # a wait of 5 s is over half of 9

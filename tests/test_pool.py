@@ -330,3 +330,37 @@ async def test_a_burst_before_any_request_finished_is_not_told_a_made_up_wait() 
     got = await asyncio.gather(*waiting)
     assert all(isinstance(g, Lease) and g.estimate_basis == "running" for g in got)
     assert max(g.estimated_wait_s or 0 for g in got if isinstance(g, Lease)) <= 2.0
+
+
+class ReturningGpuSource(FakeSource):
+    """The GPU child on its way back (STARTING, `back_in` s left of its forecast start, 2 s
+    for the request there), the CPU child ready and idle (60 s for it)."""
+
+    def __init__(self) -> None:
+        super().__init__({"gpu": 2, "cpu": 2}, {"gpu": "STARTING", "cpu": "READY"})
+        self.back_in = 0.2
+
+    def child_view(self, name: str, busy: int, work: Work,
+                   with_estimate: bool = True) -> ChildView:
+        view = super().child_view(name, busy, work, with_estimate)
+        if name == "gpu":
+            return dataclasses.replace(view, back_in_s=self.back_in, expected_s=2.0)
+        return dataclasses.replace(view, expected_s=60.0)
+
+
+async def test_a_request_waiting_for_a_late_gpu_child_goes_to_the_cpu_child_half_way() -> None:
+    # 5w: the GPU child's return is sooner, so the request waits for it. Its start then runs
+    # late (back in 0 s: longer than its last start). Nothing else happens (no answer ends, no
+    # state changes); half-way through its wait the line asks again and the CPU child takes
+    # it, well before its wait would run out.
+    source = ReturningGpuSource()
+    pool = make_pool(source, max_waiting=4, max_wait_s=0.6)
+    pool.wait_for_gpu = True
+    leasing = asyncio.create_task(pool.lease(REQ, Work(10, 8)))
+    await asyncio.sleep(0.05)
+    assert not leasing.done() and len(pool.line) == 1  # waiting for the GPU child
+    source.back_in = 0.0
+    began = asyncio.get_running_loop().time()
+    lease = await asyncio.wait_for(leasing, 2)
+    assert isinstance(lease, Lease) and lease.name == "cpu", lease
+    assert asyncio.get_running_loop().time() - began < 0.5

@@ -100,9 +100,10 @@ class Request:
     # takes them is sent it, while one of the GPU and CPU children does; when neither does,
     # it goes where a plain request goes and the child answers as llama-server does.
     media: frozenset[Modality] = frozenset()
-    # Already waiting in line, asked again as capacity changes (can_serve_now): a request that
-    # waits for the GPU child's return goes on waiting for it when it is a little late.
-    in_line: bool = False
+    # Seconds it has waited in line, when it is there (asked again as capacity changes:
+    # can_serve_now); None for a request that arrives. One waiting for the GPU child's return
+    # goes on waiting for it, a little late, for up to half of what it is allowed to wait.
+    waited_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -232,25 +233,28 @@ class Return:
 
 
 def sooner_on_return(cap: Capacity, deadline_s: float | None, cpu_s: float | None,
-                     gpu_fits: bool = True, in_line: bool = False) -> Return | None:
+                     gpu_fits: bool = True, waited_s: float | None = None) -> Return | None:
     """Whether waiting for the GPU child, on its way back, is clearly the earliest finish:
     its forecast (gpu_forecast_s) under GPU_WAIT_MARGIN of the CPU child's time `cpu_s` (None:
     the CPU child cannot take it now, so any return in time beats a 503), and the wait (its
     return and the line ahead: max_wait_s bounds waiting, not answering) within half of what
     is allowed, so that a late return still leaves the CPU child time to answer; with a
     client's deadline, the whole answer within half of it. Only a forecast with room to be wrong: a GPU child already overdue (its start
-    longer than the last one: back in 0 s) has none for a request that arrives, but one
-    already waiting for it (`in_line`) goes on waiting, until the child is far past its
-    forecast (serving/resources.back_in_s: no return forecast at all then). Used for new
+    longer than the last one: back in 0 s) has none for a request that arrives; one already
+    waiting for it (`waited_s`: in line that long) goes on waiting while it has waited less
+    than half of what it is allowed (the line asks it again then: serving/pool.py), and the
+    child is not far past its forecast (serving/resources.back_in_s: none then). Used for new
     requests (branch 5w) and for the replays and continuations a GPU death caught
     (serving/failover.py)."""
     gpu_s = gpu_forecast_s(cap, gpu_fits)
     back_in = cap.gpu.back_in_s
-    if gpu_s is None or back_in is None or (not back_in and not in_line):
+    if gpu_s is None or back_in is None:
         return None
     if cpu_s is not None and gpu_s >= cpu_s * GPU_WAIT_MARGIN:
         return None
     allowed = cap.max_wait_s if deadline_s is None else min(cap.max_wait_s, deadline_s)
+    if not back_in and (waited_s is None or waited_s >= allowed / 2):
+        return None  # late, and no longer worth the wait
     wait_s = gpu_s - (cap.gpu.expected_s or 0.0)
     if wait_s > allowed / 2 or (deadline_s is not None and gpu_s > deadline_s / 2):
         return None
@@ -271,7 +275,7 @@ def _gpu_sooner(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:
     cpu = cap.cpu
     if not cpu.has_room or cpu.expected_s is None:
         return None
-    back = sooner_on_return(cap, req.deadline_s, cpu.expected_s, gpu_fits, req.in_line)
+    back = sooner_on_return(cap, req.deadline_s, cpu.expected_s, gpu_fits, req.waited_s)
     if back is None:
         return None
     return Decision(Action.WAIT, 6, back.describe(cap), queue_position=cap.waiting + 1,
@@ -443,7 +447,8 @@ def _reject(req: Request, cap: Capacity, allowed: float, cpu_in_time: bool) -> D
                     queue_position=cap.waiting + 1, cause=cause)
 
 
-def can_serve_now(req: Request, cap: Capacity) -> Decision | None:
-    """For the head of the line: a FORWARD decision if it can go now, else None."""
-    d = decide(dataclasses.replace(req, in_line=True), cap)
+def can_serve_now(req: Request, cap: Capacity, waited_s: float = 0.0) -> Decision | None:
+    """For the head of the line (in it for `waited_s`): a FORWARD decision if it can go now,
+    else None."""
+    d = decide(dataclasses.replace(req, waited_s=waited_s), cap)
     return d if d.action in (Action.FORWARD, Action.TOO_LONG) else None

@@ -119,6 +119,11 @@ class Pool:
                  smaller: Collection[str] = ()) -> None:
         self.source = source
         self.upstreams = dict(upstreams)
+        # How an upstream is drained (sick, or an OOM it survived): asked of its owner, the
+        # fleet for the children (service/fleet.py; wired by the daemon); a model's instance
+        # in router mode is its own.
+        self.drain_upstream: Callable[[str, str], None] = \
+            lambda name, reason: self.upstreams[name].drain(reason)
         # The upstreams' names in the config's order: the first is preferred; who takes over
         # from whom follows it (policy/replay.takeover).
         self.roles: Sequence[str] = list(self.upstreams)
@@ -428,7 +433,13 @@ class Pool:
         self._changed()
         try:
             self.dispatch()
-            return await asyncio.wait_for(asyncio.shield(future), allowed)
+            # Half-way through its wait the line is asked again: a GPU child it waits for
+            # that is late by then is waited for no longer (admission.sooner_on_return), and
+            # the CPU child takes it with the half that is left.
+            await asyncio.wait({future}, timeout=allowed / 2)
+            if not future.done():
+                self.dispatch()
+            return await asyncio.wait_for(asyncio.shield(future), allowed / 2)
         except TimeoutError:
             position = self.line.position(ticket)
             cap = self.capacity(position - 1, work)
@@ -467,7 +478,8 @@ class Pool:
                 self.line.leave(head)
                 continue
             cap = self.capacity(0, waiter.work)
-            decision = admission.can_serve_now(waiter.request, cap)
+            decision = admission.can_serve_now(waiter.request, cap,
+                                               time.monotonic() - head.joined)
             if decision is None:
                 break
             self.line.leave(head)
@@ -590,7 +602,7 @@ class Pool:
                     verdict.evidence)
         if self.metrics is not None:
             self.metrics.failovers.labels(name, str(verdict.kind)).inc()
-        upstream.drain(f"sick ({verdict.kind}): {verdict.evidence}")
+        self.drain_upstream(name, f"sick ({verdict.kind}): {verdict.evidence}")
 
     def _failed(self, failure: AttemptFailure) -> None:
         if self.metrics is not None:
@@ -600,7 +612,7 @@ class Pool:
             # The upstream lives but its memory state is unknown, or its device is gone: no
             # new work, let its other requests finish, then restart it.
             what = "OOM survived" if kind is FailureKind.OOM_SURVIVED else "GPU lost"
-            self.upstreams[failure.child].drain(f"{what}: {failure.verdict.evidence}")
+            self.drain_upstream(failure.child, f"{what}: {failure.verdict.evidence}")
 
     def _changed(self) -> None:
         if self.on_change is not None:
