@@ -22,6 +22,8 @@ from supervisor.serving.pool import Pool
 from supervisor.gpu import GpuMonitor
 from supervisor.records.incidents import IncidentLog
 from supervisor.records.metrics import Metrics
+from supervisor.service.fleet import Fleet
+from supervisor.service.operator import Operator
 from supervisor.service.own_routes import Host, OwnRoutes, status_line
 from supervisor.serving.resources import Resources
 
@@ -58,11 +60,12 @@ def make_routes(tmp_path: Path, cpu_mode: str = "hot") -> tuple[OwnRoutes, FakeH
     timeline = [{"time": 10.0, "child": "gpu", "state": "STARTING", "reason": "a"},
                 {"time": 20.0, "child": "gpu", "state": "READY", "reason": "b"}]
     checked: Host = host  # a Host, as the daemon is (`mypy --strict` on this file checks it)
+    operator = Operator(Fleet(children, resources.paused), cfg.gpu_child)
     routes = OwnRoutes(checked, started=time.monotonic(), children=children,
                        resources=resources, pool=Pool(resources, children, 5, 10.0),
                        monitor=monitor,
                        incidents=IncidentLog(tmp_path / "incidents.jsonl", 1 << 20),
-                       metrics=Metrics(), timeline=timeline)
+                       metrics=Metrics(), timeline=timeline, operator=operator)
     return routes, host
 
 

@@ -46,6 +46,8 @@ from .handover import COMMIT_MARGIN_S, UPGRADE_TIMEOUT_S, Control, Handover, \
     tell_old, wait_exit
 from .ownership import Ownership
 from ..records.timefmt import rfc3339
+from ..policy import fleet as fleet_rules
+from .fleet import Fleet
 from .operator import Operator
 from ..records.stream_sessions import StreamSessions
 from ..records.incidents import IncidentLog, default_path
@@ -211,7 +213,6 @@ class Daemon:
         # at the handover; the others it ends once its own requests are done.
         self.adopted_by_new: dict[str, int] = {}
         self._upgrading = False
-        self._holds: dict[str, Callable[[], str | None] | None] = {}
         self._held: set[str] = set()  # children kept paused until the handover is done
         self._answers_kept = 0  # Idempotency-Key answers the old daemon handed over
         self._told_old = False  # the new daemon said it serves: the old one lets go
@@ -231,6 +232,7 @@ class Daemon:
                                    lambda: self.monitor.listed)
         self.monitor.chooser = self.placement.choose
         self.children: dict[str, Child] = {}
+        self.fleet = Fleet(self.children, set())  # (made again with the children, in run)
         self.gpu_devices: list[str] = []
         self.config_error: str | None = None
         self.auth, self.forward_settings, self.proxy_settings = _proxy_settings(
@@ -471,13 +473,14 @@ class Daemon:
         free = sum(r.free_bytes for r in rooms)
         before = self._gpu_free_at_fatal
         freed = None if before is None else free - before
-        if self.res.gpu_shortage() is None and (freed is None or freed >= self._freed_bytes()):
+        if fleet_rules.gpu_back_after_fatal(free, before, self._freed_bytes(),
+                                            short=self.res.gpu_shortage() is not None):
             if self.small_tier is not None and self.small_tier.hold() is not None:
                 return  # the small child makes way first; the tier starts the GPU child then
             since = f"; {freed // MIB} MiB freed since it went FATAL" if freed else ""
             where = "the GPU has" if len(rooms) == 1 else f"its {len(rooms)} cards have"
-            gpu.restart(f"{where} {free // MIB} MiB free again (needs about "
-                        f"{need // MIB} MiB{since})")
+            self.fleet.restart(gpu.name, f"{where} {free // MIB} MiB free again (needs about "
+                                         f"{need // MIB} MiB{since})")
 
     # --- systemd --------------------------------------------------------------------------------
 
@@ -598,10 +601,10 @@ class Daemon:
                 changed.append(cfg.name)
             if not cfg.on_gpu and not cfg.on_demand and child.state is ChildState.STOPPED \
                     and cfg.name not in self.res.paused:
-                child.start()
+                self.fleet.start(cfg.name)
         if changed:
             if self.rollout is None:
-                self.rollout = Rollout(self.children)
+                self.rollout = Rollout(self.children, self.fleet.take_command)
             self.rollout.start(new, changed)
 
     def rollout_json(self) -> dict[str, Any] | None:
@@ -660,12 +663,16 @@ class Daemon:
         await self.monitor.start()
         self.children = {name: self._make_child(name) for name in self.config.order}
         self.resources = Resources(self.config, self.children, self.monitor)
+        # The one owner of the children: every start, stop and hold goes through it.
+        self.fleet = Fleet(self.children, self.res.paused)
+        self.res.starter = self.fleet.start
         await asyncio.to_thread(self.res.read_model)
         self.res.sample()
         self.pool = Pool(self.res, self.children, self.config.queue.max_waiting,
                          self.config.queue.max_wait_s, metrics=self.metrics, boot=self.boot,
                          smaller=[c.name for c in self.config.children if c.smaller])
         self.pool.sick_after = self.config.restart.sick_after_errors
+        self.pool.drain_upstream = self.fleet.drain
         self.pool.wait_for_gpu = self.config.failover.wait_for_gpu
         self.res.media_in_flight = self.pool.media_in_flight  # the encoder's memory, learned
         # The proxy's own keep-alive connections to the children (proxy/connections.py).
@@ -683,10 +690,10 @@ class Daemon:
         self.proxy = ProxyHandler(self.mode.pools(), forwarder, self.proxy_settings, self.incidents,
                                   self.idempotency, self.metrics, self.streams)
         self.metrics.track_streams(self.streams)
-        self.operator = Operator(self.children[self.config.gpu_child], self.res.paused,
-                                 self.models)
+        self.operator = Operator(self.fleet, self.config.gpu_child, self.models)
         if self.models is None:  # single-model mode: a router's instances die on their own
-            self.watchdog = StallWatchdog(self.children, self._stall_timeout, self._http)
+            self.watchdog = StallWatchdog(self.children, self._stall_timeout, self._http,
+                                          self.fleet.end_stalled)
             self.mirror = self._make_mirror()
             self.proxy.mirror = self.mirror
         self.small_tier = self._make_small_tier()
@@ -761,7 +768,7 @@ class Daemon:
             child = self.children[name]
             if child.state is ChildState.STOPPED and (name in adopted or
                                                       self.mode.starts_at_boot(name)):
-                child.start()
+                self.fleet.start(name)
         self._roll_out_adopted()
         if self.config.path is not None and self.reloader is None:
             self.reloader = Reloader(self.config.path, lambda: self.config, self.apply_config,
@@ -851,12 +858,11 @@ class Daemon:
         """Until the old daemon has exited, no process is started: a child that dies waits
         (its hold), one not adopted stays stopped (paused)."""
         reason = "an upgrade's handover is in progress"
-        for name, child in self.children.items():
-            self._holds[name] = child.hold
-            child.hold = lambda: reason
+        for name in self.children:
+            self.fleet.hold(name, "handover", lambda: reason)
             if name not in adopted and name not in self.res.paused:
-                self.res.paused.add(name)
                 self._held.add(name)
+        self.fleet.keep_stopped(self._held)
 
     async def _until_answering(self, adopted: list[str]) -> None:
         """Until each adopted child has answered its first /health (or failed it)."""
@@ -888,9 +894,9 @@ class Daemon:
             answers_path(self.ownership.state_id, "drained"), self.idempotency)
         self.upgraded_from["answers_kept"] = self._answers_kept
         self._probation = False
-        for name, hold in self._holds.items():
-            self.children[name].hold = hold
-        self.res.paused.difference_update(self._held)
+        for name in self.children:
+            self.fleet.unhold(name, "handover")
+        self.fleet.let_go(self._held)
         self.ownership.take_writing()
         await self.ownership.end_deferred()
         await self._own_everything(adopted)
@@ -906,7 +912,8 @@ class Daemon:
         ended; the names adopted. From now on the state file follows the children."""
         self.ownership.watch(self.children, self.media_marker)
         return await self.ownership.take_over(self.config, self.children, self.incidents,
-                                              router=self.config.router, how=how)
+                                              router=self.config.router, how=how,
+                                              adopt=self.fleet.adopt)
 
     def _roll_out_adopted(self) -> None:
         """Adopted children whose config asks another command now take it, as a reload's
@@ -915,7 +922,7 @@ class Daemon:
         if changed:
             log.info("adopted with another command asked for: %s (restarted with it, as a "
                      "reload would)", ", ".join(changed))
-            self.rollout = self.rollout or Rollout(self.children)
+            self.rollout = self.rollout or Rollout(self.children, self.fleet.take_command)
             self.rollout.start(self.config, list(changed))
 
     def daemon_json(self) -> dict[str, Any]:
@@ -965,7 +972,7 @@ class Daemon:
         for a restart: see _defer_restart_keys)."""
         assert self.pool is not None
         if not self.config.router:
-            return SingleModel(self.children, self.res, self.pool, lambda: self.config,
+            return SingleModel(self.fleet, self.res, self.pool, lambda: self.config,
                                self._http, self._spawn)
         models = RouterModels(self.config, self.children, self.monitor, self.res.paused,
                               self._http, metrics=self.metrics, boot=self.boot,
@@ -1015,8 +1022,7 @@ class Daemon:
         small = self.config.small_child
         if small is None:
             return None
-        return SmallTier(self.children[self.config.gpu_child], self.children[small],
-                         lambda: self.config, self.res.paused)
+        return SmallTier(self.fleet, self.config.gpu_child, small, lambda: self.config)
 
     def _agent_line(self, routes: OwnRoutes) -> str:
         if self.stopping:
@@ -1067,11 +1073,9 @@ class Daemon:
                               names: list[str] | None = None) -> None:
         """Every child (or those `names`) stopped for good, at once; one that fails to close
         is said, not hidden (the state file would keep naming it)."""
-        closing = [n for n in self.children if names is None or n in names]
-        ended = await asyncio.gather(*(self.children[n].close(grace) for n in closing),
-                                     return_exceptions=True)
-        for name, outcome in zip(closing, ended, strict=True):
-            if isinstance(outcome, BaseException):
+        ended = await self.fleet.close(grace, names)
+        for name, outcome in ended.items():
+            if outcome is not None:
                 log.error("[%s] did not close cleanly: %r", name, outcome)
 
     async def _shutdown(self) -> None:
@@ -1163,7 +1167,7 @@ class Daemon:
         letting = {n: c for n, c in self.children.items() if n not in keeping}
         log.info("let go of the children: %s", ", ".join(
             f"{n} (pid {c.pid})" for n, c in letting.items() if c.pid) or "none running")
-        await asyncio.gather(*(c.release() for c in letting.values()), return_exceptions=True)
+        await self.fleet.release(letting)
         running = [f"{n} (pid {self.children[n].pid})" for n in keeping if self.children[n].pid]
         if running:
             log.warning("upgrade: spillway pid %s did not adopt %s: this daemon ends them once "

@@ -15,7 +15,7 @@ The daemon asks its mode and never which mode it is in (issue 22: the daemon was
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import aiohttp
@@ -26,7 +26,9 @@ from ..policy.lifecycle import ChildState
 from ..serving.pool import Pool
 from ..serving.pools import Pools
 from ..serving.resources import Resources
+from ..policy import fleet as fleet_rules
 from ..router.models import RouterModels
+from .fleet import Fleet
 
 Spawn = Callable[[Coroutine[Any, Any, None], bool], None]  # (a task, dispatch after it)
 
@@ -57,10 +59,11 @@ class Mode(Protocol):
 class SingleModel:
     models: RouterModels | None = None
 
-    def __init__(self, children: Mapping[str, Child], resources: Resources, pool: Pool,
+    def __init__(self, fleet: Fleet, resources: Resources, pool: Pool,
                  config: Callable[[], Config], session: Callable[[], aiohttp.ClientSession],
                  spawn: Spawn) -> None:
-        self.children = children
+        self.fleet = fleet  # the one owner of the children: it stops an idle one
+        self.children = fleet.children
         self.res = resources
         self.pool = pool
         self.config = config  # the running config (a reload replaces it)
@@ -83,9 +86,9 @@ class SingleModel:
         for cfg in self.config().children:
             child = self.children[cfg.name]
             idle = now - self.pool.last_used[cfg.name]
-            if (cfg.on_demand and child.state is ChildState.READY
-                    and child.load.in_flight == 0 and idle >= cfg.idle_stop_s):
-                self.spawn(child.stop(f"on-demand: idle for {idle:.0f} s"), False)
+            if fleet_rules.idle_stop(cfg.on_demand, child.state, child.load.in_flight, idle,
+                                     cfg.idle_stop_s):
+                self.fleet.stop(cfg.name, f"on-demand: idle for {idle:.0f} s")
 
     def starts_at_boot(self, role: str) -> bool:
         return not self.config().child(role).on_demand

@@ -3,8 +3,9 @@ place: the key-guarded routes call it (the CLI goes through them), and the daemo
 whether the GPU child is paused (the tick must not bring a paused child back, the balancer's
 agent says "drain" for it).
 
-Pausing is the only state here: the set of paused roles, shared with the resources and the
-pools (which send nothing to a paused upstream); the operator is its only writer.
+Each action is a command to the fleet (service/fleet.py), the one owner of the children, which
+also keeps the paused roles (shared with the resources and the pools, which send nothing to a
+paused upstream).
 """
 
 from __future__ import annotations
@@ -14,22 +15,21 @@ from typing import TYPE_CHECKING
 from ..policy.lifecycle import ChildState
 
 if TYPE_CHECKING:
-    from ..upstreams.children import Child
     from ..router.models import RouterModels
+    from .fleet import Fleet
 
 ACTIONS = ("restart", "drain", "pause", "resume")
 
 
 class Operator:
-    def __init__(self, gpu: Child, paused: set[str],
-                 models: RouterModels | None = None) -> None:
-        self.gpu = gpu
-        self.paused = paused  # resources.paused: read by the pools, written only here
+    def __init__(self, fleet: Fleet, gpu: str, models: RouterModels | None = None) -> None:
+        self.fleet = fleet
+        self.gpu = fleet.children[gpu]
         self.models = models  # router mode: every model's upstream on the GPU router
 
     @property
     def gpu_paused(self) -> bool:
-        return self.gpu.name in self.paused
+        return self.gpu.name in self.fleet.paused
 
     async def act(self, action: str) -> str:
         """One of ACTIONS; what was done, in a sentence."""
@@ -44,25 +44,22 @@ class Operator:
         raise ValueError(f"no operator action {action!r}; one of {', '.join(ACTIONS)}")
 
     def restart(self) -> str:
-        self.paused.discard(self.gpu.name)
         if self.models is not None:
             for model in self.models.neighbours(self.gpu.name):
                 model.reset("operator: spillway gpu restart")
-        self.gpu.restart("operator: spillway gpu restart")
+        self.fleet.restart(self.gpu.name, "operator: spillway gpu restart", unpause=True)
         return "restarting the GPU child"
 
     def drain(self) -> str:
         if self.gpu.state is not ChildState.READY:
             return f"the GPU child is {self.gpu.state}; nothing to drain"
-        self.gpu.drain("operator: spillway gpu drain")
+        self.fleet.drain(self.gpu.name, "operator: spillway gpu drain")
         return "draining the GPU child; it restarts when its requests are done"
 
     async def pause(self) -> str:
-        self.paused.add(self.gpu.name)
-        await self.gpu.stop("operator: spillway gpu pause (VRAM freed)")
+        await self.fleet.pause(self.gpu.name, "operator: spillway gpu pause (VRAM freed)")
         return "the GPU child is stopped and its VRAM free; the CPU child serves"
 
     def resume(self) -> str:
-        self.paused.discard(self.gpu.name)
-        self.gpu.start()
+        self.fleet.resume(self.gpu.name)
         return "starting the GPU child"

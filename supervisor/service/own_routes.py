@@ -127,8 +127,8 @@ def process_figures() -> dict[str, Any]:
 class OwnRoutes:
     def __init__(self, host: Host, *, started: float, children: Mapping[str, Child],
                  resources: Resources, pool: Pool, monitor: GpuMonitor, incidents: IncidentLog,
-                 metrics: Metrics, timeline: Iterable[dict[str, Any]],
-                 models: RouterModels | None = None, operator: Operator | None = None,
+                 metrics: Metrics, timeline: Iterable[dict[str, Any]], operator: Operator,
+                 models: RouterModels | None = None,
                  streams: StreamSessions | None = None,
                  drill: DrillWindow | None = None,
                  offload: Callable[[], dict[str, Any] | None] | None = None,
@@ -144,8 +144,7 @@ class OwnRoutes:
         self.incidents = incidents
         self.metrics = metrics
         self.timeline = timeline  # child state changes with wall-clock times, for the drill
-        self.operator = operator or Operator(children[host.config.gpu_child], resources.paused,
-                                             models)
+        self.operator = operator
         self.streams = streams  # resumable streams' replay buffers
         self.drill = drill or DrillWindow()  # arming answers only while a drill runs
         self.offload = offload  # how much of the GPU child is on the GPU (the daemon's)

@@ -28,7 +28,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config.schema import Config
@@ -75,13 +75,14 @@ class Ownership:
     # --- the start ---------------------------------------------------------------------------
 
     async def take_over(self, config: Config, children: Mapping[str, Child],
-                        incidents: IncidentLog, *, router: bool, how: str) -> list[str]:
+                        incidents: IncidentLog, *, router: bool, how: str,
+                        adopt: Callable[[str, ChildRecord, bool, str], None]) -> list[str]:
         """Check every recorded process; adopt those the config has a child for (their
         children are then started by `adopt`), end the others. `how`: "upgrade" (the last
         daemon hands over) or "restart" (it ended without stopping its children). At an
         upgrade the processes to end are ended later (`end_deferred`, once the old daemon,
         which may still be answering on them, has exited). The names adopted, in the config's
-        order."""
+        order. `adopt`: the fleet's (service/fleet.py), the one owner of the children."""
         self.children = children
         self.incidents = incidents
         prev, self.previous = self.previous, None
@@ -109,7 +110,7 @@ class Ownership:
                 self.changed.append(record.name)
             what = ("upgrade: handed over by" if how == "upgrade" else
                     "left running by") + f" spillway pid {record.daemon_pid}"
-            children[record.name].adopt(record, changed, f"adopting pid {record.pid} ({what})")
+            adopt(record.name, record, changed, f"adopting pid {record.pid} ({what})")
             self._incident(record, "adopted", ("its config asks another command now: it is "
                                                "restarted with it, as a reload would"
                                                if changed else "its model and cache kept"), how)

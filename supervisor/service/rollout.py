@@ -14,10 +14,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
-from ..config.schema import Config
+from ..config.schema import ChildConfig, Config
 from ..policy import rollout
 from ..records.timefmt import rfc3339
 from ..upstreams.children import Child
@@ -26,8 +26,11 @@ log = logging.getLogger("spillway.reload")
 
 
 class Rollout:
-    def __init__(self, children: Mapping[str, Child]) -> None:
+    def __init__(self, children: Mapping[str, Child],
+                 take_command: Callable[[str, ChildConfig], Awaitable[rollout.Outcome]]
+                 ) -> None:
         self.children = children
+        self.take_command = take_command  # the fleet's (service/fleet.py)
         self._task: asyncio.Task[None] | None = None
         self.order: list[str] = []
         self.current: str | None = None  # the child taking its new command now
@@ -58,7 +61,7 @@ class Rollout:
             self.current = name
             child = self.children[name]
             log.info("reload: the %s takes its new command", child.cfg.label)
-            outcome = await child.take_command(new.child(name))
+            outcome = await self.take_command(name, new.child(name))
             self.outcomes[name] = str(outcome)
             self.current = None
             log.info("reload: the %s's new command: %s", child.cfg.label, outcome)

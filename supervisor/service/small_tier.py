@@ -9,48 +9,44 @@ wants the card): a small model beside the game is what serves then.
 (it backs off, or goes FATAL), the small child is started into the memory the death freed, and
 serves the requests that accept a smaller model. Before the GPU child starts again, the small
 child is drained (its requests finish) and stopped, so that the two never load into the card at
-once: the GPU child's start is held (`Child.hold`, asked as its back-off ends) while the small
-child runs, and is asked for again once the small child has stopped.
+once: the GPU child's start is held (a hold of the fleet's, asked as its back-off ends) while
+the small child runs, and is asked for again once the small child has stopped.
 
-The small child's state is its own lifecycle's; this only posts starts, drains and stops to the
-two children, on what their state changes say.
+The small child's state is its own lifecycle's; this only asks the fleet (service/fleet.py, the
+one owner of the children) for starts, drains and stops of the two, on what their state
+changes say. The fleet takes them on a later turn of the loop: never inside the state change
+or the GPU child's lifecycle step that asked.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 
 from ..config.schema import Config
-from ..policy.lifecycle import DEAD, ChildState
-from ..upstreams.children import Child
+from ..policy import fleet as rules
+from ..policy.lifecycle import ChildState
+from .fleet import Fleet
 
 log = logging.getLogger("spillway.small")
 
-# The GPU child waiting for its next try after a death (BACKOFF, FATAL): the small child
-# serves meanwhile. Not EXITED alone, which may walk on to STOPPED (a stop asked for as it died).
-_WAITING = DEAD - {ChildState.EXITED}
-# The small child's states in which it holds VRAM, or will (its own back-off restarts it).
-_SMALL_UP = frozenset({ChildState.STARTING, ChildState.READY, ChildState.DRAINING,
-                       ChildState.STOPPING, ChildState.BACKOFF, ChildState.EXITED})
 MAKING_WAY = "the GPU child starts again: drained and stopped to give it the card"
 
 
 class SmallTier:
-    def __init__(self, gpu: Child, small: Child, config: Callable[[], Config],
-                 paused: Collection[str]) -> None:
-        self.gpu = gpu
-        self.small = small
+    def __init__(self, fleet: Fleet, gpu: str, small: str,
+                 config: Callable[[], Config]) -> None:
+        self.fleet = fleet
+        self.gpu = fleet.children[gpu]
+        self.small = fleet.children[small]
         self.config = config  # the running config (a reload may change small.mode)
-        self.paused = paused
+        self.paused = fleet.paused
         # The GPU child's start was held for the small child: it is asked for again once the
         # small child has stopped.
         self.gpu_waiting = False
-        self._stops: set[asyncio.Task[None]] = set()
-        gpu.listeners.append(self._gpu_changed)
-        small.listeners.append(self._small_changed)
-        gpu.hold = self.hold
+        self.gpu.listeners.append(self._gpu_changed)
+        self.small.listeners.append(self._small_changed)
+        fleet.hold(gpu, "small", self.hold)
 
     @property
     def on_demand(self) -> bool:
@@ -59,50 +55,36 @@ class SmallTier:
     def _gpu_changed(self, child: object, old: ChildState, new: ChildState,
                      reason: str) -> None:
         if self.on_demand and new is ChildState.STARTING and not self.gpu_waiting and \
-                self.small.state in _SMALL_UP:
+                rules.small_holds_gpu(self.small.state):
             # Started without waiting for it (an operator's restart, a reload): the small
             # child goes now, so that the two do not stay on the card together.
             log.warning("[%s] the GPU child starts while it runs: draining and stopping it",
                         self.small.name)
             self._clear(MAKING_WAY)
             return
-        if not self.on_demand or new not in _WAITING or old in _WAITING:
-            return
-        if self.small.state is ChildState.STOPPED and self.small.name not in self.paused \
-                and self.gpu.name not in self.paused:
+        paused = self.small.name in self.paused or self.gpu.name in self.paused
+        if self.on_demand and rules.small_starts(old, new, self.small.state, paused):
             log.info("[%s] starting into the VRAM the GPU child's end freed (%s)",
                      self.small.name, reason)
-            self.small.start()
+            self.fleet.start(self.small.name)
 
     def hold(self) -> str | None:
         """Why the GPU child may not start yet (asked as its back-off ends): the small child
         still holds the card. It is drained and stopped now; the GPU child starts after."""
-        if not self.on_demand or self.small.state not in _SMALL_UP:
+        if not self.on_demand or not rules.small_holds_gpu(self.small.state):
             return None
         if not self.gpu_waiting:
             self.gpu_waiting = True
-            # Not from inside the GPU child's lifecycle step: on the next turn of the loop.
-            asyncio.get_running_loop().call_soon(self._make_way)
+            self._clear(MAKING_WAY)  # (what it asks of the fleet is taken after this step)
         return f"the {self.small.name} child holds the card: draining it first"
-
-    def _make_way(self) -> None:
-        if self.small.state is ChildState.STOPPED:
-            self._small_changed(self.small, ChildState.STOPPED, ChildState.STOPPED, MAKING_WAY)
-        else:
-            self._clear(MAKING_WAY)
 
     def _clear(self, reason: str) -> None:
         """Drained (its requests finish) and stopped; stopped at once if it is not serving."""
         if self.small.state is ChildState.READY:
-            self.small.drain(reason, then_stop=True)
+            self.fleet.drain(self.small.name, reason, then_stop=True)
         elif self.small.state is not ChildState.STOPPED:
             # starting, backing off, or draining to restart (sick): stopped for good now
-            self._stop(reason)
-
-    def _stop(self, reason: str) -> None:
-        task = asyncio.get_running_loop().create_task(self.small.stop(reason))
-        self._stops.add(task)  # held until done
-        task.add_done_callback(self._stops.discard)
+            self.fleet.stop(self.small.name, reason)
 
     def _small_changed(self, child: object, old: ChildState, new: ChildState,
                        reason: str) -> None:
@@ -110,4 +92,4 @@ class SmallTier:
             self.gpu_waiting = False
             if self.gpu.name not in self.paused:
                 log.info("[%s] stopped: the GPU child starts again", self.small.name)
-                self.gpu.start()
+                self.fleet.start(self.gpu.name)

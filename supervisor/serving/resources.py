@@ -69,7 +69,10 @@ class Resources:
         self.ram_available: int | None = None
         self.model_size = 0
         self.model_shape: gguf_meta.ModelShape | None = None
+        # The roles paused (the operator's, an upgrade's): written only by the fleet, the one
+        # owner of the children (service/fleet.py), which also takes every start asked here.
         self.paused: set[str] = set()
+        self.starter: Callable[[str], None] = _no_fleet
         self._cpu_need = 0  # cached: asked on every admission, changes only with the config
         self.refresh()
 
@@ -308,8 +311,9 @@ class Resources:
         return self.service
 
     def start_child(self, name: str) -> None:
+        """`name` started, on demand (a request needs it): asked of the fleet."""
         if name not in self.paused:
-            self.children[name].start()
+            self.starter(name)
 
     async def wait_ready(self, name: str, within_s: float) -> float | None:
         """Seconds until the child, just asked to start, is READY; None when it is not within
@@ -349,3 +353,7 @@ class Resources:
         else:
             out["vram_peak_bytes"] = p.peak_vram
         return out
+
+
+def _no_fleet(name: str) -> None:
+    raise RuntimeError(f"no fleet to start the {name} child: Resources.starter is not wired")

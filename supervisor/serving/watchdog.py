@@ -36,8 +36,10 @@ QUIET_S = 2.0  # quiet this long (or a quarter of the timeout): the slots are re
 class StallWatchdog:
     def __init__(self, children: Mapping[str, Child], timeout_of: Callable[[str], float],
                  session: Callable[[], aiohttp.ClientSession],
+                 end_stalled: Callable[[str, str], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.children = children
+        self.end_stalled = end_stalled  # the fleet's (service/fleet.py): it ends the process
         self.timeout_of = timeout_of  # a child's stall timeout now (0: off)
         self.session = session
         self.clock = clock
@@ -83,7 +85,7 @@ class StallWatchdog:
             self.stalls += 1
             self._slots.pop(name, None)
             self._ended[name] = generation
-            child.end_stalled(line)
+            self.end_stalled(name, line)
 
     async def _read_slots(self, child: Child, timeout: float) -> tuple[SlotsView | None, str]:
         """The child's /slots: (the reading, "answered"), (None, "unanswered") when no answer

@@ -249,8 +249,9 @@ class Child(LifeReader):
         # Each output line, as read (router mode: the router's own lines tell of its models).
         self.line_listeners: list[Callable[[str], None]] = []
         self.armed_signal: int | None = None  # the drill's: sent when the next task launches
-        # Why a start that is due must wait (asked as the back-off ends), or None: set for the
-        # GPU child beside an on-demand small child (service/small_tier.py).
+        # Why a start that is due must wait (asked as the back-off ends), or None: set once by
+        # the fleet, the one owner of the children (service/fleet.py), which keeps the holds
+        # (the on-demand small child on the card, an upgrade's handover).
         self.hold: Callable[[], str | None] | None = None
         # The release rule's facts: each card just before the current process started, and
         # what the last process that ended unplanned may still hold (until the next spawn
@@ -569,8 +570,8 @@ class Child(LifeReader):
         pass  # a child has no host
 
     def why_not_now(self) -> str | None:
-        # A child is always tried (the GPU's freed memory restarts it early), unless what
-        # shares its card holds it back (`hold`: the on-demand small child, drained first).
+        # A child is always tried (the GPU's freed memory restarts it early), unless the fleet
+        # holds it back (`hold`: the on-demand small child, drained first; a handover).
         return self.hold() if self.hold is not None else None
 
     # --- one process, from spawn to exit ----------------------------------------------------------

@@ -1,0 +1,201 @@
+"""The one owner of the set of children: the only thing that commands them.
+
+Every start, restart, drain and stop of a child, its adoption and a reload's new command, is
+posted to the fleet's inbox and taken by its one task, in the order posted (as each child's
+engine takes its own commands: upstreams/engine.py). So no two parts of Spillway command the
+children at once, and a command posted from inside a child's state change (a listener: the
+small tier making way for the GPU child, the pool starting an on-demand child) is taken on a
+later turn of the loop, after that change, never inside it. A command that takes time (a stop
+waits for the process to end; a new command for the rollout to settle) runs beside the next
+ones: its caller awaits the future `post` gives back.
+
+The fleet's own state is what spans the children, written only here:
+- `paused`: the roles the operator paused (`spillway gpu pause`: the GPU lent to another
+  program) or an upgrade keeps stopped until its handover is done. The resources and the
+  pools read the same set (nothing is sent to, or started on, a paused child).
+- the holds on a child's start: why a start that is due must wait, asked by the child's
+  lifecycle as its back-off ends (`Child.hold`, which the fleet sets once and for all). Several
+  parts may hold one child, each by its own name: the on-demand small child on the card
+  (service/small_tier.py), an upgrade's handover (service/daemon.py).
+
+In router mode the children are the routers; the models' instances on them are their models'
+own (router/models.py), each with its engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from typing import Any, TypeVar
+
+from ..config.schema import ChildConfig
+from ..policy import rollout
+from ..upstreams.children import Child
+from ..upstreams.owned import ChildRecord
+
+log = logging.getLogger("spillway.fleet")
+
+T = TypeVar("T")
+Hold = Callable[[], "str | None"]  # why the start must wait now, or None
+
+
+class Fleet:
+    def __init__(self, children: Mapping[str, Child], paused: set[str]) -> None:
+        self.children = children
+        self.paused = paused  # shared with the resources and the pools, written only here
+        self._holds: dict[str, dict[str, Hold]] = {name: {} for name in children}
+        self._inbox: deque[tuple[str, Callable[[], Any], asyncio.Future[Any]]] = deque()
+        self._task: asyncio.Task[None] | None = None
+        self._running: set[asyncio.Task[Any]] = set()  # the long commands, held until done
+        for name, child in children.items():
+            child.hold = self._hold_of(name)
+
+    # --- the holds and the paused roles: the fleet's own state, at once -----------------------
+
+    def _hold_of(self, name: str) -> Hold:
+        return lambda: self.held(name)
+
+    def held(self, name: str) -> str | None:
+        """Why `name`'s start must wait now (the first hold that says so), or None."""
+        for why in list(self._holds[name].values()):
+            reason = why()
+            if reason is not None:
+                return reason
+        return None
+
+    def hold(self, name: str, owner: str, why: Hold) -> None:
+        """`owner` holds `name`'s starts while `why` says a reason (replacing its last hold)."""
+        self._holds[name][owner] = why
+
+    def unhold(self, name: str, owner: str) -> None:
+        self._holds[name].pop(owner, None)
+
+    def keep_stopped(self, names: Iterable[str]) -> None:
+        """`names` paused without a command: they are stopped, and stay so until let go."""
+        self.paused.update(names)
+
+    def let_go(self, names: Iterable[str]) -> None:
+        """`names` no longer paused (nothing started here: their owner starts them)."""
+        self.paused.difference_update(names)
+
+    # --- commands: posted, taken in order by the fleet's one task ------------------------------
+
+    def start(self, name: str) -> None:
+        """Start `name` and keep it running; not while it is paused (checked as it is taken)."""
+        def start() -> None:
+            if name not in self.paused:
+                self.children[name].start()
+        self.post(f"start {name}", start)
+
+    def restart(self, name: str, reason: str, unpause: bool = False) -> None:
+        """Stop `name`'s process now and start it again (from BACKOFF or FATAL: at once);
+        `unpause`: an operator's restart of a paused child brings it back."""
+        if unpause:
+            self.paused.discard(name)
+        self.post(f"restart {name}", lambda: self.children[name].restart(reason))
+
+    def drain(self, name: str, reason: str, then_stop: bool = False) -> None:
+        """No new work for `name`; its requests finish; then it restarts, or stays stopped."""
+        self.post(f"drain {name}",
+                  lambda: self.children[name].drain(reason, then_stop=then_stop))
+
+    def stop(self, name: str, reason: str, grace_s: float | None = None
+             ) -> asyncio.Future[None]:
+        """Stop `name`'s process; the future is done once it is gone."""
+        return self.post_waiting(f"stop {name}",
+                                 lambda: self.children[name].stop(reason, grace_s))
+
+    def pause(self, name: str, reason: str) -> asyncio.Future[None]:
+        """`name` paused (nothing is sent to it or starts it) and stopped: its memory freed."""
+        self.paused.add(name)
+        return self.stop(name, reason)
+
+    def resume(self, name: str) -> None:
+        self.paused.discard(name)
+        self.start(name)
+
+    def end_stalled(self, name: str, evidence: str) -> None:
+        """`name` stalled with work in flight (serving/watchdog.py): its process ended now."""
+        self.post(f"end {name}, stalled", lambda: self.children[name].end_stalled(evidence))
+
+    def adopt(self, name: str, record: ChildRecord, changed: bool, why: str) -> None:
+        """`name`'s next process is the running one another Spillway started."""
+        self.post(f"adopt {name}", lambda: self.children[name].adopt(record, changed, why))
+
+    def take_command(self, name: str, cfg: ChildConfig) -> asyncio.Future[rollout.Outcome]:
+        """A reload's new command for `name`, taken as its state allows; done once settled."""
+        return self.post_waiting(f"new command for {name}",
+                                 lambda: self.children[name].take_command(cfg))
+
+    async def release(self, names: Iterable[str]) -> None:
+        """`names` let go of without a signal (an upgrade's handover: the next daemon has
+        adopted their processes, which run on)."""
+        letting = list(names)
+        await asyncio.gather(*(self.post_waiting(f"let go of {n}", self.children[n].release)
+                               for n in letting), return_exceptions=True)
+
+    async def close(self, grace_s: float | None,
+                    names: Iterable[str] | None = None) -> dict[str, BaseException | None]:
+        """Every child (or `names`) stopped for good at once (daemon shutdown): what each
+        closing raised, if it did."""
+        closing = [n for n in self.children if names is None or n in set(names)]
+        ended = await asyncio.gather(*(self.post_waiting(f"close {n}", functools.partial(
+            self.children[n].close, grace_s)) for n in closing), return_exceptions=True)
+        return {n: e if isinstance(e, BaseException) else None
+                for n, e in zip(closing, ended, strict=True)}
+
+    def post(self, what: str, act: Callable[[], None]) -> asyncio.Future[None]:
+        """`act` taken by the fleet's task after what was posted before it."""
+        return self._post(what, act)
+
+    def post_waiting(self, what: str, act: Callable[[], Awaitable[T]]) -> asyncio.Future[T]:
+        """`act` taken in order, as `post`; the future is done with what it awaited, once it
+        is (the next commands are taken meanwhile)."""
+        return self._post(what, act)
+
+    def _post(self, what: str, act: Callable[[], Any]) -> asyncio.Future[Any]:
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(_said)
+        self._inbox.append((what, act, future))
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._take())
+        return future
+
+    async def _take(self) -> None:
+        while self._inbox:
+            what, act, future = self._inbox.popleft()
+            try:
+                done = act()
+            except Exception as e:  # one command's failure is its caller's, not the fleet's
+                if not future.done():
+                    future.set_exception(e)
+                continue
+            if isinstance(done, Awaitable):
+                task = asyncio.ensure_future(done)
+                self._running.add(task)
+                task.add_done_callback(self._running.discard)
+                task.add_done_callback(functools.partial(_settle, future))
+            elif not future.done():
+                future.set_result(done)
+            await asyncio.sleep(0)  # (each command on its own turn: the state changes it caused
+            # are heard before the next is taken)
+
+
+def _settle(future: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:
+    if future.done():
+        return
+    if task.cancelled():
+        future.cancel()
+    elif task.exception() is not None:
+        future.set_exception(task.exception())  # type: ignore[arg-type]
+    else:
+        future.set_result(task.result())
+
+
+def _said(future: asyncio.Future[Any]) -> None:
+    """A command's failure that its caller did not await is logged, not lost."""
+    if not future.cancelled() and future.exception() is not None:
+        log.error("a command to the children failed: %r", future.exception())
