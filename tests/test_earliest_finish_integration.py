@@ -51,6 +51,17 @@ def config(llama_server: Path, model: Path) -> dict[str, Any]:
     return cfg
 
 
+def slowed_cpu(cfg: dict[str, Any], llama_server: Path, throttled: Path) -> dict[str, Any]:
+    """The CPU child also at a third of its speed (tests/throttled_llama_server.py): on two
+    cores shared with other work, one-token micro-batches alone left it, some runs, as fast as
+    the "GPU child" (each slowed by the other), and 5w rightly did not wait then. Its
+    micro-batches of 32 then: its answers take less than a minute, not minutes."""
+    cfg["cpu"] = {**cfg["cpu"], "llama_server": str(throttled),
+                  "env": {"REAL_LLAMA_SERVER": str(llama_server)},
+                  "args": [*CPU_ARGS[:-1], "32"]}
+    return cfg
+
+
 def text(n_words: int, seed: int) -> str:
     return " ".join(WORDS[(i * 7 + seed) % len(WORDS)] for i in range(n_words))
 
@@ -94,15 +105,7 @@ def forecasts(s: Spillway) -> dict[str, float]:
 
 def test_a_long_prompt_in_a_gpu_restart_waits_for_the_faster_gpu_child(
         spillway: SpillwayFactory, llama_server: Path, smollm2: Path, throttled: Path) -> None:
-    cfg = config(llama_server, smollm2)
-    # The CPU child also at a third of its speed (tests/throttled_llama_server.py): on two
-    # cores shared with other work, one-token micro-batches alone left it, some runs, as fast
-    # as the "GPU child" (each slowed by the other), and 5w rightly did not wait then.
-    # (Its micro-batches of 32 then: the comparison at the end takes less than a minute.)
-    cfg["cpu"] = {**cfg["cpu"], "llama_server": str(throttled),
-                  "env": {"REAL_LLAMA_SERVER": str(llama_server)},
-                  "args": [*CPU_ARGS[:-1], "32"]}
-    s = spillway(cfg)
+    s = spillway(slowed_cpu(config(llama_server, smollm2), llama_server, throttled))
     began = time.monotonic()
     # Each child's speeds, as Spillway learns them from its answers' timings.
     pause_gpu(s)

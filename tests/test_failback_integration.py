@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from harness import Spillway, eventually
-from test_earliest_finish_integration import ask, config, pause_gpu, resume_gpu, text
+from test_earliest_finish_integration import ask, config, pause_gpu, resume_gpu, slowed_cpu, text
 
 from conftest import SpillwayFactory
 from supervisor.commands import bootstrap
@@ -77,8 +77,8 @@ def stream(s: Spillway, body: dict[str, Any], events: list[Any]) -> tuple[str, d
 
 
 def test_a_long_prompt_caught_by_a_gpu_death_waits_for_its_return(
-        spillway: SpillwayFactory, llama_server: Path, smollm2: Path) -> None:
-    s = spillway(config(llama_server, smollm2))
+        spillway: SpillwayFactory, llama_server: Path, smollm2: Path, throttled: Path) -> None:
+    s = spillway(slowed_cpu(config(llama_server, smollm2), llama_server, throttled))
     learn_speeds(s)
     answers: list[tuple[str, float, Any]] = []
     asking = threading.Thread(target=lambda: answers.append(ask(s, 1500, 5)))
@@ -139,8 +139,8 @@ def greedy(words: int, max_tokens: int) -> dict[str, Any]:
 
 
 def test_a_long_prompts_stream_cut_by_a_gpu_death_waits_for_its_return_byte_identical(
-        spillway: SpillwayFactory, llama_server: Path, smollm2: Path) -> None:
-    s = spillway(config(llama_server, smollm2))
+        spillway: SpillwayFactory, llama_server: Path, smollm2: Path, throttled: Path) -> None:
+    s = spillway(slowed_cpu(config(llama_server, smollm2), llama_server, throttled))
     learn_speeds(s)
     body = greedy(1500, 60)
     uncut, _ = stream(s, body, [])  # on the GPU child, whole
