@@ -431,15 +431,14 @@ class Pool:
                                                                      req.deadline_s)
         log.info("queued at position %d: %s", self.line.position(ticket), decision.reason)
         self._changed()
+        # Half-way through its wait the line is asked again: a GPU child it waits for that is
+        # late by then is waited for no longer (admission.sooner_on_return), and the CPU child
+        # takes it with the half that is left. (A timer, not a second wait: most requests in
+        # line are served long before, and a wait costs the hot path at concurrency 64.)
+        half_way = asyncio.get_running_loop().call_later(allowed / 2, self.dispatch)
         try:
             self.dispatch()
-            # Half-way through its wait the line is asked again: a GPU child it waits for
-            # that is late by then is waited for no longer (admission.sooner_on_return), and
-            # the CPU child takes it with the half that is left.
-            await asyncio.wait({future}, timeout=allowed / 2)
-            if not future.done():
-                self.dispatch()
-            return await asyncio.wait_for(asyncio.shield(future), allowed / 2)
+            return await asyncio.wait_for(asyncio.shield(future), allowed)
         except TimeoutError:
             position = self.line.position(ticket)
             cap = self.capacity(position - 1, work)
@@ -453,6 +452,7 @@ class Pool:
                     self._give_back(served.child)  # served just as the client left
             raise
         finally:
+            half_way.cancel()
             self.line.leave(ticket)
             self._waiters.pop(ticket.id, None)
             if not future.done():
