@@ -131,6 +131,7 @@ def config(binary: Path, model: Path, gpu: list[str], arm: bool, backoff_s: floa
 # --cpu-throttle ON:OFF: the CPU child runs under tests/throttled_llama_server.py (stopped OFF ms
 # of every ON+OFF), so the "GPU child" is faster with one thread on a loaded 2-core machine.
 THROTTLE: tuple[int, int, Path] | None = None
+CACHE_PROMPT = True  # --no-cache-prompt sets it false, in part 2's streams
 
 
 def throttle_wrapper(folder: Path) -> Path:
@@ -266,8 +267,12 @@ async def part_replays(folder: Path, binary: Path, model: Path,
 # --- 2. streams ----------------------------------------------------------------------------
 
 def story(tokens: int) -> dict[str, Any]:
-    return {"messages": [{"role": "user", "content": STORY}], "max_tokens": tokens,
+    body = {"messages": [{"role": "user", "content": STORY}], "max_tokens": tokens,
             "temperature": 0, "ignore_eos": True}
+    # --no-cache-prompt: each answer computed from its first token, as the uncut one is (a
+    # prefix the restarted GPU child holds, from the rewarm, was computed in other batches:
+    # llama.cpp's greedy answer after it may differ from the uncut one's).
+    return body if CACHE_PROMPT else {**body, "cache_prompt": False}
 
 
 async def uncut_answers(folder: Path, binary: Path, model: Path, args: argparse.Namespace,
@@ -633,7 +638,9 @@ def report(data: dict[str, Any]) -> str:
              f"{m['load_after']} after). SmolLM2-135M-Instruct on both children, `"
              f"{' '.join(MODEL_ARGS)}`; the \"GPU child\" CPU-only `{' '.join(data['gpu_args'])}`"
              f", the CPU child `{' '.join(CPU_ARGS)}`"
-             f"{throttled(a.get('cpu_throttle'))}; cpu.mirror false. A fresh daemon each "
+             f"{throttled(a.get('cpu_throttle'))}; cpu.mirror false"
+             f"{'; part 2 with cache_prompt false' if a.get('no_cache_prompt') else ''}. "
+             f"A fresh daemon each "
              f"run; {a['rounds']} round(s), \"with\" and \"without\" taking turns. Run time "
              f"{data['run_time_s']:.0f} s.", ""]
     if data["left_out"]:
@@ -688,6 +695,9 @@ def main() -> None:
     parser.add_argument("--long", type=int, help="part 2's long answer (1200; --quick 400)")
     parser.add_argument("--short", type=int, help="part 2's short answer (200; --quick 100)")
     parser.add_argument("--cut", type=int, default=30)
+    parser.add_argument("--no-cache-prompt", action="store_true",
+                        help="part 2's streams with cache_prompt false (each answer computed "
+                             "from its first token)")
     parser.add_argument("--slow-restart", type=float,
                         help="part 2's slow restart: back-off seconds (10; --quick 4)")
     parser.add_argument("--prefix-words", type=int,
@@ -718,6 +728,8 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         folder = args.keep or Path(stack.enter_context(
             tempfile.TemporaryDirectory(prefix="failback-bench-")))
+        global CACHE_PROMPT
+        CACHE_PROMPT = not args.no_cache_prompt
         if args.cpu_throttle is not None:
             global THROTTLE
             on_ms, off_ms = (int(x) for x in args.cpu_throttle.split(":"))
