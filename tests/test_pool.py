@@ -357,7 +357,10 @@ async def test_a_request_waiting_for_a_late_gpu_child_goes_to_the_cpu_child_half
     pool = make_pool(source, max_waiting=4, max_wait_s=0.6)
     pool.wait_for_gpu = True
     leasing = asyncio.create_task(pool.lease(REQ, Work(10, 8)))
-    await asyncio.sleep(0.05)
+    for _ in range(100):  # (turns of the loop, not time: until it has joined the line)
+        if len(pool.line) == 1:
+            break
+        await asyncio.sleep(0)
     assert not leasing.done() and len(pool.line) == 1  # waiting for the GPU child
     source.back_in = 0.0
     began = asyncio.get_running_loop().time()
