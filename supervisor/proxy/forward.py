@@ -481,6 +481,8 @@ class Forwarder:
                 await resp.write(whole)
                 ctx.captured(whole)
                 attempt.events += sse.count_data_events(whole)
+                if ctx.follow is not None and not ctx.continued:
+                    _follow(ctx.follow, whole)
                 if sse.ends_answer(whole):
                     # The stream's last event: the answer ends here, not when the child closes
                     # its response. A client that closes at once (the OpenAI client does at
@@ -491,8 +493,6 @@ class Forwarder:
                     with contextlib.suppress(ConnectionError):
                         await resp.write_eof()
                     return Answered(resp)
-                if ctx.follow is not None and not ctx.continued:
-                    _follow(ctx.follow, whole)
                 last = whole
                 if ctx.recall is not None and ctx.recall.due:
                     return Recalled(resp, anthropic)  # (the rest goes on from the GPU child)
