@@ -134,7 +134,7 @@ class Fleet:
         """`names` let go of without a signal (an upgrade's handover: the next daemon has
         adopted their processes, which run on)."""
         letting = list(names)
-        await asyncio.gather(*(self.post_waiting(f"let go of {n}", self.children[n].release)
+        await asyncio.gather(*(self._post(f"let go of {n}", self.children[n].release, told=False)
                                for n in letting), return_exceptions=True)
 
     async def close(self, grace_s: float | None,
@@ -142,8 +142,9 @@ class Fleet:
         """Every child (or `names`) stopped for good at once (daemon shutdown): what each
         closing raised, if it did."""
         closing = [n for n in self.children if names is None or n in set(names)]
-        ended = await asyncio.gather(*(self.post_waiting(f"close {n}", functools.partial(
-            self.children[n].close, grace_s)) for n in closing), return_exceptions=True)
+        ended = await asyncio.gather(*(self._post(f"close {n}", functools.partial(
+            self.children[n].close, grace_s), told=False) for n in closing),
+            return_exceptions=True)
         return {n: e if isinstance(e, BaseException) else None
                 for n, e in zip(closing, ended, strict=True)}
 
@@ -156,9 +157,12 @@ class Fleet:
         is (the next commands are taken meanwhile)."""
         return self._post(what, act)
 
-    def _post(self, what: str, act: Callable[[], Any]) -> asyncio.Future[Any]:
+    def _post(self, what: str, act: Callable[[], Any], told: bool = True) -> asyncio.Future[Any]:
+        """`told`: a failure is logged here (most callers do not await the future); close and
+        release hand theirs to their caller, which says them once."""
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        future.add_done_callback(_said)
+        if told:
+            future.add_done_callback(functools.partial(_said, what))
         self._inbox.append((what, act, future))
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._take())
@@ -195,7 +199,7 @@ def _settle(future: asyncio.Future[Any], task: asyncio.Future[Any]) -> None:
         future.set_result(task.result())
 
 
-def _said(future: asyncio.Future[Any]) -> None:
-    """A command's failure that its caller did not await is logged, not lost."""
+def _said(what: str, future: asyncio.Future[Any]) -> None:
+    """A command's failure is logged, not lost: most callers post and go on."""
     if not future.cancelled() and future.exception() is not None:
-        log.error("a command to the children failed: %r", future.exception())
+        log.error("%s failed: %r", what, future.exception())
