@@ -89,12 +89,12 @@ async def test_a_stream_continued_after_a_gpu_death_is_said_in_its_last_event_no
 
 
 def held_config(llama_server: Path, slow_model: Path) -> dict[str, Any]:
-    """The GPU child holds 256 tokens a slot, the CPU child 1024: a longer prompt is the CPU
+    """The GPU child holds 256 tokens a slot, the CPU child 2048: a longer prompt is the CPU
     child's, whose prefill of it (one thread, 16 tokens a batch, the slow model) takes
     seconds; the hold lasts one."""
     return real_config(
         llama_server, slow_model,
-        model={"args": ["-c", "2048", "-np", "2", "-t", "1", "-tb", "1", "-b", "16",
+        model={"args": ["-c", "4096", "-np", "2", "-t", "1", "-tb", "1", "-b", "16",
                         "-ub", "16"]},
         gpu={"args": ["-ngl", "99", "-c", "512"]},
         failover={"stream_hold_s": 1.0})
@@ -127,8 +127,10 @@ async def test_a_stream_held_past_the_hold_limit_sends_its_headers_alone_then_it
     print(f"headers to first event: {first_event_s:.1f} s; {len(lines)} lines")
 
     # A client that asked for pings (llama.cpp's web UI asks for one a second) gets them,
-    # as llama-server writes them (`:`), through the same hold: no other kind of line.
-    prompt = await long_prompt(s, 900, "lighthouse")
+    # as llama-server writes them (`:`), through the same hold: no other kind of line. Twice
+    # the prompt: its prefill must outlast the hold by more than the ping interval (900 tokens
+    # took 1.9 s on an unloaded CI machine, and no ping came after the hold).
+    prompt = await long_prompt(s, 1900, "lighthouse")
     r, raw, lines = await read(s, {"messages": [{"role": "user", "content": prompt}],
                                    "max_tokens": 4, "stream": True, "sse_ping_interval": 1})
     assert r.status == 200 and r.headers["X-Spillway-Child"] == "cpu"
