@@ -707,6 +707,8 @@ def main() -> None:
                         "rewarm done)")
     parser.add_argument("--baseline", default=BASELINE, help="part 4's git revision")
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument("--name", help="the results' file name in bench/results (failback, "
+                        "failback-quick, with -throttled under --cpu-throttle)")
     parser.add_argument("--report", type=Path, help="only print (and write the .md of) the "
                         "tables of a results JSON written before")
     parser.add_argument("--keep", type=Path, help="keep the daemons' folders here")
@@ -742,7 +744,7 @@ def main() -> None:
     text_ = report(data)
     print(text_)
     if not args.no_write:
-        name = ("failback-quick" if args.quick else "failback") + (
+        name = args.name or ("failback-quick" if args.quick else "failback") + (
             "-throttled" if args.cpu_throttle else "")
         out = REPO / "bench" / "results"
         (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str) + "\n")

@@ -85,17 +85,17 @@ def test_the_queue_keeps_the_newest_offers_within_its_entries_and_bytes() -> Non
     bounds = rules.Bounds(max_entries=3, max_bytes=1000, max_prompt_tokens=500)
     queued = [offer_of(400, 1.0), offer_of(290, 2.0, answer="0123456789")]
     assert queued[1].size == 300  # its body and its answer
-    assert rules.admit(queued, offer_of(300, 3.0), bounds) == 0  # 1000 bytes, 3 offers
-    assert rules.admit(queued, offer_of(400, 3.0), bounds) == 1  # 1100: the oldest goes
-    assert rules.admit(queued, offer_of(1000, 3.0), bounds) == 2  # alone it fills the bound
-    assert rules.admit([*queued, offer_of(10, 2.5)], offer_of(10, 3.0), bounds) == 1
+    assert rules.admit(rules.Held.of(queued), offer_of(300, 3.0), bounds) == 0  # 1000 bytes, 3 offers
+    assert rules.admit(rules.Held.of(queued), offer_of(400, 3.0), bounds) == 1  # 1100: the oldest goes
+    assert rules.admit(rules.Held.of(queued), offer_of(1000, 3.0), bounds) == 2  # alone it fills the bound
+    assert rules.admit(rules.Held.of([*queued, offer_of(10, 2.5)]), offer_of(10, 3.0), bounds) == 1
     # Not queued: larger alone than the bound, or too long to be ever chosen.
-    assert rules.admit(queued, offer_of(1001, 3.0), bounds) is None
-    assert rules.admit(queued, offer_of(10, 3.0, tokens=501), bounds) is None
+    assert rules.admit(rules.Held.of(queued), offer_of(1001, 3.0), bounds) is None
+    assert rules.admit(rules.Held.of(queued), offer_of(10, 3.0, tokens=501), bounds) is None
     # A reload that lowers a bound: the oldest go until the rest fit.
-    assert rules.over(queued, rules.Bounds(3, 350, 500)) == 1
-    assert rules.over(queued, rules.Bounds(1, 1000, 500)) == 1
-    assert rules.over(queued, bounds) == 0
+    assert rules.over(rules.Held.of(queued), rules.Bounds(3, 350, 500)) == 1
+    assert rules.over(rules.Held.of(queued), rules.Bounds(1, 1000, 500)) == 1
+    assert rules.over(rules.Held.of(queued), bounds) == 0
 
 
 def chat_body(i: int, words: int = 100) -> bytes:

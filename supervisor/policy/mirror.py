@@ -25,9 +25,10 @@ request's prefix (and the earlier prefixes a mirror covers). serving/mirror.py c
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 # The lanes' names (their status keys, caches and metrics): the warm CPU child's, and the GPU
@@ -66,11 +67,11 @@ class Offer:
     prefills: bool  # the CPU child prefills a final assistant message
     prompt_tokens: int  # as counted or bounded: orders offers, bounds the work
     at: float  # when it was offered (monotonic)
+    # The bytes it holds (the answer's characters, near enough): read at every bound.
+    size: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def size(self) -> int:
-        """The bytes it holds (the answer's characters, near enough)."""
-        return len(self.body) + len(self.answer or "")
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "size", len(self.body) + len(self.answer or ""))
 
 
 @dataclass(frozen=True)
@@ -109,10 +110,25 @@ def offered(ended: Ended, any_child: bool = False) -> bool:
     return plain and not ended.continued and ended.attempts == 1 and ended.first_child
 
 
-def admit(queued: Sequence[Offer], offer: Offer, bounds: Bounds) -> int | None:
-    """How many of the oldest queued offers (`queued` oldest first) go so that `offer` is
-    queued within the bounds; None when it is not queued: over max_prompt_tokens (it would
-    never be chosen), or larger alone than the byte bound.
+@dataclass(frozen=True)
+class Held:
+    """The offers a lane holds, as its bounds read them: how many, their bytes together, and
+    the offers oldest first, read lazily (only those that go are read: an answer's offer costs
+    its request the same however many are held)."""
+
+    count: int
+    size: int
+    oldest_first: Iterable[Offer]
+
+    @classmethod
+    def of(cls, offers: Sequence[Offer]) -> Held:
+        return cls(len(offers), sum(o.size for o in offers), offers)
+
+
+def admit(held: Held, offer: Offer, bounds: Bounds) -> int | None:
+    """How many of the oldest `held` offers go so that `offer` is queued within the bounds;
+    None when it is not queued: over max_prompt_tokens (it would never be chosen), or larger
+    alone than the byte bound.
 
     Past a bound the oldest go, not the new offer: the newest is what `choose` mirrors first
     (its conversation the likeliest to go on), and a conversation's next turn holds its earlier
@@ -120,17 +136,21 @@ def admit(queued: Sequence[Offer], offer: Offer, bounds: Bounds) -> int | None:
     mirrored."""
     if offer.prompt_tokens > bounds.max_prompt_tokens or offer.size > bounds.max_bytes:
         return None
-    return over([*queued, offer], bounds)
+    return over(Held(held.count + 1, held.size + offer.size,
+                     itertools.chain(held.oldest_first, (offer,))), bounds)
 
 
-def over(queued: Sequence[Offer], bounds: Bounds) -> int:
-    """How many of the oldest queued offers go for the rest to be within the bounds (after a
+def over(held: Held, bounds: Bounds) -> int:
+    """How many of the oldest `held` offers go for the rest to be within the bounds (after a
     reload lowered them, or a cancelled mirror's offer came back as the oldest)."""
-    total = sum(o.size for o in queued)
+    total = held.size
     dropped = 0
-    while dropped < len(queued) and (len(queued) - dropped > bounds.max_entries or
-                                     total > bounds.max_bytes):
-        total -= queued[dropped].size
+    oldest = iter(held.oldest_first)
+    while held.count - dropped > bounds.max_entries or total > bounds.max_bytes:
+        going = next(oldest, None)
+        if going is None:
+            break
+        total -= going.size
         dropped += 1
     return dropped
 

@@ -32,6 +32,7 @@ from ..config import llama_args
 from ..config import schema as config_module
 from ..upstreams.children import Child
 from ..upstreams.owned import MEDIA_MARKER_ENV
+from . import heap
 from .agent_port import AgentServer
 from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
@@ -495,6 +496,7 @@ class Daemon:
         if self._probation:
             return  # an upgrade's new daemon: its READY=1 comes with MAINPID=
         if not self.notifier.ready_sent and self.listening and self.can_serve():
+            heap.settle()
             self.notifier.ready(self.status_line())
             if self.on_ready is not None:
                 self.on_ready(list(self.listening))
@@ -901,6 +903,7 @@ class Daemon:
         await self.ownership.end_deferred()
         await self._own_everything(adopted)
         self.upgraded_from["took_over"] = rfc3339(time.time())
+        heap.settle()
         log.warning("upgrade: done: this daemon (pid %d) took over from spillway pid %d, "
                     "keeping %s", os.getpid(), handover.from_pid,
                     ", ".join(f"{n} (pid {p})" for n, p in kept.items()) or "no child")

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import heapq
 import json
 import logging
@@ -53,7 +54,7 @@ POLL_S = 0.02  # how often a running mirror looks for real work (well within one
 COVERED_KEPT = WARM_KEPT * (rules.KEYS_BACK + 1)  # the prefixes those hold, each with its turns
 
 
-@dataclass
+@dataclass(frozen=True)
 class MirrorSettings:
     enabled: bool = True
     share: float = rules.DEFAULT_SHARE  # of a sliding minute of the child's time
@@ -64,7 +65,7 @@ class MirrorSettings:
     # A conversation whose prefill on the child is forecast under this is not sent (0: all).
     min_saved_s: float = 0.0
 
-    @property
+    @functools.cached_property
     def bounds(self) -> rules.Bounds:
         return rules.Bounds(self.max_queued, self.max_queued_bytes, self.max_prompt_tokens)
 
@@ -119,7 +120,7 @@ class Lane:
         if not self.settings.enabled or (held and not self.keeps):
             return
         offer = rules.Offer(body, answer, prefills, prompt_tokens, self.clock())
-        dropped = rules.admit(self._all(), offer, self.settings.bounds)
+        dropped = rules.admit(self._held(), offer, self.settings.bounds)
         if dropped is None:
             self.counts["skipped"] += 1
             return
@@ -139,16 +140,21 @@ class Lane:
 
     def configure(self, settings: MirrorSettings) -> None:
         self.settings = settings
-        self._drop_oldest(rules.over(self._all(), settings.bounds))
+        self._drop_oldest(rules.over(self._held(), settings.bounds))
 
-    def _all(self) -> list[rules.Offer]:
+    def _held(self) -> rules.Held:
         """The offers held, kept and queued, in the order they go past a bound: the older
-        head of the two first (a cancelled mirror's offer is the queue's head)."""
-        return list(heapq.merge(self.queue, self.kept, key=lambda o: o.at))
+        head of the two first (a cancelled mirror's offer is the queue's head). Merged
+        lazily: an offer reads only the oldest, which go."""
+        queue, kept = self.queue, self.kept
+        return rules.Held(len(queue) + len(kept), self.queued_bytes,
+                          heapq.merge(queue, kept, key=_offered_at) if queue and kept else
+                          queue or kept)
 
     def _drop_oldest(self, n: int) -> None:
+        queue, kept = self.queue, self.kept
         for _ in range(n):
-            oldest = min((d for d in (self.queue, self.kept) if d), key=lambda d: d[0].at)
+            oldest = queue if queue and (not kept or queue[0].at <= kept[0].at) else kept
             self.queued_bytes -= oldest.popleft().size
             self.counts["skipped"] += 1
 
@@ -166,7 +172,7 @@ class Lane:
         self.kept.insert(at, offer)
         self.queued_bytes += offer.size
         # (Newer offers may have taken its room while it was sent.)
-        self._drop_oldest(rules.over(self._all(), self.settings.bounds))
+        self._drop_oldest(rules.over(self._held(), self.settings.bounds))
 
     def cache_figures(self) -> dict[str, dict[str, Any]]:
         """For the status's caches: the offers held (their bodies), and the prefixes the
@@ -218,7 +224,7 @@ class Lane:
         (the first to go should newer offers fill the queue meanwhile)."""
         self.queue.appendleft(offer)
         self.queued_bytes += offer.size
-        self._drop_oldest(rules.over(self._all(), self.settings.bounds))
+        self._drop_oldest(rules.over(self._held(), self.settings.bounds))
 
     def _drop_oldest_queued(self, n: int) -> None:
         for _ in range(n):
@@ -375,6 +381,10 @@ class Mirror:
         for lane in self.lanes:
             out.update(lane.cache_figures())
         return out
+
+
+def _offered_at(offer: rules.Offer) -> float:
+    return offer.at
 
 
 def _body(offer: rules.Offer) -> tuple[str, dict[str, Any]] | None:
