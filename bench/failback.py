@@ -84,6 +84,7 @@ from bench.small_child import machine, stop_daemon
 from harness import Spillway, real_config
 from supervisor.commands import bootstrap
 from supervisor.config.schema import SCHEMA
+from supervisor.policy.continuation import Transcript, continuation_body
 
 MODEL_ARGS = ["-c", "12288", "-np", "2"]  # 6,144 tokens a slot: the 4,480-token prompt fits
 # Two threads make the GPU child faster than the CPU child only while the other core is free:
@@ -299,6 +300,8 @@ async def uncut_answers(folder: Path, binary: Path, model: Path, args: argparse.
                     speed = (turn["timings"] or {}).get("predicted_per_second")
                     if who == "gpu":
                         out[n].update(text=turn["text"], gpu_rest_s=rest_s, gpu_speed=speed)
+                        out[n]["gpu_self_difference"] = await own_continuation(
+                            http, s.url, n, turn["pieces"], args.cut)
                     else:
                         out[n].update(cpu_rest_s=rest_s, cpu_speed=speed,
                                       cpu_identical=turn["text"] == out[n]["text"])
@@ -307,6 +310,20 @@ async def uncut_answers(folder: Path, binary: Path, model: Path, args: argparse.
     finally:
         stop_daemon(s)
     return out
+
+
+async def own_continuation(http: aiohttp.ClientSession, url: str, tokens: int,
+                           pieces: list[str], cut: int) -> int | None:
+    """The control for "identical": the GPU child asked to continue its own uncut answer after
+    `cut` events, with the very body Spillway sends a continuation (no death, no Spillway
+    decision); the first character where its whole text differs from the uncut one (None: the
+    same). llama.cpp computes the relayed text in one batch there, where the uncut answer
+    computed it a token at a time: where these differ, so may any continuation's text."""
+    before = "".join(pieces[:cut])
+    body = continuation_body(story(tokens), Transcript("chat", text=before, tokens=cut))
+    turn = await stream_turn(http, url, body)
+    assert turn["child"] == "gpu", turn["child"]
+    return first_difference(before + turn["text"], "".join(pieces))
 
 
 async def pause_gpu(s: Spillway) -> None:
@@ -557,6 +574,7 @@ def report_streams(p: dict[str, Any], cut: int) -> list[str]:
                  f"{fmt(u['cpu_speed'], ' tokens/s', 1)}, {fmt(u['cpu_rest_s'])}, its text "
                  f"{'the same' if u['cpu_identical'] else 'not the same'}"
                  for n, u in p["uncut"].items()) + ".", "",
+             *own_lines(p["uncut"], cut),
              *slower_gpu(p["uncut"]),
              "| case | run | death to last token | GPU child back after | whole text "
              "identical (first difference) | rest's speed (last timings) | incidents |",
@@ -577,6 +595,23 @@ def report_streams(p: dict[str, Any], cut: int) -> list[str]:
                      f"<= 0.85x); each child's own time for the rest, uncut: the GPU "
                      f"child {fmt(c['gpu_rest_s'])}, the CPU child {fmt(c['cpu_rest_s'])}")
     return [*lines, ""]
+
+
+def own_lines(uncut: dict[Any, dict[str, Any]], cut: int) -> list[str]:
+    """The control: the GPU child continuing its own answer straight, no death."""
+    said = []
+    for n, u in uncut.items():
+        if "gpu_self_difference" not in u:
+            continue  # (results from before the control)
+        d = u["gpu_self_difference"]
+        said.append(f"{n} tokens: " + ("identical" if d is None else
+                                       f"differs from char {d} of {len(u['text'])}"))
+    if not said:
+        return []
+    return [f"The control, no death: the GPU child asked to continue its own uncut answer after "
+            f"{cut} events, with the body Spillway sends a continuation: " + "; ".join(said) +
+            ". Where it differs, llama.cpp's batched computation of the relayed text is why a "
+            "continuation there differs too (not the relay).", ""]
 
 
 def report_rewarm(p: dict[str, Any], words: int, idle: float) -> list[str]:

@@ -113,7 +113,8 @@ async def stream_turn(http: aiohttp.ClientSession, url: str, body: dict[str, Any
     return {"status": status, "child": child, "first_event_s": first_event,
             "ttft_s": first_token, "last_token_s": last_token,
             "total_s": time.perf_counter() - began, "timings": timings,
-            "text": "".join(content), "events_with_text": len(content), "began": began}
+            "text": "".join(content), "pieces": content, "events_with_text": len(content),
+            "began": began}
 
 
 async def learn_speeds(s: Spillway, answer_tokens: int = 16) -> None:
