@@ -118,3 +118,25 @@ async def test_holds_are_named_and_the_child_asks_the_fleet() -> None:
     fleet.unhold("gpu", "handover")
     assert gpu_hold() is None and children["small"].hold() is None
     assert children["gpu"].hold is gpu_hold  # never swapped
+
+
+async def test_a_child_lent_when_idle_is_woken_by_a_request_not_one_the_operator_paused(
+        ) -> None:
+    from supervisor.service.fleet import IDLE, Lent
+
+    fleet, children, told = fleet_of("gpu", "cpu")
+    children["gpu"].stopped.set()
+    await fleet.pause("gpu", "idle", Lent(IDLE, "idle for 5 s", 0.0, 0.0))
+    assert "gpu" in fleet.paused and fleet.lent["gpu"].why == IDLE
+    woken = fleet.wake("gpu")
+    assert woken is not None and "gpu" not in fleet.paused and "gpu" not in fleet.lent
+    await woken
+    assert told[-1] == "gpu start"
+    assert fleet.wake("gpu") is None  # (woken once)
+    # Lent by the operator: a request does not bring it back; `resume` does.
+    await fleet.pause("gpu", "operator: spillway gpu pause")
+    assert fleet.lent["gpu"].why == "operator" and fleet.wake("gpu") is None
+    assert "gpu" in fleet.paused
+    fleet.resume("gpu")
+    await settle()
+    assert "gpu" not in fleet.lent and told[-1] == "gpu start"

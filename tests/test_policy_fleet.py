@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from supervisor.policy.fleet import (
-    GPU_WAITING, SMALL_UP, gpu_back_after_fatal, idle_stop, small_holds_gpu, small_starts,
+    GPU_WAITING, SMALL_UP, gpu_back_after_fatal, idle_release, idle_stop, small_holds_gpu,
+    small_starts,
 )
 from supervisor.policy.lifecycle import ChildState as S
 
@@ -54,3 +55,16 @@ def test_an_on_demand_child_idle_long_enough_is_stopped() -> None:
     assert not idle_stop(True, S.READY, 0, 299.0, 300.0)
     assert not idle_stop(False, S.READY, 0, 9999.0, 300.0)  # a hot child stays
     assert not idle_stop(True, S.STARTING, 0, 301.0, 300.0)
+
+
+def test_the_gpu_child_idle_long_enough_is_lent_while_the_cpu_child_serves() -> None:
+    ready = S.READY
+    assert idle_release(5.0, ready, 0, 5.0, ready, lent=False)
+    assert not idle_release(0.0, ready, 0, 3600.0, ready, lent=False)  # off
+    assert not idle_release(5.0, ready, 0, 4.9, ready, lent=False)  # not yet
+    assert not idle_release(5.0, ready, 1, 60.0, ready, lent=False)  # an answer in flight
+    assert not idle_release(5.0, S.STARTING, 0, 60.0, ready, lent=False)
+    assert not idle_release(5.0, ready, 0, 60.0, ready, lent=True)  # lent already
+    # Without the CPU child serving, the next request would wait for a whole model load.
+    for cpu in (S.STARTING, S.BACKOFF, S.STOPPED, S.FATAL):
+        assert not idle_release(5.0, ready, 0, 60.0, cpu, lent=False)

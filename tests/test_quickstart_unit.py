@@ -35,6 +35,11 @@ def test_welcome_gives_a_chat_the_status_and_the_page(tmp_path: Path) -> None:
     assert "Authorization" not in text
     assert lines[3].split("#")[0].strip() == "spillway status"
     assert lines[4].split("#")[0].strip() == "http://127.0.0.1:8123/spillway/"
+    # How to lend the GPU when idle: the key, and the file to set it in.
+    assert lines[5].endswith(f"set [gpu] idle_release_s = 300 in {cfg.path} (read again "
+                             "when saved)")
+    lending = make_config(tmp_path, "[gpu]\nidle_release_s = 300\n")
+    assert "idle_release_s" not in quickstart.welcome(lending, ["127.0.0.1:8123"], "spillway", "")
 
 
 def test_welcome_in_router_mode_names_the_model_and_a_key_is_sent(
@@ -271,7 +276,7 @@ def test_the_default_quickstart_config_has_no_small_child(tmp_path: Path) -> Non
     cfg = config.load(path)
     assert cfg.order == ("gpu", "cpu") and cfg.small_child is None
     assert "[small]" not in path.read_text() and "gemma" not in path.read_text()
-    assert len(quickstart.welcome(cfg, ["127.0.0.1:8080"], "spillway", "").splitlines()) == 5
+    assert len(quickstart.welcome(cfg, ["127.0.0.1:8080"], "spillway", "").splitlines()) == 6
 
 
 def test_the_welcome_with_a_small_child_shows_how_to_see_it_answer(
@@ -283,18 +288,19 @@ def test_the_welcome_with_a_small_child_shows_how_to_see_it_answer(
         .splitlines()
     # The first five lines are the default quickstart's.
     assert lines[:5] == quickstart.welcome(plain, ["127.0.0.1:8123"], "spillway",
-                                           " --config /q.toml").splitlines()
-    rest = "\n".join(lines[5:])
+                                           " --config /q.toml").splitlines()[:5]
+    assert "idle_release_s" in lines[5]  # (then how to lend the GPU when idle)
+    rest = "\n".join(lines[6:])
     assert "smol" in rest and "X-Spillway-Fallback: smaller" in rest
     assert "when the GPU child cannot take them" in rest
-    assert lines[7].split("#")[0].strip() == "spillway gpu pause --config /q.toml"
-    assert lines[10].strip() == "spillway gpu resume --config /q.toml"
-    words = shlex.split(" ".join(line.rstrip("\\ ") for line in lines[8:10]), comments=True)
+    assert lines[8].split("#")[0].strip() == "spillway gpu pause --config /q.toml"
+    assert lines[11].strip() == "spillway gpu resume --config /q.toml"
+    words = shlex.split(" ".join(line.rstrip("\\ ") for line in lines[9:11]), comments=True)
     assert words[:3] == ["curl", "-si", "http://127.0.0.1:8123/v1/chat/completions"]
     assert words[words.index("-H", 4) + 1] == "X-Spillway-Fallback: smaller"
     assert json.loads(words[words.index("-d") + 1])["messages"][0]["content"] == \
         quickstart.QUESTION
-    assert "X-Spillway-Child" in lines[9]  # the response header that names the child
+    assert "X-Spillway-Child" in lines[10]  # the response header that names the child
     # With a key, the fallback curl sends it too (and never prints it).
     monkeypatch.setenv("QS_KEY", "secret")
     path = Path(str(cfg.path))

@@ -398,6 +398,12 @@ def _child_lines(name: str, c: dict[str, Any]) -> list[str]:
     told = c.get("offload")  # the GPU child's: how much of it is on the GPU
     if told:
         out.append(f"  on the GPU: {told['state']}: {told['why']}")
+    lent = c.get("lent")  # the GPU child's card lent to other programs
+    if lent:
+        woken = ("; the next request wakes it" if lent["why"] == "idle"
+                 else "; spillway gpu resume brings it back")
+        out.append(f"  GPU lent ({lent['why']}) since {lent['since']}, {lent['for_s']:.0f} s: "
+                   f"{lent['answered_by_cpu']} answered by the CPU child meanwhile{woken}")
     return out
 
 

@@ -97,6 +97,11 @@ def welcome(cfg: Config, listening: Sequence[str], command: str, config_flag: st
     ]
     if chat_page:
         lines.append(f"  {url}/    # the chat page (llama.cpp's web UI), in a browser")
+    if not cfg.router and not cfg.gpu_settings.idle_release_s:
+        where = f" in {cfg.path}" if cfg.path else ""
+        lines.append(f"To lend the GPU to other programs while the model is idle (the CPU child "
+                     f"answers meanwhile): set [gpu] idle_release_s = 300{where} (read again "
+                     f"when saved)")
     if cfg.small_child is not None:
         small = Path(cfg.child(cfg.small_child).model_path).stem
         lines += [

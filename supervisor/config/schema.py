@@ -313,6 +313,11 @@ class ChildConfig:
     # conversations it served before its death and those the CPU child served meanwhile are
     # prefilled into it in its idle time, newest first, where its measured prefill pays.
     rewarm: bool = field(default=True, metadata=key("bool", True, only=GPU_CHILD))
+    # The GPU lent back to the card when idle (service/fleet.py): after this many seconds with
+    # no request for the model, the GPU child is stopped and its VRAM freed while the CPU child
+    # answers; the next request wakes it. 0: never (the default).
+    idle_release_s: float = field(default=0.0, metadata=key("number", 0.0, check=_non_negative,
+                                                            only=GPU_CHILD))
     # cpu and small
     mode: str = field(default="hot", metadata={KEYS: (
         Key("str", "hot", check=_one_of(*CPU_MODES), only=CPU_CHILD),

@@ -7,7 +7,9 @@ figures, and carry out by asking the fleet.
   it holds (or will hold) VRAM, and is drained and stopped first;
 - a FATAL GPU child is tried again at once once another process freed the card's memory and
   the card has room for it;
-- an on-demand child idle for its idle_stop_s is stopped.
+- an on-demand child idle for its idle_stop_s is stopped;
+- the GPU child idle for gpu.idle_release_s is stopped, its VRAM lent back to the card, while
+  the CPU child answers.
 """
 
 from __future__ import annotations
@@ -50,3 +52,13 @@ def idle_stop(on_demand: bool, state: ChildState, in_flight: int, idle_s: float,
     """An on-demand child, READY with nothing in flight for its idle_stop_s, is stopped."""
     return (on_demand and state is ChildState.READY and in_flight == 0
             and idle_s >= idle_stop_s)
+
+
+def idle_release(release_s: float, gpu: ChildState, in_flight: int, idle_s: float,
+                 cpu: ChildState, lent: bool) -> bool:
+    """The GPU child is lent back to the card (gpu.idle_release_s; 0: never): READY with
+    nothing in flight for release_s, not lent already, and the CPU child READY to answer
+    meanwhile. Without a CPU child serving, the next request would wait for a whole model
+    load, which is what a timer alone does (llama-swap's ttl, Ollama's keep_alive)."""
+    return (release_s > 0 and gpu is ChildState.READY and in_flight == 0
+            and idle_s >= release_s and cpu is ChildState.READY and not lent)

@@ -105,6 +105,21 @@ class Metrics:
             "spillway_failback_saved_seconds", "The time fail-backs saved: for each completed "
             "one, the rest's forecast on the CPU child less what the GPU child took.",
             registry=r)
+        # The GPU lent to other programs (service/lending.py).
+        self.gpu_lent = Gauge(
+            "spillway_gpu_lent", "1 while the GPU child is stopped and its card lent to other "
+            "programs, by why (idle: gpu.idle_release_s; operator: spillway gpu pause).",
+            ["why"], registry=r)
+        self.gpu_lendings = Counter(
+            "spillway_gpu_lendings", "Times the GPU child was stopped to lend its card, by why "
+            "(idle; the operator's pauses are not counted here).",
+            ["why"], registry=r)
+        self.gpu_wakes = Counter(
+            "spillway_gpu_wakes", "Times a request woke the GPU child lent when idle.",
+            registry=r)
+        for why in ("idle", "operator"):
+            self.gpu_lent.labels(why).set(0)
+            self.gpu_lendings.labels(why)
         self.holds_expired = Counter(
             "spillway_stream_holds_expired", "Streams whose first event came after "
             "failover.stream_hold_s, by child: their status and headers went out before it, "

@@ -34,6 +34,7 @@ from ..upstreams.children import Child
 from ..upstreams.owned import MEDIA_MARKER_ENV
 from . import heap
 from .agent_port import AgentServer
+from .lending import Lending
 from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
 from ..gpu.placement import Placement, child_args
@@ -245,6 +246,7 @@ class Daemon:
         self.watchdog: StallWatchdog | None = None
         self.small_tier: SmallTier | None = None  # the small child's starts and stops
         self.mirror: Mirror | None = None  # the warm CPU child (single-model mode)
+        self.lending: Lending | None = None  # the GPU lent when idle (single-model mode)
         self.pool: Pool | None = None
         self.mode: Mode | None = None  # single model or router (modes.py), built once
         self.proxy: ProxyHandler | None = None
@@ -431,6 +433,9 @@ class Daemon:
             self.offload.judge()
             if self.mode is not None:
                 self.mode.tick()  # idle CPU work stopped; router mode: each model's too
+            if self.lending is not None:
+                self.lending.tick()  # the GPU child idle for gpu.idle_release_s: lent
+                self.lending.observe()
             if self.routes is not None:
                 self.routes.tick()  # a drill gone silent is over, and disarmed
             if self.pool is not None:
@@ -698,13 +703,16 @@ class Daemon:
                                           self.fleet.end_stalled)
             self.mirror = self._make_mirror()
             self.proxy.mirror = self.mirror
+            self.lending = Lending(self.fleet, self.pool, lambda: self.config, self.incidents,
+                                   self.metrics)
         self.small_tier = self._make_small_tier()
         self.routes = routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,
                            incidents=self.incidents, metrics=self.metrics, timeline=self.timeline,
                            models=self.models, operator=self.operator, streams=self.streams,
                            offload=self.offload.to_json, caches=self.caches,
-                           daemon=self.daemon_json)
+                           daemon=self.daemon_json,
+                           lending=self.lending.to_json if self.lending is not None else None)
         app = build_app(self.proxy, self.auth, routes.table(),
                         StreamRoutes(self.streams, self.metrics, time.time,
                                      lambda: self.config.server.body_timeout_s).table(),

@@ -13,6 +13,9 @@ The fleet's own state is what spans the children, written only here:
 - `paused`: the roles the operator paused (`spillway gpu pause`: the GPU lent to another
   program) or an upgrade keeps stopped until its handover is done. The resources and the
   pools read the same set (nothing is sent to, or started on, a paused child).
+- `lent`: why a paused GPU child's card is lent to other programs, and since when: by the
+  operator (`spillway gpu pause`), or when idle (gpu.idle_release_s): then the next request
+  for the model `wake`s it, and the CPU child answers while it starts.
 - the holds on a child's start: why a start that is due must wait, asked by the child's
   lifecycle as its back-off ends (`Child.hold`, which the fleet sets once and for all). Several
   parts may hold one child, each by its own name: the on-demand small child on the card
@@ -27,8 +30,10 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from ..config.schema import ChildConfig
@@ -41,11 +46,27 @@ log = logging.getLogger("spillway.fleet")
 T = TypeVar("T")
 Hold = Callable[[], "str | None"]  # why the start must wait now, or None
 
+IDLE = "idle"  # lent when idle (gpu.idle_release_s): a request wakes it
+OPERATOR = "operator"  # lent by hand (spillway gpu pause): `spillway gpu resume` brings it back
+
+
+@dataclass(frozen=True)
+class Lent:
+    """Why a paused child's card is lent, since when, and the CPU child's answers counted then
+    (those since are the ones it answered meanwhile)."""
+
+    why: str  # IDLE | OPERATOR
+    reason: str  # in words, for the log and the status
+    since: float  # wall clock
+    since_monotonic: float
+    answers_then: int = 0
+
 
 class Fleet:
     def __init__(self, children: Mapping[str, Child], paused: set[str]) -> None:
         self.children = children
         self.paused = paused  # shared with the resources and the pools, written only here
+        self.lent: dict[str, Lent] = {}  # the paused children whose card is lent, and why
         self._holds: dict[str, dict[str, Hold]] = {name: {} for name in children}
         self._inbox: deque[tuple[str, Callable[[], Any], asyncio.Future[Any]]] = deque()
         self._task: asyncio.Task[None] | None = None
@@ -95,6 +116,7 @@ class Fleet:
         `unpause`: an operator's restart of a paused child brings it back."""
         if unpause:
             self.paused.discard(name)
+            self.lent.pop(name, None)
         self.post(f"restart {name}", lambda: self.children[name].restart(reason))
 
     def drain(self, name: str, reason: str, then_stop: bool = False) -> None:
@@ -108,14 +130,30 @@ class Fleet:
         return self.post_waiting(f"stop {name}",
                                  lambda: self.children[name].stop(reason, grace_s))
 
-    def pause(self, name: str, reason: str) -> asyncio.Future[None]:
-        """`name` paused (nothing is sent to it or starts it) and stopped: its memory freed."""
+    def pause(self, name: str, reason: str, lent: Lent | None = None) -> asyncio.Future[None]:
+        """`name` paused (nothing is sent to it or starts it) and stopped: its memory freed;
+        `lent`: why its card is lent (else: by the operator)."""
         self.paused.add(name)
+        self.lent[name] = lent or Lent(OPERATOR, reason, time.time(), time.monotonic())
         return self.stop(name, reason)
 
     def resume(self, name: str) -> None:
         self.paused.discard(name)
+        self.lent.pop(name, None)
         self.start(name)
+
+    def wake(self, name: str) -> asyncio.Future[None] | None:
+        """A request for the model: `name`, lent when idle, starts again (done once its start
+        is taken: its state is STARTING then); None when it was not lent when idle (lent by
+        the operator, it stays so)."""
+        lent = self.lent.get(name)
+        if lent is None or lent.why != IDLE:
+            return None
+        log.info("[%s] woken by a request after %.0f s lent when idle", name,
+                 time.monotonic() - lent.since_monotonic)
+        del self.lent[name]
+        self.paused.discard(name)
+        return self.post(f"start {name}", self.children[name].start)
 
     def end_stalled(self, name: str, evidence: str) -> None:
         """`name` stalled with work in flight (serving/watchdog.py): its process ended now."""

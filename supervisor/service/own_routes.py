@@ -132,6 +132,7 @@ class OwnRoutes:
                  streams: StreamSessions | None = None,
                  drill: DrillWindow | None = None,
                  offload: Callable[[], dict[str, Any] | None] | None = None,
+                 lending: Callable[[], dict[str, Any] | None] | None = None,
                  caches: Callable[[], dict[str, dict[str, Any]]] | None = None,
                  daemon: Callable[[], dict[str, Any]] | None = None) -> None:
         self.host = host
@@ -148,6 +149,7 @@ class OwnRoutes:
         self.streams = streams  # resumable streams' replay buffers
         self.drill = drill or DrillWindow()  # arming answers only while a drill runs
         self.offload = offload  # how much of the GPU child is on the GPU (the daemon's)
+        self.lending = lending  # the GPU lent to other programs: why, since when (None: not)
         self.caches = caches  # what the daemon keeps in memory, with each one's bounds
         self.daemon = daemon  # the daemon's pid, start, and what it took over (an upgrade)
 
@@ -262,6 +264,9 @@ class OwnRoutes:
                                "CPU: this llama-server lists no GPU device "
                                f"(--list-devices), so the {cfg.label} runs CPU-only")
             info["paused"] = name in self.pool.paused
+            lent = self.lending() if self.lending is not None else None
+            if lent is not None:
+                info["lent"] = lent  # service/lending.py
             told = self.offload() if self.offload is not None else None
             if told is not None:
                 info["offload"] = told  # {state, layers, why}: policy/offload.py

@@ -139,7 +139,13 @@ class Pool:
         # (serving/failback.py: streams that may move back to the GPU child).
         self.on_room: list[Callable[[str], None]] = []
         now = time.monotonic()
-        self.last_used = {name: now for name in self.upstreams}  # a lease closed on it
+        self.last_used = {name: now for name in self.upstreams}  # a generation answered
+        # Answers each upstream gave (its leases closed with a status): the status's count of
+        # what the CPU child answered while the GPU was lent.
+        self.answers = {name: 0 for name in self.upstreams}
+        # Asked before each generation request is admitted: wakes the GPU child lent when
+        # idle (service/fleet.py), the future done once it is starting; None: nothing to wake.
+        self.wake: Callable[[], asyncio.Future[None] | None] = lambda: None
         # The upstreams' streaks of 5xx answers (none: no streak), and how long makes it sick.
         self._streaks: dict[str, sickness.Streak] = {}
         self.sick_after = sickness.DEFAULT_SICK_AFTER
@@ -328,6 +334,13 @@ class Pool:
         moment its upstream may have begun to drain (a reload, an OOM it survived); then it
         goes through admission again, here, with what is left of its deadline."""
         began = time.monotonic()
+        woken = self.wake()
+        if woken is not None:
+            # The GPU child lent when idle starts for this request; the request is admitted
+            # once it is STARTING: to the CPU child now, or waiting for it where that is
+            # sooner (5w), or where only it can take the request (6).
+            await woken
+            self.last_used[self.roles[0]] = time.monotonic()
         abandoned = 0
         while True:
             got = await self._admit(req, work)
@@ -568,11 +581,13 @@ class Pool:
             self._failed(end.failure)
         elif lease.counted and end.status is not None:
             self._answered(name, end)
+            self.answers[name] += 1
         if attempt is not None and attempt.timings and end.timed:
             self.source.observe_timings(name, attempt.timings, attempt.media_items)
         if lease.counted and attempt is not None and end.ok:
             self.source.observe_duration(now - attempt.started)
-        self.last_used[name] = now
+        if lease.counted:  # (a read such as GET /health or /props is no use of the model:
+            self.last_used[name] = now  # it keeps no idle child awake)
         if lease.media_items:
             self._media[name] = max(0, self._media.get(name, 0) - lease.media_items)
         self.upstreams[name].load.give_back(generation=lease.counted)

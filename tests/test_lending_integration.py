@@ -1,0 +1,89 @@
+"""Issue 49: the GPU lent back to the card when idle (gpu.idle_release_s), with real
+llama-server children and the tiny model, driven by the real OpenAI client.
+
+Idle for its 5 s while /health (llama-server's, through Spillway) and the status are read every
+second, the GPU child is stopped, its process gone, and the status, metrics and incidents say it
+is lent; a streamed request then gets its first token from the warm CPU child within 2 s and its
+whole answer, while the GPU child starts again and is READY after it."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from harness import Spillway, eventually, pid_alive, real_config
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import SpillwayFactory
+
+pytestmark = pytest.mark.integration
+
+
+def lent_gauge(s: Spillway) -> dict[str, float]:
+    status, text = s.get("/spillway/metrics")
+    assert status == 200
+    return {sample.labels["why"]: sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples
+            if sample.name == "spillway_gpu_lent"}
+
+
+def test_an_idle_gpu_child_is_lent_and_the_next_stream_is_answered_by_the_cpu_child_at_once(
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path) -> None:
+    s = spillway(real_config(llama_server, tiny_model, gpu={"idle_release_s": 5},
+                             monitor={"sample_interval_s": 0.5}))
+    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=120, max_retries=0)
+    answer = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8)
+    assert answer.headers["X-Spillway-Child"] == "gpu"
+    last_request = time.monotonic()
+    pid = s.status()["children"]["gpu"]["pid"]
+
+    # Polled every second as a dashboard would: neither keeps it awake.
+    stopped_after = None
+    while time.monotonic() - last_request < 20:
+        assert s.get("/health")[0] == 200
+        gpu = s.status()["children"]["gpu"]
+        if gpu["state"] == "STOPPED":
+            stopped_after = time.monotonic() - last_request
+            break
+        time.sleep(1.0)
+    assert stopped_after is not None and stopped_after <= 10, s.log_tail()
+    assert eventually(lambda: not pid_alive(pid))
+    lent = s.status()["children"]["gpu"]["lent"]
+    assert lent["why"] == "idle" and lent["answered_by_cpu"] == 0
+    assert lent_gauge(s) == {"idle": 1.0, "operator": 0.0}
+    print(f"lent {stopped_after:.1f} s after the last request")
+
+    # The next request: the CPU child answers it at once, while the GPU child starts.
+    began = time.monotonic()
+    first_token_s = None
+    text = []
+    with client.chat.completions.with_streaming_response.create(
+            model="tiny", messages=[{"role": "user", "content": "Tell a story"}],
+            max_tokens=48, stream=True) as response:
+        assert response.headers["X-Spillway-Child"] == "cpu"
+        finish = None
+        for chunk in response.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                first_token_s = first_token_s or time.monotonic() - began
+                text.append(chunk.choices[0].delta.content)
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+    assert first_token_s is not None and first_token_s <= 2.0, first_token_s
+    assert finish in ("length", "stop") and "".join(text)
+    print(f"first token from the CPU child {first_token_s:.2f} s after the request")
+
+    assert eventually(lambda: s.status()["children"]["gpu"]["state"] == "READY")
+    gpu = s.status()["children"]["gpu"]
+    assert "lent" not in gpu and not gpu["paused"] and gpu["pid"] != pid
+    assert lent_gauge(s)["idle"] == 0.0
+    records = s.wait_incidents(2)
+    assert [(r["decision"], r["kind"], r["child"]) for r in records] == [
+        ("lent", "lent_idle", "gpu"), ("woken", "lent_idle", "gpu")]
+    assert "idle for" in records[0]["reason"]
+    # The GPU child answers again.
+    again = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8)
+    assert again.headers["X-Spillway-Child"] == "gpu"
