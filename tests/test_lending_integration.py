@@ -31,7 +31,10 @@ def lent_gauge(s: Spillway) -> dict[str, float]:
 
 def test_an_idle_gpu_child_is_lent_and_the_next_stream_is_answered_by_the_cpu_child_at_once(
         spillway: SpillwayFactory, llama_server: Path, tiny_model: Path) -> None:
+    # The CPU child holds 256 tokens a slot, the GPU child 1024: a longer prompt is the GPU
+    # child's alone.
     s = spillway(real_config(llama_server, tiny_model, gpu={"idle_release_s": 5},
+                             cpu={"args": ["--device", "none", "-ngl", "0", "-c", "512"]},
                              monitor={"sample_interval_s": 0.5}))
     client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=120, max_retries=0)
     answer = client.chat.completions.with_raw_response.create(
@@ -87,3 +90,16 @@ def test_an_idle_gpu_child_is_lent_and_the_next_stream_is_answered_by_the_cpu_ch
     again = client.chat.completions.with_raw_response.create(
         model="tiny", messages=[{"role": "user", "content": "Hello"}], max_tokens=8)
     assert again.headers["X-Spillway-Child"] == "gpu"
+
+    # Lent again: a prompt only the GPU child can take waits for it, and is answered.
+    assert eventually(lambda: s.status()["children"]["gpu"]["state"] == "STOPPED", 20)
+    status, counted = s.post("/tokenize", {"content": "harbour " * 100})
+    assert status == 200
+    words = int(600 / (len(counted["tokens"]) / 100))  # some 600 tokens: over 256, under 1024
+    began = time.monotonic()
+    long = client.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "harbour " * words}], max_tokens=4)
+    assert long.headers["X-Spillway-Child"] == "gpu"
+    assert long.parse().choices[0].finish_reason == "length"
+    print(f"a prompt for the GPU child alone answered {time.monotonic() - began:.1f} s after it "
+          "woke it")
