@@ -64,8 +64,10 @@ class Lending:
         gpu, cpu = self.fleet.children[self.gpu], self.fleet.children[self.cpu]
         now = self.clock()
         idle = now - max(self.pool.last_used[self.gpu], gpu.state_since)
-        if not fleet_rules.idle_release(release_s, gpu.state, gpu.load.in_flight, idle,
-                                        cpu.state, self.gpu in self.fleet.paused):
+        # (A request waiting in line is use to come: it may be waiting for the GPU child.)
+        busy = gpu.load.in_flight + len(self.pool.line)
+        if not fleet_rules.idle_release(release_s, gpu.state, busy, idle, cpu.state,
+                                        self.gpu in self.fleet.paused):
             return
         reason = (f"idle for {idle:.0f} s (gpu.idle_release_s = {release_s:g}): stopped, its "
                   f"VRAM lent back to the card; the {cpu.cfg.label} answers, and the next "
