@@ -192,6 +192,17 @@ class Spillway:
         return self.post("/spillway/drill/arm", body,
                          {**dict(headers or {}), "X-Spillway-Drill": self.drill_token})
 
+    def samples(self, name: str, label: str = "") -> dict[str, float]:
+        """The metric's samples named `name` (with its suffix: `_total`, `_count`), by the
+        value of their `label` ("" for one without), read by Prometheus's own parser."""
+        from prometheus_client.parser import text_string_to_metric_families
+
+        code, page = self.get("/spillway/metrics")
+        assert code == 200, page
+        return {sample.labels.get(label, ""): sample.value
+                for family in text_string_to_metric_families(page)
+                for sample in family.samples if sample.name == name}
+
     def status(self, headers: Mapping[str, str] | None = None) -> dict[str, Any]:
         code, body = self.get("/spillway/status", headers)
         assert code == 200, (code, body)

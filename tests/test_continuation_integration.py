@@ -14,7 +14,6 @@ import anthropic
 import openai
 import pytest
 from harness import Spillway, eventually, real_config
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SpillwayFactory
 from supervisor.commands import bootstrap
@@ -50,11 +49,7 @@ def dying_gpu(s_llama: Path, model: Path, injector: Path, once: Path,
 
 
 def continuations(s: Spillway) -> dict[str, float]:
-    status, text = s.get("/spillway/metrics")
-    assert status == 200
-    return {sample.labels["result"]: sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name == "spillway_stream_continuations_total"}
+    return s.samples("spillway_stream_continuations_total", "result")
 
 
 def read_stream(oa: openai.OpenAI, **extra: Any) -> tuple[list[Any], Any]:

@@ -25,7 +25,6 @@ from typing import Any
 
 import pytest
 from harness import Spillway, eventually, real_config
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SpillwayFactory
 from supervisor.commands import bootstrap
@@ -96,11 +95,7 @@ def resume_gpu(s: Spillway) -> None:
 
 def forecasts(s: Spillway) -> dict[str, float]:
     """spillway_forecast_error_seconds' observations, per child."""
-    code, page = s.get("/spillway/metrics")
-    assert code == 200
-    return {sample.labels["child"]: sample.value
-            for family in text_string_to_metric_families(page) for sample in family.samples
-            if sample.name == "spillway_forecast_error_seconds_count"}
+    return s.samples("spillway_forecast_error_seconds_count", "child")
 
 
 def test_a_long_prompt_in_a_gpu_restart_waits_for_the_faster_gpu_child(

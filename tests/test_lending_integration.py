@@ -14,19 +14,15 @@ from pathlib import Path
 import openai
 import pytest
 from harness import Spillway, eventually, pid_alive, real_config
-from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import SpillwayFactory
+from supervisor.commands.cli import format_status
 
 pytestmark = pytest.mark.integration
 
 
 def lent_gauge(s: Spillway) -> dict[str, float]:
-    status, text = s.get("/spillway/metrics")
-    assert status == 200
-    return {sample.labels["why"]: sample.value
-            for family in text_string_to_metric_families(text) for sample in family.samples
-            if sample.name == "spillway_gpu_lent"}
+    return s.samples("spillway_gpu_lent", "why")
 
 
 def test_an_idle_gpu_child_is_lent_and_the_next_stream_is_answered_by_the_cpu_child_at_once(
@@ -54,8 +50,11 @@ def test_an_idle_gpu_child_is_lent_and_the_next_stream_is_answered_by_the_cpu_ch
         time.sleep(1.0)
     assert stopped_after is not None and stopped_after <= 10, s.log_tail()
     assert eventually(lambda: not pid_alive(pid))
-    lent = s.status()["children"]["gpu"]["lent"]
+    status = s.status()
+    lent = status["children"]["gpu"]["lent"]
     assert lent["why"] == "idle" and lent["answered_by_cpu"] == 0
+    assert (f"  GPU lent (idle) since {lent['since']}" in format_status(status)
+            and "the next request wakes it" in format_status(status))
     assert lent_gauge(s) == {"idle": 1.0, "operator": 0.0}
     print(f"lent {stopped_after:.1f} s after the last request")
 
