@@ -37,7 +37,7 @@ from ..records.incidents import Incident, IncidentLog, new_incident_id
 from ..records.metrics import Metrics
 from ..records.timefmt import rfc3339
 from ..serving.pool import Pool
-from .fleet import IDLE, Fleet, Lent
+from .fleet import IDLE, OPERATOR, Fleet, Lent
 
 log = logging.getLogger("spillway.lending")
 
@@ -84,14 +84,12 @@ class Lending:
         """Before a generation request is admitted: the GPU child lent when idle starts (the
         future is done once its start is taken), else None. On the hot path: a dict lookup."""
         lent = self.fleet.lent.get(self.gpu)
-        if lent is None or lent.why != IDLE:
-            return None
-        woken = self.fleet.wake(self.gpu)
-        if woken is not None:
-            answered = self.pool.answers[self.cpu] - lent.answers_then
+        woken = self.fleet.wake(self.gpu) if lent is not None else None  # (idle alone wakes)
+        if woken is not None and lent is not None:
             self._record("woken", "idle", f"a request for the model, after "
                                           f"{self.clock() - lent.since_monotonic:.0f} s lent when "
-                                          f"idle ({answered} answered by the CPU child meanwhile)")
+                                          f"idle ({self._answered(lent)} answered by the CPU "
+                                          f"child meanwhile)")
             if self.metrics is not None:
                 self.metrics.gpu_wakes.inc()
             self.observe()
@@ -104,7 +102,11 @@ class Lending:
             return None
         return {"why": lent.why, "reason": lent.reason, "since": rfc3339(lent.since),
                 "for_s": round(self.clock() - lent.since_monotonic, 1),
-                "answered_by_cpu": self.pool.answers[self.cpu] - lent.answers_then}
+                "answered_by_cpu": self._answered(lent)}
+
+    def _answered(self, lent: Lent) -> int:
+        """The CPU child's answers since the GPU child was lent."""
+        return self.pool.answers[self.cpu] - lent.answers_then
 
     def observe(self) -> None:
         """The metrics' gauge: at each lending and wake, and on the tick (the operator's pause
@@ -112,7 +114,7 @@ class Lending:
         if self.metrics is None:
             return
         lent = self.fleet.lent.get(self.gpu)
-        for why in ("idle", "operator"):
+        for why in (IDLE, OPERATOR):
             self.metrics.gpu_lent.labels(why).set(1 if lent is not None and lent.why == why
                                                   else 0)
 
