@@ -55,7 +55,7 @@ def test_an_idle_gpu_child_is_lent_and_the_next_stream_is_answered_by_the_cpu_ch
     assert lent["why"] == "idle" and lent["answered_by_cpu"] == 0
     assert (f"  GPU lent (idle) since {lent['since']}" in format_status(status)
             and "the next request wakes it" in format_status(status))
-    assert lent_gauge(s) == {"idle": 1.0, "operator": 0.0}
+    assert lent_gauge(s) == {"idle": 1.0, "operator": 0.0, "yield": 0.0}
     print(f"lent {stopped_after:.1f} s after the last request")
 
     # The next request: the CPU child answers it at once, while the GPU child starts.

@@ -400,10 +400,13 @@ def _child_lines(name: str, c: dict[str, Any]) -> list[str]:
         out.append(f"  on the GPU: {told['state']}: {told['why']}")
     lent = c.get("lent")  # the GPU child's card lent to other programs
     if lent:
-        woken = ("; the next request wakes it" if lent["why"] == "idle"
-                 else "; spillway gpu resume brings it back")
-        out.append(f"  GPU lent ({lent['why']}) since {lent['since']}, {lent['for_s']:.0f} s: "
-                   f"{lent['answered_by_cpu']} answered by the CPU child meanwhile{woken}")
+        woken = {"idle": "; the next request wakes it",
+                 "yield": "; back once the card has room and that program is done"}.get(
+            lent["why"], "; spillway gpu resume brings it back")
+        whom = f" to {lent['to_whom']}" if lent.get("to_whom") else ""
+        out.append(f"  GPU lent ({lent['why']}){whom} since {lent['since']}, "
+                   f"{lent['for_s']:.0f} s: {lent['answered_by_cpu']} answered by the CPU "
+                   f"child meanwhile{woken}")
     return out
 
 

@@ -318,6 +318,14 @@ class ChildConfig:
     # answers; the next request wakes it. 0: never (the default).
     idle_release_s: float = field(default=0.0, metadata=key("number", 0.0, check=_non_negative,
                                                             only=GPU_CHILD))
+    # The GPU child gives way to another program on its cards (service/lending.py): when that
+    # program grows while the card's free memory is under the headroom, the GPU child is
+    # stopped (its answers in flight go on on the CPU child), and it starts again once the card
+    # has room for it and the others' memory has held still for yield_quiet_s.
+    yield_to_other_processes: bool = field(default=False, metadata=key("bool", False,
+                                                                       only=GPU_CHILD))
+    yield_quiet_s: float = field(default=10.0, metadata=key("number", 10.0, check=_non_negative,
+                                                            only=GPU_CHILD))
     # cpu and small
     mode: str = field(default="hot", metadata={KEYS: (
         Key("str", "hot", check=_one_of(*CPU_MODES), only=CPU_CHILD),

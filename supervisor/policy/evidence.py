@@ -30,6 +30,9 @@ class FailureKind(enum.StrEnum):
     NO_OFFLOAD = "no_offload"  # the GPU child loaded with fewer layers on the GPU than asked
     # (none or some: offload.py), ended as a failed start under gpu.require_offload
     CRASH = "crash"
+    # Ended by a stop Spillway asked for (a restart, a pause, the GPU lent) with answers still
+    # in flight: cut as by a death, and taken on by the same rules.
+    STOPPED = "stopped"
     CONTEXT_EXCEEDED = "context_exceeded"
     NOT_READY = "not_ready"
     CLIENT_ERROR = "client_error"
@@ -40,7 +43,7 @@ class FailureKind(enum.StrEnum):
 CHILD_FAILED = frozenset({
     FailureKind.RUNTIME_OOM, FailureKind.OOM_SURVIVED, FailureKind.CUDA_ERROR,
     FailureKind.GPU_FAULT, FailureKind.HANG, FailureKind.CRASH, FailureKind.LOAD_OOM,
-    FailureKind.NOT_READY, FailureKind.NO_OFFLOAD,
+    FailureKind.NOT_READY, FailureKind.NO_OFFLOAD, FailureKind.STOPPED,
 })
 
 # Out-of-memory lines from the GPU backends, as llama.cpp and the drivers print them. ggml-cuda

@@ -108,18 +108,21 @@ class Metrics:
         # The GPU lent to other programs (service/lending.py).
         self.gpu_lent = Gauge(
             "spillway_gpu_lent", "1 while the GPU child is stopped and its card lent to other "
-            "programs, by why (idle: gpu.idle_release_s; operator: spillway gpu pause).",
-            ["why"], registry=r)
+            "programs, by why (idle: gpu.idle_release_s; operator: spillway gpu pause; yield: "
+            "gpu.yield_to_other_processes).", ["why"], registry=r)
         self.gpu_lendings = Counter(
             "spillway_gpu_lendings", "Times the GPU child was stopped to lend its card, by why "
-            "(idle; the operator's pauses are not counted here).",
+            "(idle or yield; the operator's pauses are not counted here).",
             ["why"], registry=r)
         self.gpu_wakes = Counter(
-            "spillway_gpu_wakes", "Times a request woke the GPU child lent when idle.",
-            registry=r)
-        for why in ("idle", "operator"):
+            "spillway_gpu_wakes", "Times the lent GPU child was started again, by why it was "
+            "lent (idle: a request woke it; yield: the other program was done).",
+            ["why"], registry=r)
+        for why in ("idle", "operator", "yield"):
             self.gpu_lent.labels(why).set(0)
-            self.gpu_lendings.labels(why)
+            if why != "operator":
+                self.gpu_lendings.labels(why)
+                self.gpu_wakes.labels(why)
         self.holds_expired = Counter(
             "spillway_stream_holds_expired", "Streams whose first event came after "
             "failover.stream_hold_s, by child: their status and headers went out before it, "

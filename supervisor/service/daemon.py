@@ -34,7 +34,7 @@ from ..upstreams.children import Child
 from ..upstreams.owned import MEDIA_MARKER_ENV
 from . import heap
 from .agent_port import AgentServer
-from .lending import Lending
+from .lending import CardsView, Lending
 from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
 from ..gpu.placement import Placement, child_args
@@ -704,7 +704,8 @@ class Daemon:
             self.mirror = self._make_mirror()
             self.proxy.mirror = self.mirror
             self.lending = Lending(self.fleet, self.pool, lambda: self.config, self.incidents,
-                                   self.metrics)
+                                   self.metrics, CardsView(self.monitor, self.res),
+                                   spawn=self._spawn)
         self.small_tier = self._make_small_tier()
         self.routes = routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,

@@ -14,8 +14,10 @@ The fleet's own state is what spans the children, written only here:
   program) or an upgrade keeps stopped until its handover is done. The resources and the
   pools read the same set (nothing is sent to, or started on, a paused child).
 - `lent`: why a paused GPU child's card is lent to other programs, and since when: by the
-  operator (`spillway gpu pause`), or when idle (gpu.idle_release_s): then the next request
-  for the model `wake`s it, and the CPU child answers while it starts.
+  operator (`spillway gpu pause`), when idle (gpu.idle_release_s: then the next request
+  for the model `wake`s it, and the CPU child answers while it starts), or to another program
+  that took the card's memory (gpu.yield_to_other_processes: it is `taken_back` once that
+  program is done).
 - the holds on a child's start: why a start that is due must wait, asked by the child's
   lifecycle as its back-off ends (`Child.hold`, which the fleet sets once and for all). Several
   parts may hold one child, each by its own name: the on-demand small child on the card
@@ -48,6 +50,9 @@ Hold = Callable[[], "str | None"]  # why the start must wait now, or None
 
 IDLE = "idle"  # lent when idle (gpu.idle_release_s): a request wakes it
 OPERATOR = "operator"  # lent by hand (spillway gpu pause): `spillway gpu resume` brings it back
+YIELD = "yield"  # given way to another program (gpu.yield_to_other_processes): back once it is
+# done (service/lending.py)
+LENT_WHYS = (IDLE, OPERATOR, YIELD)
 
 
 @dataclass(frozen=True)
@@ -55,11 +60,13 @@ class Lent:
     """Why a paused child's card is lent, since when, and the CPU child's answers counted then
     (those since are the ones it answered meanwhile)."""
 
-    why: str  # IDLE | OPERATOR
+    why: str  # IDLE | OPERATOR | YIELD
     reason: str  # in words, for the log and the status
     since: float  # wall clock
     since_monotonic: float
     answers_then: int = 0
+    to_whom: str = ""  # YIELD: the program given way to, as the driver names it ("" unknown)
+    pid: int | None = None  # YIELD: its pid, where the driver lists it
 
 
 class Fleet:
@@ -133,9 +140,15 @@ class Fleet:
     def pause(self, name: str, reason: str, lent: Lent | None = None) -> asyncio.Future[None]:
         """`name` paused (nothing is sent to it or starts it) and stopped: its memory freed;
         `lent`: why its card is lent (else: by the operator)."""
-        self.paused.add(name)
-        self.lent[name] = lent or Lent(OPERATOR, reason, time.time(), time.monotonic())
+        self.lend(name, lent or Lent(OPERATOR, reason, time.time(), time.monotonic()))
         return self.stop(name, reason)
+
+    def lend(self, name: str, lent: Lent) -> None:
+        """`name` paused and its card lent, at once (nothing new is sent to it); its stop is
+        its caller's to ask (after its answers in flight had a moment to finish), or a lending
+        that changes why (a wake into a card another program filled)."""
+        self.paused.add(name)
+        self.lent[name] = lent
 
     def resume(self, name: str) -> None:
         self.paused.discard(name)
@@ -151,7 +164,12 @@ class Fleet:
             return None
         log.info("[%s] woken by a request after %.0f s lent when idle", name,
                  time.monotonic() - lent.since_monotonic)
-        del self.lent[name]
+        return self.take_back(name)
+
+    def take_back(self, name: str) -> asyncio.Future[None]:
+        """`name`'s lending over: no longer paused, and started (done once its start is
+        taken)."""
+        self.lent.pop(name, None)
         self.paused.discard(name)
         return self.post(f"start {name}", self.children[name].start)
 

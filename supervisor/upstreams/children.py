@@ -811,6 +811,9 @@ class Child(LifeReader):
         evidence = f"{note} ({describe_exit(returncode)})" if note else verdict.evidence
         kind = (FailureKind(noted_kind) if noted_kind else FailureKind.CRASH) if note \
             else verdict.kind
+        if planned and not note:  # a stop asked for: whatever it was still answering was cut
+            kind = FailureKind.STOPPED
+            evidence = f"stopped as asked ({describe_exit(returncode)})"
         diagnosis = refusal = None
         if not planned and not note:  # a death of its own, not one Spillway dealt
             diagnosis = signatures.diagnose(signatures.CrashFacts(
