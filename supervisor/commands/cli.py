@@ -407,6 +407,11 @@ def _child_lines(name: str, c: dict[str, Any]) -> list[str]:
         out.append(f"  GPU lent ({lent['why']}){whom} since {lent['since']}, "
                    f"{lent['for_s']:.0f} s: {lent['answered_by_cpu']} answered by the CPU "
                    f"child meanwhile{woken}")
+    lent_models = c.get("lent_models")  # router mode: models whose GPU instance is lent
+    if lent_models:
+        out.append("  lent when idle: " + ", ".join(
+            f"{name} (since {m['since']}, {m['answered_by_cpu']} answered by the CPU router)"
+            for name, m in lent_models.items()) + "; the next request for each loads it again")
     return out
 
 

@@ -35,6 +35,7 @@ from ..upstreams.owned import MEDIA_MARKER_ENV
 from . import heap
 from .agent_port import AgentServer
 from .lending import CardsView, Lending
+from .model_lending import ModelLending
 from ..config.schema import Config
 from ..gpu import MIB, GpuMonitor
 from ..gpu.placement import Placement, child_args
@@ -247,6 +248,7 @@ class Daemon:
         self.small_tier: SmallTier | None = None  # the small child's starts and stops
         self.mirror: Mirror | None = None  # the warm CPU child (single-model mode)
         self.lending: Lending | None = None  # the GPU lent when idle (single-model mode)
+        self.model_lending: ModelLending | None = None  # router mode's, model by model
         self.pool: Pool | None = None
         self.mode: Mode | None = None  # single model or router (modes.py), built once
         self.proxy: ProxyHandler | None = None
@@ -436,6 +438,8 @@ class Daemon:
             if self.lending is not None:
                 self.lending.tick()  # the GPU child idle for gpu.idle_release_s: lent
                 self.lending.observe()
+            if self.model_lending is not None:
+                self.model_lending.tick()  # router mode: each model's GPU instance
             if self.routes is not None:
                 self.routes.tick()  # a drill gone silent is over, and disarmed
             if self.pool is not None:
@@ -706,6 +710,9 @@ class Daemon:
             self.lending = Lending(self.fleet, self.pool, lambda: self.config, self.incidents,
                                    self.metrics, CardsView(self.monitor, self.res),
                                    spawn=self._spawn)
+        else:
+            self.model_lending = ModelLending(self.models, lambda: self.config, self.incidents,
+                                              self.metrics)
         self.small_tier = self._make_small_tier()
         self.routes = routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,
@@ -713,7 +720,9 @@ class Daemon:
                            models=self.models, operator=self.operator, streams=self.streams,
                            offload=self.offload.to_json, caches=self.caches,
                            daemon=self.daemon_json,
-                           lending=self.lending.to_json if self.lending is not None else None)
+                           lending=self.lending.to_json if self.lending is not None else None,
+                           lent_models=self.model_lending.to_json
+                           if self.model_lending is not None else None)
         app = build_app(self.proxy, self.auth, routes.table(),
                         StreamRoutes(self.streams, self.metrics, time.time,
                                      lambda: self.config.server.body_timeout_s).table(),
