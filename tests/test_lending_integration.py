@@ -15,10 +15,14 @@ import openai
 import pytest
 from harness import Spillway, eventually, pid_alive, real_config
 
+from test_upgrade import new_daemons, upgrade  # noqa: F401 - new_daemons is a fixture
+
 from conftest import SpillwayFactory
 from supervisor.commands.cli import format_status
 
 pytestmark = pytest.mark.integration
+
+HELLO = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4}
 
 
 def lent_gauge(s: Spillway) -> dict[str, float]:
@@ -102,3 +106,39 @@ def test_an_idle_gpu_child_is_lent_and_the_next_stream_is_answered_by_the_cpu_ch
     assert long.parse().choices[0].finish_reason == "length"
     print(f"a prompt for the GPU child alone answered {time.monotonic() - began:.1f} s after it "
           "woke it")
+
+
+def test_an_upgrade_keeps_the_gpu_child_lent_and_the_next_request_wakes_it(
+        spillway: SpillwayFactory, llama_server: Path, tiny_model: Path,
+        new_daemons: list[int]) -> None:
+    """An upgrade in place while the GPU child is lent when idle: the new daemon adopts the CPU
+    child and leaves the GPU child stopped and lent (it does not load the model into the card
+    it gave back); the next request wakes it there."""
+    s = spillway(real_config(llama_server, tiny_model, gpu={"idle_release_s": 3},
+                             monitor={"sample_interval_s": 0.5}))
+    assert s.proc is not None
+    old_pid = s.proc.pid
+    code, _ = s.post("/v1/chat/completions", HELLO)
+    assert code == 200
+    assert eventually(lambda: "lent" in s.status()["children"]["gpu"], 20)
+    since = s.status()["children"]["gpu"]["lent"]["since"]
+    cpu_pid = s.status()["children"]["cpu"]["pid"]
+
+    done = upgrade(s)
+    assert done.returncode == 0, (done.stdout, done.stderr, s.log_tail())
+    new_pid = s.status()["daemon"]["pid"]
+    new_daemons.append(new_pid)
+    assert new_pid != old_pid and s.proc.wait(60) == 0
+    assert eventually(lambda: s.status()["daemon"]["upgrade"]["took_over"])
+    time.sleep(2)  # (a start would show by now)
+    status = s.status()
+    gpu = status["children"]["gpu"]
+    assert gpu["state"] == "STOPPED" and gpu["pid"] is None and gpu["paused"]
+    assert gpu["lent"]["why"] == "idle" and gpu["lent"]["since"] == since
+    assert status["children"]["cpu"]["pid"] == cpu_pid  # adopted: no model reload
+    assert f"the gpu child stays lent (idle) since {since}" in s.log_text()
+
+    code, _ = s.post("/v1/chat/completions", HELLO)
+    assert code == 200
+    assert eventually(lambda: s.status()["children"]["gpu"]["state"] == "READY")
+    assert "lent" not in s.status()["children"]["gpu"]

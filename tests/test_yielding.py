@@ -272,3 +272,36 @@ async def test_a_gpu_child_lent_when_idle_is_not_woken_into_a_card_another_progr
     assert woken is not None
     await woken
     assert idle.told[-1] == "gpu start"
+
+
+# --- a lending carried over an upgrade -------------------------------------------------------
+
+def test_a_lending_is_kept_in_the_state_file_and_carried_to_the_next_daemon(
+        tmp_path: Path) -> None:
+    import time
+
+    from supervisor.upstreams.owned import ChildRecord, State, StateFile
+
+    lent = Lent(YIELD, "ComfyUI took the card", time.time() - 30, 0.0, 7, "pid 4242 (ComfyUI)",
+                4242)
+    record = ChildRecord(name="cpu", pid=1234, start_ticks=1, boot_id="b", argv=("x",),
+                         port=1, api_key="k", owner="o", media_marker="m", fingerprint="f",
+                         started=0.0, daemon_pid=1)
+    file = StateFile(str(tmp_path / "spillway.toml"), folder=tmp_path)
+    file.write(State(1, "m", (record,), {"gpu": lent.to_json()}))
+    read = file.read()
+    assert read is not None and set(read.lent) == {"gpu"}
+    carried = Lent.carried(read.lent["gpu"])
+    # The same lending, in this process's clock; the CPU child's answers counted from now.
+    assert (carried.why, carried.reason, carried.since, carried.to_whom, carried.pid) == (
+        lent.why, lent.reason, lent.since, lent.to_whom, lent.pid)
+    assert carried.answers_then == 0
+    assert 29 < time.monotonic() - carried.since_monotonic < 40
+    for bad in ({"why": "borrowed", "since": 1.0}, {"why": IDLE}, {"why": IDLE, "since": 1.0,
+                                                                  "pid": "4242"}):
+        with pytest.raises(ValueError):
+            Lent.carried(bad)
+    # A state file without lent (an older daemon's) reads as nothing lent.
+    file.write(State(1, "m", (record,)))
+    older = file.read()
+    assert older is not None and older.lent == {}

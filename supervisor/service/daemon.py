@@ -50,7 +50,7 @@ from .handover import COMMIT_MARGIN_S, UPGRADE_TIMEOUT_S, Control, Handover, \
 from .ownership import Ownership
 from ..records.timefmt import rfc3339
 from ..policy import fleet as fleet_rules
-from .fleet import Fleet
+from .fleet import Fleet, Lent
 from .operator import Operator
 from ..records.stream_sessions import StreamSessions
 from ..records.incidents import IncidentLog, default_path
@@ -676,6 +676,9 @@ class Daemon:
         self.resources = Resources(self.config, self.children, self.monitor)
         # The one owner of the children: every start, stop and hold goes through it.
         self.fleet = Fleet(self.children, self.res.paused)
+        # The state file keeps the lent children, for an upgrade's new daemon.
+        self.ownership.lent = lambda: {n: lent.to_json() for n, lent in self.fleet.lent.items()}
+        self.fleet.on_lent = self.ownership.rewrite
         self.res.starter = self.fleet.start
         await asyncio.to_thread(self.res.read_model)
         self.res.sample()
@@ -748,6 +751,7 @@ class Daemon:
                 answers_path(self.ownership.state_id, "handover"), self.idempotency)
         adopted = await self._take_over("restart" if self.handover is None else "upgrade")
         if self.handover is not None:
+            self._keep_lent(adopted)
             self._hold_for_handover(adopted)
             await self._until_answering(adopted)
         if not await self._listen(passed, source):
@@ -873,6 +877,23 @@ class Daemon:
         self._stop.set()
 
     # --- an upgrade in place: the new daemon's side -----------------------------------------
+
+    def _keep_lent(self, adopted: list[str]) -> None:
+        """The children the old daemon had lent (stopped, their card lent to other programs)
+        stay so: this daemon does not start them, and they come back as they would have
+        there (a request wakes one lent when idle; `resume` one lent by the operator)."""
+        for name, raw in self.ownership.lent_before.items():
+            if name not in self.children or name in adopted:
+                continue  # (running after all: it serves)
+            try:
+                lent = Lent.carried(raw)
+            except ValueError as e:
+                log.warning("upgrade: the %s child's lending is not carried over: %s", name, e)
+                continue
+            self.fleet.lend(name, lent)
+            log.warning("upgrade: the %s child stays lent (%s) since %s, as spillway pid %d "
+                        "left it", name, lent.why, rfc3339(lent.since),
+                        self.handover.from_pid if self.handover else 0)
 
     def _hold_for_handover(self, adopted: list[str]) -> None:
         """Until the old daemon has exited, no process is started: a child that dies waits

@@ -68,12 +68,30 @@ class Lent:
     to_whom: str = ""  # YIELD: the program given way to, as the driver names it ("" unknown)
     pid: int | None = None  # YIELD: its pid, where the driver lists it
 
+    def to_json(self) -> dict[str, Any]:
+        """As the state file keeps it, for an upgrade's new daemon (`carried`)."""
+        return {"why": self.why, "reason": self.reason, "since": self.since,
+                "to_whom": self.to_whom, "pid": self.pid}
+
+    @classmethod
+    def carried(cls, raw: Mapping[str, Any]) -> Lent:
+        """A lending the last daemon left (its `to_json`), in this process's clock; its CPU
+        child's answers counted from now. ValueError when it is not one."""
+        why, since, pid = raw.get("why"), raw.get("since"), raw.get("pid")
+        if why not in LENT_WHYS or not isinstance(since, int | float) or \
+                not (pid is None or isinstance(pid, int)):
+            raise ValueError(f"not a lending: {dict(raw)!r}")
+        return cls(str(why), str(raw.get("reason") or ""), float(since),
+                   time.monotonic() - max(0.0, time.time() - float(since)), 0,
+                   str(raw.get("to_whom") or ""), pid)
+
 
 class Fleet:
     def __init__(self, children: Mapping[str, Child], paused: set[str]) -> None:
         self.children = children
         self.paused = paused  # shared with the resources and the pools, written only here
         self.lent: dict[str, Lent] = {}  # the paused children whose card is lent, and why
+        self.on_lent: Callable[[], None] = lambda: None  # told when `lent` changes
         self._holds: dict[str, dict[str, Hold]] = {name: {} for name in children}
         self._inbox: deque[tuple[str, Callable[[], Any], asyncio.Future[Any]]] = deque()
         self._task: asyncio.Task[None] | None = None
@@ -123,7 +141,7 @@ class Fleet:
         `unpause`: an operator's restart of a paused child brings it back."""
         if unpause:
             self.paused.discard(name)
-            self.lent.pop(name, None)
+            self._unlend(name)
         self.post(f"restart {name}", lambda: self.children[name].restart(reason))
 
     def drain(self, name: str, reason: str, then_stop: bool = False) -> None:
@@ -149,10 +167,15 @@ class Fleet:
         that changes why (a wake into a card another program filled)."""
         self.paused.add(name)
         self.lent[name] = lent
+        self.on_lent()
+
+    def _unlend(self, name: str) -> None:
+        if self.lent.pop(name, None) is not None:
+            self.on_lent()
 
     def resume(self, name: str) -> None:
         self.paused.discard(name)
-        self.lent.pop(name, None)
+        self._unlend(name)
         self.start(name)
 
     def wake(self, name: str) -> asyncio.Future[None] | None:
@@ -169,7 +192,7 @@ class Fleet:
     def take_back(self, name: str) -> asyncio.Future[None]:
         """`name`'s lending over: no longer paused, and started (done once its start is
         taken)."""
-        self.lent.pop(name, None)
+        self._unlend(name)
         self.paused.discard(name)
         return self.post(f"start {name}", self.children[name].start)
 

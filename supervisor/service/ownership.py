@@ -47,9 +47,15 @@ class Ownership:
         self.incidents: IncidentLog | None = None
         # What the last daemon left (read once, at the start).
         self.previous: State | None = self.file.read() if self.file is not None else None
+        # The children the last daemon left lent (an upgrade's new daemon keeps them so).
+        self.lent_before: Mapping[str, Mapping[str, Any]] = \
+            self.previous.lent if self.previous is not None else {}
         self.children: Mapping[str, Child] = {}
         self.media_marker = ""
         self.writing = True  # False while another daemon owns the file (an upgrade's start)
+        # The children whose card is lent, as the file keeps them (the daemon sets it: the
+        # fleet's `lent`).
+        self.lent: Callable[[], Mapping[str, Mapping[str, Any]]] = dict
         self._dirty = asyncio.Event()
         self._writer: asyncio.Task[None] | None = None
         self._closing = False  # the writer ends after its current write
@@ -177,7 +183,11 @@ class Ownership:
     def state(self) -> State:
         records = tuple(r for c in self.children.values()
                         if (r := c.process_record()) is not None)
-        return State(os.getpid(), self.media_marker, records)
+        return State(os.getpid(), self.media_marker, records, self.lent())
+
+    def rewrite(self) -> None:
+        """Something the file keeps besides the children changed (a lending): written again."""
+        self._changed()
 
     async def _write_loop(self) -> None:
         assert self.file is not None

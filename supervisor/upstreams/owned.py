@@ -21,8 +21,8 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, fields
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -105,11 +105,15 @@ class State:
     daemon_pid: int
     media_marker: str
     children: tuple[ChildRecord, ...]
+    # The stopped children whose card is lent (service/fleet.Lent's fields, by child name):
+    # an upgrade's new daemon keeps them so, instead of starting them.
+    lent: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"version": VERSION, "daemon_pid": self.daemon_pid,
                 "media_marker": self.media_marker,
-                "children": [c.to_json() for c in self.children]}
+                "children": [c.to_json() for c in self.children],
+                **({"lent": {n: dict(v) for n, v in self.lent.items()}} if self.lent else {})}
 
 
 class StateFile:
@@ -135,7 +139,11 @@ class StateFile:
             if raw.get("version") != VERSION:
                 raise ValueError(f"version {raw.get('version')!r}, not {VERSION}")
             children = tuple(ChildRecord.from_json(c) for c in raw["children"])
-            return State(int(raw["daemon_pid"]), str(raw.get("media_marker") or ""), children)
+            lent = raw.get("lent") or {}
+            if not isinstance(lent, dict) or not all(isinstance(v, dict) for v in lent.values()):
+                raise ValueError("lent is not a table of tables")
+            return State(int(raw["daemon_pid"]), str(raw.get("media_marker") or ""), children,
+                         lent)
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             log.warning("state file %s is not one this Spillway understands (%s): no child is "
                         "adopted from it", self.path, e)
