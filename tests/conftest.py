@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shlex
+import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -12,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from harness import Spillway, fake_server_script, injector_script  # noqa: E402
+from harness import Spillway, fake_server_script, injector_script, wait_gone  # noqa: E402
 from tinymm import write_tiny_projector  # noqa: E402
 from tinymodel import write_tiny_model  # noqa: E402
 
@@ -159,3 +162,14 @@ def chromium() -> Path:
         found = shutil.which("chromium")
     assert found is not None, "the report test needs Debian's chromium (apt-get install chromium)"
     return Path(found)
+
+
+@pytest.fixture
+def new_daemons() -> Iterator[list[int]]:
+    """The daemons an upgrade started (not the harness's own process): stopped at the end."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    wait_gone(set(pids), 30)

@@ -15,7 +15,7 @@ import openai
 import pytest
 from harness import Spillway, eventually, pid_alive, real_config
 
-from test_upgrade import new_daemons, upgrade  # noqa: F401 - new_daemons is a fixture
+from test_upgrade import upgrade
 
 from conftest import SpillwayFactory
 from supervisor.commands.cli import format_status

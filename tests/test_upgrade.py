@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,17 +97,6 @@ class Traffic:
     def longest(self, since: float = 0.0) -> float:
         return max((took for began, took, _ in self.results if began + took >= since),
                    default=0.0)
-
-
-@pytest.fixture
-def new_daemons() -> Iterator[list[int]]:
-    """The daemons an upgrade started (not the harness's own process): stopped at the end."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
-    wait_gone(set(pids), 30)
 
 
 def turn(s: Spillway, messages: list[dict[str, str]]) -> tuple[str, dict[str, Any], str]:
