@@ -98,6 +98,7 @@ class FakeChild:
         self.load = SimpleNamespace(in_flight=0)
         self.cfg = SimpleNamespace(label=f"{name.upper()} child")
         self.stop_grace: float | None = None
+        self.pid: int | None = 100 if name == "gpu" else 200
 
     def start(self) -> None:
         self.told.append(f"{self.name} start")
@@ -107,6 +108,7 @@ class FakeChild:
         self.told.append(f"{self.name} stop")
         self.stop_grace = grace_s
         self.state = ChildState.STOPPED
+        self.pid = None
 
 
 class FakeCards:
@@ -118,6 +120,7 @@ class FakeCards:
         self.room = True
         self.names = {4242: "ComfyUI"}
         self.running = {4242}
+        self.keeps = False
 
     def set(self, free_mib: int, processes: dict[int, int], at: float) -> None:
         self.cards, self.taken = [card(free_mib, processes)], at
@@ -136,6 +139,15 @@ class FakeCards:
 
     def alive(self, pid: int) -> bool:
         return pid in self.running
+
+    async def now(self) -> list[yielding.CardUse] | None:
+        """Sampled now: the GPU child (pid 100) stopped, its memory back on the card (unless
+        the driver keeps it: `keeps`)."""
+        if self.keeps:
+            return self.cards
+        return [yielding.CardUse(c.free_bytes + c.process_bytes.get(100, 0), c.used_bytes,
+                                 {p: b for p, b in c.process_bytes.items() if p != 100},
+                                 c.lists_every_process) for c in self.cards]
 
 
 class Rig:
@@ -189,6 +201,7 @@ async def test_another_program_taking_the_headroom_has_the_gpu_child_give_way_an
     assert rig.lending.wake() is None  # a request does not bring it back
     status = rig.lending.to_json()
     assert status is not None and status["to_whom"] == "pid 4242 (ComfyUI)"
+    assert status["vram"] == "12000 MiB back on the card"  # checked on the card
 
     # The card has no room: it stays lent, however long the others hold still.
     rig.cards.room = False
@@ -305,3 +318,18 @@ def test_a_lending_is_kept_in_the_state_file_and_carried_to_the_next_daemon(
     file.write(State(1, "m", (record,)))
     older = file.read()
     assert older is not None and older.lent == {}
+
+
+@pytest.mark.asyncio
+async def test_a_card_that_keeps_the_lent_childs_memory_is_said(tmp_path: Path) -> None:
+    rig = Rig(tmp_path)
+    rig.cards.keeps = True  # the driver has not torn its context down
+    await rig.sample(8000, {100: 12000})
+    await rig.sample(600, {100: 12000, 4242: 7400})
+    for _ in range(200):
+        await asyncio.sleep(0)
+    status = rig.lending.to_json()
+    assert status is not None
+    assert status["vram"] == "pid 100 still holds 12000 MiB on the card"
+    assert rig.slept == pytest.approx(yielding.RELEASE_CHECK_S, abs=0.6)
+

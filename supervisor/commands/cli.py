@@ -404,9 +404,10 @@ def _child_lines(name: str, c: dict[str, Any]) -> list[str]:
                  "yield": "; back once the card has room and that program is done"}.get(
             lent["why"], "; spillway gpu resume brings it back")
         whom = f" to {lent['to_whom']}" if lent.get("to_whom") else ""
+        vram = f" ({lent['vram']})" if lent.get("vram") else ""
         out.append(f"  GPU lent ({lent['why']}){whom} since {lent['since']}, "
-                   f"{lent['for_s']:.0f} s: {lent['answered_by_cpu']} answered by the CPU "
-                   f"child meanwhile{woken}")
+                   f"{lent['for_s']:.0f} s{vram}: {lent['answered_by_cpu']} answered by the "
+                   f"CPU child meanwhile{woken}")
     lent_models = c.get("lent_models")  # router mode: models whose GPU instance is lent
     if lent_models:
         out.append("  lent when idle: " + ", ".join(

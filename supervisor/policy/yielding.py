@@ -29,6 +29,9 @@ GROWTH_SLACK_BYTES = 64 * MIB
 # (the failover's own rules, as after a death).
 DRAIN_S = 3.0
 GRACE_S = 1.0  # SIGTERM to SIGKILL: llama-server does not exit while a client is connected
+# How long a lent GPU child's memory is looked for on the card after its stop before the
+# lending says the card still holds it (the driver tears a context down after the process).
+RELEASE_CHECK_S = 10.0
 
 
 @dataclass(frozen=True)

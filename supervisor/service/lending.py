@@ -80,6 +80,9 @@ class Cards(Protocol):
 
     def alive(self, pid: int) -> bool: ...
 
+    async def now(self) -> list[yielding.CardUse] | None:
+        """The GPU child's cards sampled now; None without figures."""
+
 
 class CardsView:
     """Cards from the GPU monitor and the resources' word on room."""
@@ -112,6 +115,13 @@ class CardsView:
     def alive(self, pid: int) -> bool:
         return psutil.pid_exists(pid)
 
+    async def now(self) -> list[yielding.CardUse] | None:
+        cards = await self.monitor.cards_now()
+        if cards is None:
+            return None
+        return [yielding.CardUse(c.free_bytes, 0, c.processes, c.lists_every_process)
+                for c in cards]
+
 
 class Lending:
     def __init__(self, fleet: Fleet, pool: Pool, config: Callable[[], Config],
@@ -132,6 +142,9 @@ class Lending:
         self.gpu = pool.roles[0]
         self.cpu = pool.roles[-1]
         self.watch = yielding.OthersWatch()
+        # The lent GPU child's memory, checked on the card after its stop: the lending, and
+        # what came back, in words (None: not checked yet, or no figures).
+        self.freed: tuple[Lent, str] | None = None
         self._seen: float | None = None  # when the last sample looked at was taken
         pool.wake = self.wake
 
@@ -156,8 +169,10 @@ class Lending:
                   f"VRAM lent back to the card; the {cpu.cfg.label} answers, and the next "
                   f"request wakes it")
         log.warning("[%s] %s", self.gpu, reason)
-        self.fleet.pause(self.gpu, reason, Lent(IDLE, reason, time.time(), now,
-                                                self.pool.answers[self.cpu]))
+        lent = Lent(IDLE, reason, time.time(), now, self.pool.answers[self.cpu])
+        free, pid = self._free_now(), gpu.pid
+        stopped = self.fleet.pause(self.gpu, reason, lent)
+        self.spawn(self._check_freed(lent, stopped, pid, free))
         self._record("lent", "idle", reason)
         if self.metrics is not None:
             self.metrics.gpu_lendings.labels(IDLE).inc()
@@ -250,7 +265,42 @@ class Lending:
             await self.sleep(0.1)
             waited += 0.1
         if self.fleet.lent.get(self.gpu) is lent:
-            await self.fleet.stop(self.gpu, lent.reason, grace_s=yielding.GRACE_S)
+            free, pid = self._free_now(), gpu.pid
+            stopped = self.fleet.stop(self.gpu, lent.reason, grace_s=yielding.GRACE_S)
+            await self._check_freed(lent, stopped, pid, free)
+
+    def _free_now(self) -> int | None:
+        """The GPU child's cards' free memory in the latest sample (None: no figures)."""
+        sample = None if self.cards is None else self.cards.sample()
+        return None if sample is None else sum(c.free_bytes for c in sample[1])
+
+    async def _check_freed(self, lent: Lent, stopped: asyncio.Future[None], pid: int | None,
+                           free_before: int | None) -> None:
+        """Once the lent GPU child has stopped, its memory checked on the card, as after a
+        death: its pid gone from the driver's list (or holding nothing there), and how much
+        came back. Said in the log and the status; a card that keeps it is warned of."""
+        await stopped
+        if self.cards is None or pid is None or free_before is None:
+            return
+        waited = 0.0
+        while True:
+            cards = await self.cards.now()
+            if cards is None or self.fleet.lent.get(self.gpu) is not lent:
+                return
+            held = sum(c.process_bytes.get(pid, 0) for c in cards)
+            if not held:
+                back = max(0, sum(c.free_bytes for c in cards) - free_before)
+                self.freed = lent, f"{back // MIB} MiB back on the card"
+                log.info("[%s] lent: pid %d's memory is back on the card (%d MiB more free "
+                         "than before its stop)", self.gpu, pid, back // MIB)
+                return
+            if waited >= yielding.RELEASE_CHECK_S:
+                self.freed = lent, f"pid {pid} still holds {held // MIB} MiB on the card"
+                log.warning("[%s] lent, but pid %d still holds %d MiB on the card %.0f s after "
+                            "its stop", self.gpu, pid, held // MIB, waited)
+                return
+            await self.sleep(0.5)
+            waited += 0.5
 
     def _filled(self) -> bool:
         """The card has no room for the GPU child, by a sample taken since it stopped (an older
@@ -320,6 +370,8 @@ class Lending:
         return {"why": lent.why, "reason": lent.reason, "since": rfc3339(lent.since),
                 "for_s": round(self.clock() - lent.since_monotonic, 1),
                 "answered_by_cpu": self._answered(lent),
+                "vram": self.freed[1] if self.freed is not None and self.freed[0] is lent
+                else None,
                 **({"to_whom": lent.to_whom, "pid": lent.pid} if lent.why == YIELD else {})}
 
     def _answered(self, lent: Lent) -> int:
