@@ -5,16 +5,23 @@ real OpenAI client.
 `alpha` idle for gpu.idle_release_s (3 s here) while `beta` keeps being asked: alpha's instance
 on the CPU router is loaded, then its GPU instance unloaded (its process gone), while beta's
 stays; the status and `spillway status` say so. The next request for alpha is answered by its
-CPU instance at once, and its GPU instance is loaded again."""
+CPU instance at once, and its GPU instance is loaded again.
+
+And gpu.yield_to_other_processes, which in router mode lends the whole GPU router: with fake
+NVML figures (tests/fake_nvml), a real process takes the card's memory while a stream runs on
+the GPU router; the router is stopped, the stream goes on on the CPU router, and the router
+starts again once the program has left."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import subprocess
 import time
 from pathlib import Path
 
 import openai
 import pytest
-from harness import Spillway, eventually, pid_alive, router_config
+from harness import Spillway, eventually, pid_alive, router_config, write_json
 
 from conftest import SpillwayFactory
 from supervisor.commands.cli import format_status
@@ -70,3 +77,68 @@ def test_a_model_idle_on_the_gpu_router_is_unloaded_there_and_answered_by_the_cp
                if r["kind"] == "lent_idle"]
     assert records == [("lent", "lent_idle", "alpha"), ("woken", "lent_idle", "alpha")]
     assert s.samples("spillway_gpu_wakes_total", "why")["idle"] == 1.0
+
+
+def test_the_whole_gpu_router_gives_way_to_another_program_and_comes_back(
+        spillway: SpillwayFactory, llama_server: Path, slow_models_dir: Path,
+        tmp_path: Path) -> None:
+    """gpu.yield_to_other_processes in router mode: the GPU router (every model's instance on
+    it) gives way; a stream in flight on it goes on on the CPU router for the same model."""
+    nvml = tmp_path / "nvml.json"
+    write_json(nvml, total_mib=24576, free_mib=20000, processes={})
+    s = spillway(router_config(llama_server, slow_models_dir,
+                               gpu={"yield_to_other_processes": True},
+                               monitor={"sample_interval_s": 0.5}), fake_nvml=nvml)
+    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=180, max_retries=0)
+    first = client.chat.completions.with_raw_response.create(
+        model="alpha", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
+    assert first.headers["X-Spillway-Child"] == "gpu"
+    router_pid = s.child("gpu")["pid"]
+
+    other = subprocess.Popen(["sleep", "600"])
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            stream = pool.submit(stream_alpha, client)
+            assert eventually(lambda: model(s, "gpu", "alpha").get("in_flight") == 1, 30)
+            write_json(nvml, total_mib=24576, free_mib=500, processes={str(other.pid): 19500})
+            took = time.monotonic()
+            assert eventually(lambda: s.child("gpu")["state"] == "STOPPED", 10), s.log_tail()
+            stopped_s = time.monotonic() - took
+            assert eventually(lambda: not pid_alive(router_pid))
+            beta = client.chat.completions.with_raw_response.create(
+                model="beta", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
+            assert beta.headers["X-Spillway-Child"] == "cpu"
+            child, text, finish = stream.result()
+        assert child == "gpu" and finish == "length" and text, (child, finish)
+        lent = s.child("gpu")["lent"]
+        assert lent["why"] == "yield" and lent["to_whom"] == f"pid {other.pid} (sleep)"
+        print(f"the GPU router stopped {stopped_s:.1f} s after the program took the card; the "
+              f"stream on it whole ({len(text)} chars)")
+    finally:
+        other.kill()
+        other.wait()
+    write_json(nvml, total_mib=24576, free_mib=20000, processes={})
+    left = time.monotonic()
+    assert eventually(lambda: s.child("gpu")["state"] == "READY", 30), s.log_tail()
+    print(f"the GPU router READY again {time.monotonic() - left:.1f} s after the program left")
+    again = client.chat.completions.with_raw_response.create(
+        model="alpha", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
+    assert again.parse().choices[0].finish_reason in ("length", "stop")
+    cut = [(r["decision"], r["kind"]) for r in s.incidents() if r["kind"] == "stopped"]
+    assert cut == [("continued", "stopped")], s.incidents()
+
+
+def stream_alpha(client: openai.OpenAI) -> tuple[str, str, str]:
+    """A long greedy stream from `alpha` (the slow model): its first child, text, finish."""
+    text, finish = [], ""
+    with client.chat.completions.with_streaming_response.create(
+            model="alpha", messages=[{"role": "user", "content": "Tell a long story"}],
+            max_tokens=900, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) as response:
+        child = response.headers["X-Spillway-Child"]
+        for chunk in response.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+    return child, "".join(text), finish

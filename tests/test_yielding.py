@@ -131,6 +131,9 @@ class FakeCards:
     def own(self) -> set[int]:
         return {100, 200}
 
+    def pids_of(self, name: str) -> list[int]:
+        return [100] if name == "gpu" else [200]
+
     def short(self) -> bool:
         return not self.room
 

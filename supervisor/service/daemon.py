@@ -346,6 +346,21 @@ class Daemon:
             owners[name] = pids or None
         return owners
 
+    def _gpu_router_in_flight(self) -> int:
+        """Router mode: the GPU router's requests in flight, its models' instances' with its
+        own."""
+        gpu = self.config.gpu_child
+        models = self.models
+        return self.children[gpu].load.in_flight + (sum(
+            e.upstreams[gpu].load.in_flight for e in models.entries.values()
+            if gpu in e.upstreams) if models is not None else 0)
+
+    def _cpu_router_answers(self) -> int:
+        """Router mode: the CPU router's answers, every model's and its own."""
+        cpu = self.config.cpu_child
+        pools = [self.pool, *(self.models.pools() if self.models is not None else [])]
+        return sum(p.answers.get(cpu, 0) for p in pools if p is not None)
+
     def _make_child(self, name: str) -> Child:
         cfg = self.config.child(name)
         # A child without the GPU must not touch any: even a CUDA context costs VRAM on every
@@ -716,6 +731,13 @@ class Daemon:
         else:
             self.model_lending = ModelLending(self.models, lambda: self.config, self.incidents,
                                               self.metrics)
+            # The whole GPU router gives way to another program (its models are lent when
+            # idle one by one, above).
+            self.lending = Lending(self.fleet, self.pool, lambda: self.config, self.incidents,
+                                   self.metrics, CardsView(self.monitor, self.res),
+                                   spawn=self._spawn, idle=False,
+                                   in_flight=self._gpu_router_in_flight,
+                                   answered=self._cpu_router_answers)
         self.small_tier = self._make_small_tier()
         self.routes = routes = OwnRoutes(self, started=self.started, children=self.children,
                            resources=self.res, pool=self.pool, monitor=self.monitor,

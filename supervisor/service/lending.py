@@ -30,8 +30,9 @@ instead, and comes back by the same rule.
 Each lending and each wake is an incident (an episode with no request in it) and a log line;
 the status says since when, why, to whom, and how many answers the CPU child gave meanwhile.
 
-Router mode is not covered yet: its models are loaded and unloaded on the GPU router one by one
-(router/models.py).
+In router mode the whole GPU router gives way to another program (its models' instances with
+it: their answers in flight go on on the CPU router), while idle release is each model's
+(service/model_lending.py): a router loads and unloads its models one by one.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class Cards(Protocol):
     def own(self) -> set[int]:
         """Spillway's own processes (every child's)."""
 
+    def pids_of(self, name: str) -> list[int]:
+        """One child's processes (a router's instances with it)."""
+
     def short(self) -> bool:
         """The cards have no room for the GPU child's start now (its need, the headroom)."""
 
@@ -104,6 +108,9 @@ class CardsView:
         return {pid for pids in self.monitor.owners().values() if pids is not None
                 for pid in pids}
 
+    def pids_of(self, name: str) -> list[int]:
+        return list(self.monitor.owners().get(name) or [])
+
     def short(self) -> bool:
         return self.resources.gpu_shortage() is not None
 
@@ -128,7 +135,13 @@ class Lending:
                  incidents: IncidentLog, metrics: Metrics | None, cards: Cards | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-                 spawn: Callable[[Coroutine[Any, Any, None]], None] | None = None) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, None]], None] | None = None, *,
+                 idle: bool = True, in_flight: Callable[[], int] | None = None,
+                 answered: Callable[[], int] | None = None) -> None:
+        """Router mode: `idle` False (its models are lent when idle one by one:
+        model_lending.py), the GPU router's requests in flight (`in_flight`: its models'
+        instances') and the CPU router's answers (`answered`: every model's) counted by the
+        caller."""
         self.fleet = fleet
         self.pool = pool
         self.config = config  # the running config (a reload replaces it)
@@ -141,6 +154,9 @@ class Lending:
         self.spawn = spawn or self._spawn
         self.gpu = pool.roles[0]
         self.cpu = pool.roles[-1]
+        self.idle = idle
+        self.in_flight = in_flight or (lambda: self.fleet.children[self.gpu].load.in_flight)
+        self.answered = answered or (lambda: self.pool.answers[self.cpu])
         self.watch = yielding.OthersWatch()
         # The lent GPU child's memory, checked on the card after its stop: the lending, and
         # what came back, in words (None: not checked yet, or no figures).
@@ -153,7 +169,7 @@ class Lending:
         gpu.yield_to_other_processes it gives way to another program, and comes back."""
         settings = self.config().gpu_settings
         self._watch_others(settings)
-        if settings.idle_release_s:
+        if self.idle and settings.idle_release_s:
             self._idle(settings.idle_release_s)
 
     def _idle(self, release_s: float) -> None:
@@ -169,10 +185,10 @@ class Lending:
                   f"VRAM lent back to the card; the {cpu.cfg.label} answers, and the next "
                   f"request wakes it")
         log.warning("[%s] %s", self.gpu, reason)
-        lent = Lent(IDLE, reason, time.time(), now, self.pool.answers[self.cpu])
-        free, pid = self._free_now(), gpu.pid
+        lent = Lent(IDLE, reason, time.time(), now, self.answered())
+        free, pids = self._free_now(), self._pids()
         stopped = self.fleet.pause(self.gpu, reason, lent)
-        self.spawn(self._check_freed(lent, stopped, pid, free))
+        self.spawn(self._check_freed(lent, stopped, pids, free))
         self._record("lent", "idle", reason)
         if self.metrics is not None:
             self.metrics.gpu_lendings.labels(IDLE).inc()
@@ -246,7 +262,7 @@ class Lending:
                   f"answers then goes on on the CPU child), and starts again once the card has "
                   f"room and the others' memory held still for {quiet_s:g} s")
         log.warning("[%s] %s", self.gpu, reason)
-        lent = Lent(YIELD, reason, time.time(), self.clock(), self.pool.answers[self.cpu],
+        lent = Lent(YIELD, reason, time.time(), self.clock(), self.answered(),
                     to_whom=whom, pid=pid)
         self.fleet.lend(self.gpu, lent)
         self.watch.afresh()
@@ -259,45 +275,49 @@ class Lending:
     async def _stop_after_drain(self, lent: Lent) -> None:
         """The GPU child's answers in flight get DRAIN_S to finish; then it is stopped (what
         still runs is cut, and the failover takes it on), unless taken back meanwhile."""
-        gpu = self.fleet.children[self.gpu]
         waited = 0.0
-        while gpu.load.in_flight and waited < yielding.DRAIN_S:
+        while self.in_flight() and waited < yielding.DRAIN_S:
             await self.sleep(0.1)
             waited += 0.1
         if self.fleet.lent.get(self.gpu) is lent:
-            free, pid = self._free_now(), gpu.pid
+            free, pids = self._free_now(), self._pids()
             stopped = self.fleet.stop(self.gpu, lent.reason, grace_s=yielding.GRACE_S)
-            await self._check_freed(lent, stopped, pid, free)
+            await self._check_freed(lent, stopped, pids, free)
+
+    def _pids(self) -> list[int]:
+        """The GPU child's processes now (in router mode its models' instances too)."""
+        return [] if self.cards is None else self.cards.pids_of(self.gpu)
 
     def _free_now(self) -> int | None:
         """The GPU child's cards' free memory in the latest sample (None: no figures)."""
         sample = None if self.cards is None else self.cards.sample()
         return None if sample is None else sum(c.free_bytes for c in sample[1])
 
-    async def _check_freed(self, lent: Lent, stopped: asyncio.Future[None], pid: int | None,
+    async def _check_freed(self, lent: Lent, stopped: asyncio.Future[None], pids: list[int],
                            free_before: int | None) -> None:
         """Once the lent GPU child has stopped, its memory checked on the card, as after a
         death: its pid gone from the driver's list (or holding nothing there), and how much
         came back. Said in the log and the status; a card that keeps it is warned of."""
         await stopped
-        if self.cards is None or pid is None or free_before is None:
+        if self.cards is None or not pids or free_before is None:
             return
+        which = f"pid {pids[0]}" if len(pids) == 1 else f"pids {', '.join(map(str, pids))}"
         waited = 0.0
         while True:
             cards = await self.cards.now()
             if cards is None or self.fleet.lent.get(self.gpu) is not lent:
                 return
-            held = sum(c.process_bytes.get(pid, 0) for c in cards)
+            held = sum(c.process_bytes.get(pid, 0) for c in cards for pid in pids)
             if not held:
                 back = max(0, sum(c.free_bytes for c in cards) - free_before)
                 self.freed = lent, f"{back // MIB} MiB back on the card"
-                log.info("[%s] lent: pid %d's memory is back on the card (%d MiB more free "
-                         "than before its stop)", self.gpu, pid, back // MIB)
+                log.info("[%s] lent: the memory of %s is back on the card (%d MiB more free "
+                         "than before its stop)", self.gpu, which, back // MIB)
                 return
             if waited >= yielding.RELEASE_CHECK_S:
-                self.freed = lent, f"pid {pid} still holds {held // MIB} MiB on the card"
-                log.warning("[%s] lent, but pid %d still holds %d MiB on the card %.0f s after "
-                            "its stop", self.gpu, pid, held // MIB, waited)
+                self.freed = lent, f"{which} still holds {held // MIB} MiB on the card"
+                log.warning("[%s] lent, but %s still holds %d MiB on the card %.0f s after "
+                            "its stop", self.gpu, which, held // MIB, waited)
                 return
             await self.sleep(0.5)
             waited += 0.5
@@ -376,7 +396,7 @@ class Lending:
 
     def _answered(self, lent: Lent) -> int:
         """The CPU child's answers since the GPU child was lent."""
-        return self.pool.answers[self.cpu] - lent.answers_then
+        return self.answered() - lent.answers_then
 
     def observe(self) -> None:
         """The metrics' gauge: at each lending and wake, and on the tick (the operator's pause

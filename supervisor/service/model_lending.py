@@ -11,8 +11,8 @@ for the model wakes its GPU instance (its pool asks `wake`, as single-model mode
 where the card has room for it (the same fit check as a load on demand): it is then admitted by
 the usual rules, to the CPU instance at once or waiting for the GPU one where that is sooner.
 
-Yielding to another program (gpu.yield_to_other_processes) is single-model mode's for now; in
-router mode `spillway gpu pause` lends the whole GPU router by hand.
+Yielding to another program (gpu.yield_to_other_processes) is the whole GPU router's
+(service/lending.py): the card is the other program's, whichever models are loaded.
 """
 
 from __future__ import annotations
