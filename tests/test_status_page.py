@@ -459,6 +459,37 @@ async def test_with_two_cards_the_chart_draws_a_line_for_each_and_the_page_names
         await monitor.close()
 
 
+@pytest.mark.asyncio
+async def test_a_lent_gpu_child_says_why_and_to_whom_on_the_page(
+        tmp_path: Path, chromium: Path) -> None:
+    """Issue 49: the GPU child's card lent to another program, and (router mode) the models
+    lent when idle, as badges on the GPU child's card, from the status's `lent` and
+    `lent_models`."""
+    routes, _ = make_routes(tmp_path)
+    routes.lending = lambda: {"why": "yield", "reason": "pid 4242 (ComfyUI) took the card",
+                              "since": "2026-12-07T21:00:00Z", "for_s": 12.0,
+                              "answered_by_cpu": 3, "vram": "12000 MiB back on the card",
+                              "to_whom": "pid 4242 (ComfyUI)", "pid": 4242}
+    routes.lent_models = lambda: {"alpha": {"why": "idle", "since": "2026-12-07T21:00:00Z",
+                                            "for_s": 30.0, "answered_by_cpu": 1}}
+
+    async def proxy(request: web.Request) -> web.StreamResponse:
+        return web.Response(status=404)
+
+    app = build_app(cast(Any, proxy), AuthSettings(api_key=None), routes.table())
+    async with TestServer(app) as server, Browser.launch(chromium, tmp_path) as page:
+        await page.navigate(str(server.make_url("/spillway/")))
+        badges = await page.wait_for(
+            "(() => { const b = [...document.querySelectorAll('[data-child=gpu] .badge.tag')]"
+            ".map(e => [e.dataset.role, e.textContent, e.title]); "
+            "return b.length >= 2 && b; })()")
+        lent = {role: (text, title) for role, text, title in badges if role}
+        assert lent["lent"] == ("GPU lent (yield) to pid 4242 (ComfyUI), 3 answered by the CPU "
+                                "child", "pid 4242 (ComfyUI) took the card"), badges
+        assert lent["lent-models"][0] == "lent when idle: alpha", badges
+        assert page.problems == []
+
+
 def raw_status(url: str, headers: Mapping[str, str] | None = None, method: str = "GET") -> int:
     req = urllib.request.Request(url, headers=dict(headers or {}), method=method)
     try:
