@@ -323,6 +323,21 @@ class Spillway:
         return self.proc.returncode
 
 
+def streamed_chat(client: Any, **body: Any) -> tuple[str, str, str]:
+    """A chat completion streamed with the real OpenAI client (`client`, an openai.OpenAI):
+    the child that began it (X-Spillway-Child), its whole text, and its finish reason ("" when
+    the stream had none)."""
+    text, finish = [], ""
+    with client.chat.completions.with_streaming_response.create(stream=True, **body) as response:
+        child = str(response.headers["X-Spillway-Child"])
+        for chunk in response.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                text.append(chunk.choices[0].delta.content)
+            if chunk.choices and chunk.choices[0].finish_reason:
+                finish = chunk.choices[0].finish_reason
+    return child, "".join(text), finish
+
+
 def eventually(check: Any, timeout: float = PATIENCE_S) -> Any:
     """Poll `check()` until it returns something truthy."""
     deadline = time.monotonic() + timeout

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from harness import Spillway, eventually, pid_alive, router_config, write_json
+from harness import Spillway, eventually, pid_alive, router_config, streamed_chat, write_json
 
 from conftest import SpillwayFactory
 from supervisor.commands.cli import format_status
@@ -130,15 +130,6 @@ def test_the_whole_gpu_router_gives_way_to_another_program_and_comes_back(
 
 def stream_alpha(client: openai.OpenAI) -> tuple[str, str, str]:
     """A long greedy stream from `alpha` (the slow model): its first child, text, finish."""
-    text, finish = [], ""
-    with client.chat.completions.with_streaming_response.create(
-            model="alpha", messages=[{"role": "user", "content": "Tell a long story"}],
-            max_tokens=900, temperature=0, stream=True,
-            extra_body={"ignore_eos": True}) as response:
-        child = response.headers["X-Spillway-Child"]
-        for chunk in response.parse():
-            if chunk.choices and chunk.choices[0].delta.content:
-                text.append(chunk.choices[0].delta.content)
-            if chunk.choices and chunk.choices[0].finish_reason:
-                finish = chunk.choices[0].finish_reason
-    return child, "".join(text), finish
+    return streamed_chat(client, model="alpha", max_tokens=900, temperature=0,
+                         messages=[{"role": "user", "content": "Tell a long story"}],
+                         extra_body={"ignore_eos": True})

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from harness import Spillway, eventually, pid_alive, real_config, write_json
+from harness import Spillway, eventually, pid_alive, real_config, streamed_chat, write_json
 
 from conftest import SpillwayFactory
 from supervisor.commands import bootstrap
@@ -37,20 +37,11 @@ def ask(client: openai.OpenAI, words: str, max_tokens: int, stream: bool) -> tup
     body = {"model": "tiny", "messages": [{"role": "user", "content": words}],
             "max_tokens": max_tokens, "temperature": 0, "extra_body": {"ignore_eos": True}}
     if not stream:
-        raw = client.chat.completions.with_raw_response.create(**body)  # type: ignore[call-overload]
+        raw = client.chat.completions.with_raw_response.create(**body)
         answer = raw.parse()
         return (raw.headers["X-Spillway-Child"], answer.choices[0].message.content or "",
                 answer.choices[0].finish_reason or "")
-    text, finish = [], ""
-    with client.chat.completions.with_streaming_response.create(  # type: ignore[call-overload]
-            stream=True, **body) as response:
-        child = response.headers["X-Spillway-Child"]
-        for chunk in response.parse():
-            if chunk.choices and chunk.choices[0].delta.content:
-                text.append(chunk.choices[0].delta.content)
-            if chunk.choices and chunk.choices[0].finish_reason:
-                finish = chunk.choices[0].finish_reason
-    return child, "".join(text), finish
+    return streamed_chat(client, **body)
 
 
 def gpu_state(s: Spillway) -> str:
