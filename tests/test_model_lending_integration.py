@@ -94,6 +94,8 @@ def test_the_whole_gpu_router_gives_way_to_another_program_and_comes_back(
         model="alpha", messages=[{"role": "user", "content": "Hello"}], max_tokens=4)
     assert first.headers["X-Spillway-Child"] == "gpu"
     router_pid = s.child("gpu")["pid"]
+    # Spillway has seen the card with room: the other program's growth is counted from there.
+    assert eventually(lambda: s.child("gpu").get("others_on_cards"))
 
     other = subprocess.Popen(["sleep", "600"])
     try:

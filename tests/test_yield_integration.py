@@ -58,6 +58,10 @@ def test_another_program_taking_the_card_has_the_gpu_child_give_way_and_come_bac
     client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", timeout=180, max_retries=0)
     assert ask(client, "Hello", 4, stream=False)[0] == "gpu"
     pid = s.status()["children"]["gpu"]["pid"]
+    # Spillway has seen the card with room (what a program there before it held is not growth):
+    # the card's used memory, none of it Spillway's in the fake driver's list.
+    seen = eventually(lambda: s.status()["children"]["gpu"].get("others_on_cards"))
+    assert seen["mib"] == 24576 - 20000 and seen["grown_mib"] == 0, seen
 
     other = subprocess.Popen(["sleep", "600"])
     try:

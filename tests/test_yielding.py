@@ -194,6 +194,8 @@ async def test_another_program_taking_the_headroom_has_the_gpu_child_give_way_an
     rig = Rig(tmp_path)
     gpu = rig.children["gpu"]
     await rig.sample(8000, {100: 12000})  # the GPU child's own 12 GB: room to spare
+    assert rig.lending.others_json() == {"mib": 24576 - 8000 - 12000, "processes": {},
+                                         "grown_mib": 0, "still_for_s": 0.0}
     await rig.sample(600, {100: 12000, 4242: 7400})  # ComfyUI takes 7.4 GB
     lent = rig.fleet.lent["gpu"]
     assert lent.why == YIELD and lent.to_whom == "pid 4242 (ComfyUI)" and lent.pid == 4242

@@ -747,7 +747,8 @@ class Daemon:
                            daemon=self.daemon_json,
                            lending=self.lending.to_json if self.lending is not None else None,
                            lent_models=self.model_lending.to_json
-                           if self.model_lending is not None else None)
+                           if self.model_lending is not None else None,
+                           others=self.lending.others_json if self.lending is not None else None)
         app = build_app(self.proxy, self.auth, routes.table(),
                         StreamRoutes(self.streams, self.metrics, time.time,
                                      lambda: self.config.server.body_timeout_s).table(),

@@ -162,6 +162,7 @@ class Lending:
         # what came back, in words (None: not checked yet, or no figures).
         self.freed: tuple[Lent, str] | None = None
         self._seen: float | None = None  # when the last sample looked at was taken
+        self.others: yielding.Others | None = None  # in it, the other programs' memory
         pool.wake = self.wake
 
     def tick(self) -> None:
@@ -232,6 +233,7 @@ class Lending:
         free = min(c.free_bytes for c in cards)
         headroom = settings.vram_headroom_mib * MIB
         self.watch.see(others, now, room=free >= headroom)
+        self.others = others
         lent = self.fleet.lent.get(self.gpu)
         if lent is not None and lent.why == YIELD:
             self._come_back_if_done(lent, others, free, settings.yield_quiet_s)
@@ -393,6 +395,17 @@ class Lending:
                 "vram": self.freed[1] if self.freed is not None and self.freed[0] is lent
                 else None,
                 **({"to_whom": lent.to_whom, "pid": lent.pid} if lent.why == YIELD else {})}
+
+    def others_json(self) -> dict[str, Any] | None:
+        """What other programs hold on the GPU child's cards, as the lending last saw it (None
+        before its first sample): for the status, so that a user sees what it weighs."""
+        others = self.others
+        if others is None:
+            return None
+        return {"mib": others.bytes // MIB,
+                "processes": {str(pid): used // MIB for pid, used in others.by_pid.items()},
+                "grown_mib": self.watch.grown_bytes(others) // MIB,
+                "still_for_s": round(self.watch.quiet_for(self.clock()), 1)}
 
     def _answered(self, lent: Lent) -> int:
         """The CPU child's answers since the GPU child was lent."""

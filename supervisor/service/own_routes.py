@@ -134,6 +134,7 @@ class OwnRoutes:
                  offload: Callable[[], dict[str, Any] | None] | None = None,
                  lending: Callable[[], dict[str, Any] | None] | None = None,
                  lent_models: Callable[[], dict[str, Any] | None] | None = None,
+                 others: Callable[[], dict[str, Any] | None] | None = None,
                  caches: Callable[[], dict[str, dict[str, Any]]] | None = None,
                  daemon: Callable[[], dict[str, Any]] | None = None) -> None:
         self.host = host
@@ -152,6 +153,7 @@ class OwnRoutes:
         self.offload = offload  # how much of the GPU child is on the GPU (the daemon's)
         self.lending = lending  # the GPU lent to other programs: why, since when (None: not)
         self.lent_models = lent_models  # router mode: the models whose GPU instance is lent
+        self.others = others  # other programs' memory on the GPU child's cards (lending.py)
         self.caches = caches  # what the daemon keeps in memory, with each one's bounds
         self.daemon = daemon  # the daemon's pid, start, and what it took over (an upgrade)
 
@@ -269,6 +271,9 @@ class OwnRoutes:
             lent = self.lending() if self.lending is not None else None
             if lent is not None:
                 info["lent"] = lent  # service/lending.py
+            others = self.others() if self.others is not None else None
+            if others is not None:
+                info["others_on_cards"] = others  # service/lending.py
             models_lent = self.lent_models() if self.lent_models is not None else None
             if models_lent is not None:
                 info["lent_models"] = models_lent  # service/model_lending.py
