@@ -155,6 +155,21 @@ def test_reasons_say_what_is_full() -> None:
     assert "500 MiB free, under the 1024 MiB headroom" in d.reason
 
 
+def test_a_prompt_only_a_stopped_gpu_child_can_take_is_told_why_and_when() -> None:
+    """The GPU child stopped (lent to another program, paused: not coming back by itself),
+    the prompt over the CPU child's context: refused, saying so, with a Retry-After that is
+    not the waiting line's estimate for requests it could serve."""
+    lent = with_(gpu={"state": "STOPPED", "back_in_s": None}, cpu={"ctx_per_slot": 256})
+    d = decide(dataclasses.replace(REQ, prompt_tokens=600), lent)
+    assert (d.action, d.cause, d.retry_after_s) == (Action.REJECT, "no_child", 30.0)
+    assert d.reason == ("no child can take it: gpu is STOPPED, cpu busy (0/1); the prompt "
+                        "(about 600 tokens) is over the CPU child's context (256 tokens a "
+                        "slot)"), d.reason
+    # On its way back (a restart under way), it is waited for instead.
+    back = with_(gpu={"state": "BACKOFF", "back_in_s": 4.0}, cpu={"ctx_per_slot": 256})
+    assert decide(dataclasses.replace(REQ, prompt_tokens=600), back).action is Action.WAIT
+
+
 def test_the_head_of_the_line_goes_only_when_it_can_be_forwarded() -> None:
     assert can_serve_now(REQ, with_(gpu={"busy": 2}, cpu={"busy": 1})) is None
     d = can_serve_now(REQ, with_(gpu={"busy": 1}, cpu={"busy": 1}))

@@ -180,6 +180,23 @@ def _retry_after(cap: Capacity) -> float:
     return 30.0
 
 
+# Branch 7, no child can take the request: the children that would fit it are stopped or FATAL,
+# not on their way back by themselves (a GPU child lent to another program or paused, and a
+# prompt over the CPU child's context; one coming back would be waited for, branch 6). When it
+# is back is not known: the waiting line's estimate is for the requests the others can serve.
+NO_CHILD_RETRY_S = 30.0
+
+
+def _too_long(req: Request, cap: Capacity) -> str:
+    """Where a ready child cannot take the request because its prompt is over that child's
+    context, said: otherwise `_why` calls a child with free slots only "busy"."""
+    over = [f"the {c.shown}'s context ({c.ctx_per_slot} tokens a slot)"
+            for c in (cap.gpu, cap.cpu)
+            if c.ctx_per_slot is not None and req.prompt_tokens and not c.fits(req.prompt_tokens)]
+    return f"; the prompt (about {req.prompt_tokens} tokens) is over {' and '.join(over)}" \
+        if over else ""
+
+
 def _to_smaller(req: Request, cap: Capacity, gpu_fits: bool) -> Decision | None:
     """Branch 4c: for a request that accepts a smaller model, the small child (if there is
     one), ready with room or startable, when the prompt fits it."""
@@ -420,8 +437,9 @@ def decide(req: Request, cap: Capacity) -> Decision:
         return to_cpu
     # 6. Wait in line, if there is room, the wait fits, and capacity can come back at all.
     if not _coming(req, cap, gpu_fits, cpu_fits):
-        return Decision(Action.REJECT, 7, f"no child can take it: {_why(cap)}",
-                        retry_after_s=_retry_after(cap), cause="no_child")
+        return Decision(Action.REJECT, 7, f"no child can take it: {_why(cap)}"
+                                          f"{_too_long(req, cap)}",
+                        retry_after_s=NO_CHILD_RETRY_S, cause="no_child")
     allowed = cap.max_wait_s if req.deadline_s is None else min(cap.max_wait_s, req.deadline_s)
     position = cap.waiting + 1
     if cap.waiting < cap.max_waiting and cap.wait_s <= allowed:
