@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import uuid
 from collections import deque
 from dataclasses import asdict, dataclass
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from .caches import figures
+from .timefmt import rfc3339
 
 log = logging.getLogger("spillway.incidents")
 
@@ -74,6 +76,18 @@ class Incident:
 
 def new_incident_id() -> str:
     return uuid.uuid4().hex[:16]
+
+
+def child_episode(child: str, kind: str, decision: str, reason: str, *,
+                  evidence: str | None = None, episode: str | None = None,
+                  model: str | None = None) -> Incident:
+    """An episode of a child's with no request in it (a lending, an adoption, a start ended
+    for want of offload): what was done, and why."""
+    return Incident(
+        id=new_incident_id(), episode=episode or new_incident_id(), time=rfc3339(time.time()),
+        request_id="", child=child, kind=kind, evidence=reason if evidence is None else evidence,
+        decision=decision, reason=reason, cpu_start_s=0.0, status=0, tokens=0, latency_s=0.0,
+        client_connected=False, model=model)
 
 
 def default_path() -> Path:

@@ -51,7 +51,7 @@ from ..gpu.monitor import GpuMonitor
 from ..policy import fleet as fleet_rules
 from ..policy import yielding
 from ..policy.lifecycle import ChildState
-from ..records.incidents import Incident, IncidentLog, new_incident_id
+from ..records.incidents import IncidentLog, child_episode
 from ..records.metrics import Metrics
 from ..records.timefmt import rfc3339
 from ..serving.pool import Pool
@@ -423,8 +423,4 @@ class Lending:
 
     def _record(self, decision: str, kind: str, reason: str) -> None:
         """An episode of the GPU child's with no request in it: what was done, and why."""
-        self.incidents.write(Incident(
-            id=new_incident_id(), episode=new_incident_id(), time=rfc3339(time.time()),
-            request_id="", child=self.gpu, kind=f"lent_{kind}", evidence=reason,
-            decision=decision, reason=reason, cpu_start_s=0.0, status=0, tokens=0,
-            latency_s=0.0, client_connected=False))
+        self.incidents.write(child_episode(self.gpu, f"lent_{kind}", decision, reason))

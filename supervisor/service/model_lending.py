@@ -22,32 +22,21 @@ import functools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..config.schema import Config
 from ..policy import fleet as fleet_rules
 from ..policy.lifecycle import ChildState
-from ..records.incidents import Incident, IncidentLog, new_incident_id
+from ..records.incidents import IncidentLog, child_episode
 from ..records.metrics import Metrics
 from ..records.timefmt import rfc3339
 from ..router.models import ModelEntry, RouterModels
 from ..router.upstream import ModelUpstream
-from .fleet import IDLE
+from .fleet import IDLE, Lent
 
 log = logging.getLogger("spillway.lending")
 
 WAKE_WAIT_S = 5.0  # the longest a request waits for the woken instance's load to be taken
-
-
-@dataclass(frozen=True)
-class Released:
-    """A model whose GPU instance was unloaded when idle: since when, and its CPU instance's
-    answers counted then."""
-
-    since: float  # wall clock
-    since_monotonic: float
-    answers_then: int
 
 
 class ModelLending:
@@ -59,7 +48,7 @@ class ModelLending:
         self.incidents = incidents
         self.metrics = metrics
         self.clock = clock
-        self.released: dict[str, Released] = {}
+        self.released: dict[str, Lent] = {}  # the models whose GPU instance is lent
 
     @property
     def gpu(self) -> str:
@@ -105,7 +94,7 @@ class ModelLending:
                   f"answers, and the next request for it loads it again")
         log.warning("[%s:%s] %s", self.gpu, name, reason)
         gpu.unload(reason)
-        self.released[name] = Released(time.time(), now, entry.pool.answers[self.cpu])
+        self.released[name] = Lent(IDLE, reason, time.time(), now, entry.pool.answers[self.cpu])
         entry.pool.wake = functools.partial(self.wake, name)
         self._record(name, "lent", reason)
         if self.metrics is not None:
@@ -156,8 +145,5 @@ class ModelLending:
         return out
 
     def _record(self, model: str, decision: str, reason: str) -> None:
-        self.incidents.write(Incident(
-            id=new_incident_id(), episode=new_incident_id(), time=rfc3339(time.time()),
-            request_id="", child=self.gpu, kind="lent_idle", evidence=reason,
-            decision=decision, reason=reason, cpu_start_s=0.0, status=0, tokens=0,
-            latency_s=0.0, client_connected=False, model=model))
+        self.incidents.write(child_episode(self.gpu, "lent_idle", decision, reason,
+                                           model=model))

@@ -9,7 +9,6 @@ serves. Single-model mode only: a router's instances hold its memory.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,8 +18,7 @@ from ..gpu import GpuMonitor
 from ..policy import lifecycle, offload
 from ..policy.evidence import FailureKind
 from ..policy.lifecycle import ChildState
-from ..records.incidents import Incident, IncidentLog, new_incident_id
-from ..records.timefmt import rfc3339
+from ..records.incidents import IncidentLog, child_episode
 from ..serving.resources import Resources
 from ..upstreams.children import Child
 
@@ -104,12 +102,9 @@ class OffloadWatch:
         _log.warning("[%s] not on the GPU as asked: %s; gpu.require_offload: ending it as a "
                     "failed start", gpu.name, verdict.why)
         # An episode of the child's with no request in it: the record says what was done.
-        self.incidents.write(Incident(
-            id=new_incident_id(), episode=new_incident_id(), time=rfc3339(time.time()),
-            request_id="", child=gpu.name, kind=verdict.kind, evidence=verdict.why,
-            decision="ended", reason="gpu.require_offload: a failed start; it backs off and "
-                                     "the CPU child serves",
-            cpu_start_s=0.0, status=0, tokens=0, latency_s=0.0, client_connected=False))
+        self.incidents.write(child_episode(
+            gpu.name, verdict.kind, "ended", "gpu.require_offload: a failed start; it backs off "
+            "and the CPU child serves", evidence=verdict.why))
         gpu.engine.post(lifecycle.Unresponsive(
             gpu.generation, f"not on the GPU as asked: {verdict.why} (gpu.require_offload)",
             kind=FailureKind.NO_OFFLOAD))

@@ -32,7 +32,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from ..config.schema import Config
-from ..records.incidents import Incident, IncidentLog, new_incident_id
+from ..records.incidents import IncidentLog, child_episode
 from ..records.timefmt import rfc3339
 from ..upstreams import adopted
 from ..upstreams.children import Child
@@ -151,12 +151,10 @@ class Ownership:
                   f"spillway pid {record.daemon_pid} ended without stopping its children")
         if self.incidents is None:
             return
-        self.incidents.write(Incident(
-            id=new_incident_id(), episode=f"{how}-{record.daemon_pid}", time=rfc3339(time.time()),
-            request_id="", child=record.name, kind="none",
+        self.incidents.write(child_episode(
+            record.name, "none", decision, f"{prefix}: {reason}",
             evidence=f"pid {record.pid}, started {rfc3339(record.started)} on port {record.port}",
-            decision=decision, reason=f"{prefix}: {reason}", cpu_start_s=0.0, status=0, tokens=0,
-            latency_s=0.0, client_connected=False))
+            episode=f"{how}-{record.daemon_pid}"))
 
     # --- the state file, kept up to date -----------------------------------------------------
 
