@@ -311,16 +311,26 @@ class UntimedSource(FakeSource):
 
 
 @pytest.mark.asyncio
-async def test_a_burst_before_any_request_finished_is_not_told_a_made_up_wait() -> None:
+async def test_a_burst_before_any_request_finished_is_not_told_a_made_up_wait(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     # 30 clients at once on a fresh daemon: 2 go, the rest wait or are refused. No request has
     # been timed, so the estimate rests on how long the first has been running (a lower bound),
     # not on a fixed guess (5 s a request: waits of a minute told to a burst that was served in
-    # half a second, in the chaos run).
+    # half a second, in the chaos run). The pool's clock is the test's: the burst takes 0.05 s
+    # however busy the machine (a CI run stalled 0.45 s here, and was told 4.7 s).
+    import time as real_time
+    from types import SimpleNamespace
+
+    from supervisor.serving import pool as pool_module
+    now = [1000.0]
+    monkeypatch.setattr(pool_module, "time",
+                        SimpleNamespace(monotonic=lambda: now[0], time=real_time.time))
     pool = make_pool(UntimedSource({"gpu": 1, "cpu": 1}), max_waiting=20, max_wait_s=60)
     for _ in range(2):
         assert isinstance(await pool.lease(REQ, Work(1, 1)), Lease)
     waiting = [asyncio.create_task(pool.lease(REQ, Work(1, 1))) for _ in range(20)]
     await asyncio.sleep(0)
+    now[0] += 0.05
     refused = await pool.lease(REQ, Work(1, 1))
     assert isinstance(refused, Decision) and refused.action is Action.REJECT
     assert refused.retry_after_s is not None and refused.retry_after_s <= 2.0
